@@ -86,6 +86,9 @@ class BatchTokenIDOut(_Msg):
     # prompt logprobs, sent once with the first output of a request (empty otherwise)
     input_token_logprobs: list[list[float | None]] = []
     input_top_logprobs: list[list[list[tuple[int, float]] | None]] = []
+    # seconds each request waited in the scheduler queue before its first prefill, given with its
+    # first output (None otherwise; empty when the scheduler does not report it)
+    queue_times: list[float | None] = []
 
 
 class SchedulerReady(_Msg):
@@ -120,6 +123,7 @@ class BatchStrOut(_Msg):
     output_top_logprobs: list[list[list[tuple[int, float]]]] = []
     input_token_logprobs: list[list[float | None]] = []
     input_top_logprobs: list[list[list[tuple[int, float]] | None]] = []
+    queue_times: list[float | None] = []
 
 
 SchedulerInput = Union[TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, StopStringHit]

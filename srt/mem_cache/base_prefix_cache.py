@@ -17,9 +17,30 @@ Fields of ``Req`` the cache reads and writes (see srt/managers/schedule_batch.py
   req.origin_input_ids, req.output_ids  -- token ids
   req.fill_ids       -- the ids whose KV is computed after the current step
                         (prompt chunk so far, or prompt + output for retracted reqs)
-  req.req_pool_idx   -- row of req_to_token_pool holding the req's KV slot indices
-  req.prefix_indices -- int64 tensor: KV slots of the prefix the req reuses from the tree
-  req.last_node      -- the tree node that req locks (None for ChunkCache)
+  req.req_pool_idx   -- row of req_to_token_pool holding the req's KV slot indices:
+                        req_to_token[req_pool_idx, t] = slot of token t
+  req.prefix_indices -- int64 tensor: KV slots of the req's leading tokens that need no
+                        recompute. Its first ``len(prefix_indices) // P * P`` slots belong to
+                        the tree (locked through last_node); the remaining < P slots (only after
+                        cache_unfinished_req of an unaligned fill) are still the req's own.
+  req.last_node      -- the tree node that req locks (root if nothing matched; None for ChunkCache)
+  req.kv_committed_len -- (set by the scheduler after every forward) number of leading tokens of
+                        ``origin_input_ids + output_ids`` whose KV is written in the pool. After a
+                        decode step that is ``len(origin_input_ids + output_ids) - 1``: the last
+                        sampled token has no KV yet. Includes the matched prefix.
+  req.kv_allocated_len -- (set by the scheduler whenever it allocates) number of leading entries of
+                        the req's req_to_token row holding slots (>= kv_committed_len; equal
+                        unless slots were allocated for a forward that never ran).
+
+Lifecycle of a request (scheduler side):
+  1. ``m = cache.match_prefix(ids[:-1])`` (ids = origin_input_ids + output_ids; keep >= 1 token
+     to compute: logits need a forward); ``req.prefix_indices, req.last_node = m``;
+     ``cache.inc_lock_ref(m.last_node)`` once admitted (before anything may evict).
+  2. allocate a req_to_token row and the extend slots (``allocator.alloc_extend``), write the
+     prefix and new slots into the row, run the forward, set kv_committed/allocated_len.
+  3. after a non-final prefill chunk: ``cache.cache_unfinished_req(req)``.
+  4. on finish, abort or retraction: ``cache.cache_finished_req(req)``; afterwards
+     ``req.req_pool_idx`` and ``req.last_node`` are None (a retracted req must be matched again).
 """
 
 from __future__ import annotations
@@ -36,6 +57,8 @@ class MatchResult(NamedTuple):
 
 
 class BasePrefixCache(ABC):
+    page_size: int
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of ``key`` (length a multiple of page_size).
@@ -54,14 +77,19 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def cache_finished_req(self, req) -> None:
         """A request finished (or is aborted/retracted): hand its KV to the tree (insert of
-        its tokens whose KV exists, page-aligned), free duplicates and the unaligned tail,
-        unlock ``req.last_node`` and free ``req.req_pool_idx``."""
+        ``(origin_input_ids + output_ids)[:kv_committed_len]``, page-aligned), free duplicates,
+        the unaligned tail and the slots past kv_committed_len up to kv_allocated_len, unlock
+        ``req.last_node`` and free ``req.req_pool_idx``; then set req.req_pool_idx and
+        req.last_node to None."""
 
     @abstractmethod
     def cache_unfinished_req(self, req) -> None:
-        """A chunk of ``req.fill_ids`` was prefilled: insert it (page-aligned) so that other
-        requests can share it at once, then move the req's lock to the new last node and set
-        ``req.prefix_indices`` to the tree's slots (writing them into req_to_token)."""
+        """A chunk of ``req.fill_ids`` was prefilled (KV of all of fill_ids is in the pool):
+        insert it (page-aligned) so that other requests can share it at once, free the req's
+        slots the tree already had (rewriting req_to_token with the tree's), move the req's
+        lock to the new last node and set ``req.prefix_indices`` to the slots of all of
+        fill_ids (tree part + the req's own unaligned tail), so
+        ``len(req.prefix_indices) == len(req.fill_ids)``."""
 
     @abstractmethod
     def inc_lock_ref(self, node) -> None:
@@ -85,7 +113,8 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Drop the whole tree, returning every cached slot to the allocator."""
+        """Drop the whole tree, returning every cached slot to the allocator. Only valid while
+        no request holds a lock (RadixCache raises RuntimeError otherwise)."""
 
     @abstractmethod
     def check_integrity(self, owned_by_requests: int = 0) -> None:
@@ -95,3 +124,17 @@ class BasePrefixCache(ABC):
     def hit_stats(self) -> tuple[int, int]:
         """(matched tokens, looked-up tokens) since start, for the cache hit rate."""
         return (0, 0)
+
+    def slots_owned_by_req(self, req) -> int:
+        """Slots the running ``req`` holds outside the tree, in whole pages (sum this over the
+        reqs holding a req_pool_idx for ``check_integrity(owned_by_requests=...)``)."""
+        P = self.page_size
+        return -(-req.kv_allocated_len // P) * P - len(req.prefix_indices) // P * P
+
+    def total_size(self) -> int:
+        """Slots held by the cache (evictable + protected)."""
+        return self.evictable_size() + self.protected_size()
+
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        """Human-readable dump of the cache (debugging)."""
+        return type(self).__name__

@@ -77,6 +77,9 @@ class ForwardBatch:
     # per sequence: first position (absolute) from which prompt logprobs are wanted;
     # None or a value >= seq_len means "only the sampled token's logprob"
     extend_logprob_start_lens_cpu: list[int] | None = None
+    # per sequence: the prompt token that follows this extend segment when the prompt goes on in
+    # a later chunk (its logprob comes from the segment's last row), else -1; None: no such token
+    extend_logprob_next_token_ids_cpu: list[int] | None = None
 
     sampling_info: SamplingBatchInfo | None = None
 

@@ -1,0 +1,189 @@
+"""Model forward cost through the ModelRunner: load, decode at several batch sizes, a prefill.
+
+Protocol (default model unless ``--model-path``; float32 on CPU; fixed seeds):
+  1. load: wall time of ``ModelRunner(server_args)`` with ``--max-total-tokens`` set (weights +
+     pools, no KV profiling); peak resident memory is read at the end (``ru_maxrss``) and
+     after the load.
+  2. decode: ``max(batch sizes)`` sequences of ``--context`` tokens get KV slots from the real
+     allocator; their K/V are filled with seeded random values (decode cost does not depend on
+     the values, and prefilling 256 x 256 tokens just to bench would take minutes). For each
+     batch size B the first B sequences run one DECODE forward (the token at position
+     ``context``) ``--repeats`` times after one warm-up; the median is reported.
+     ``decode_attn_ms`` is the attention backend alone over all layers for the same batch
+     (``init_forward_metadata`` + ``forward_decode`` per layer with random q/k/v).
+  3. prefill: one EXTEND forward of a 512-token sequence, median of ``--repeats``.
+Timed region = ``ModelRunner.forward`` (metadata, model, logits; no sampling).
+
+    python benchmarks/bench_forward.py [--batch-sizes 1,16,64,256] [--context 256] [--json]
+
+With ``--json`` the last output line is one JSON object: ``load_s``, ``peak_rss_gib``,
+``decode_ms`` ({"1": .., "16": .., ...}), ``prefill512_ms`` and the extras ``load_rss_gib``,
+``decode_attn_ms``, ``threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import torch
+
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+PREFILL_LEN = 512
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / (1 << 30)  # Linux: KiB
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _fill_context(runner: ModelRunner, num_seqs: int, context: int, seed: int) -> list[int]:
+    """Rows of ``num_seqs`` sequences with ``context`` tokens of random KV; returns the rows."""
+    rows = runner.req_to_token_pool.alloc(num_seqs)
+    assert rows is not None
+    slots = runner.token_to_kv_pool_allocator.alloc_extend(
+        [0] * num_seqs, [context] * num_seqs, [-1] * num_seqs
+    )
+    assert slots is not None
+    runner.req_to_token_pool.req_to_token[rows, :context] = slots.view(num_seqs, context)
+    gen = torch.Generator().manual_seed(seed)
+    pool = runner.token_to_kv_pool
+    values = torch.randn(slots.numel(), pool.head_num, pool.head_dim, generator=gen).to(pool.dtype)
+    for buf in pool.k_buffer + pool.v_buffer:  # the same values everywhere: only the cost matters
+        buf[slots] = values
+    return rows
+
+
+def _decode_batch(runner: ModelRunner, rows: list[int], context: int) -> ForwardBatch:
+    """DECODE batch adding the token at position ``context`` to each row (slots allocated once)."""
+    bs = len(rows)
+    req_to_token = runner.req_to_token_pool.req_to_token
+    last_loc = req_to_token[rows, context - 1].tolist()
+    loc = runner.token_to_kv_pool_allocator.alloc_decode([context + 1] * bs, last_loc)
+    assert loc is not None
+    req_to_token[rows, context] = loc
+    input_ids = [(31 * r + 7) % runner.model_config.vocab_size for r in rows]
+    return ForwardBatch.build(
+        ForwardMode.DECODE, input_ids, rows, [context] * bs, [1] * bs, loc, runner.device
+    )
+
+
+def _attention_only_ms(runner: ModelRunner, fb: ForwardBatch, repeats: int) -> float:
+    cfg = runner.model_config
+    layers = [m for m in runner.model.modules() if type(m).__name__ == "RadixAttention"]
+    assert len(layers) == cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(1)
+    bs = fb.batch_size
+    q = torch.randn(bs, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(runner.dtype)
+    k = torch.randn(bs, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(runner.dtype)
+    v = torch.randn_like(k)
+    backend = runner.attn_backend
+    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = (
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool,
+        backend,
+    )
+
+    def run() -> None:
+        backend.init_forward_metadata(fb)
+        with torch.inference_mode():
+            for layer in layers:
+                backend.forward_decode(q, k, v, layer, fb)
+
+    return _median_ms(run, repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--batch-sizes", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    max_bs = max(batch_sizes)
+    ctx = args.context
+    page = args.page_size
+    per_seq = -(-(ctx + 1) // page) * page
+    pool_tokens = max(max_bs * per_seq, -(-PREFILL_LEN // page) * page) + 4 * page
+
+    server_args = ServerArgs(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        page_size=page,
+        max_total_tokens=pool_tokens,
+        max_running_requests=max_bs,
+        num_threads=args.num_threads,
+        random_seed=args.seed,
+    ).resolve()
+    t0 = time.perf_counter()
+    runner = ModelRunner(server_args)
+    load_s = time.perf_counter() - t0
+    load_rss = _peak_rss_gib()
+    print(f"load: {load_s:.2f} s, peak RSS {load_rss:.2f} GiB, threads {torch.get_num_threads()}")
+
+    # prefill first, while the pool is empty
+    prefill_rows = runner.req_to_token_pool.alloc(1)
+    prefill_loc = runner.token_to_kv_pool_allocator.alloc_extend([0], [PREFILL_LEN], [-1])
+    runner.req_to_token_pool.req_to_token[prefill_rows[0], :PREFILL_LEN] = prefill_loc
+    prefill_ids = [(13 * i + 5) % runner.model_config.vocab_size for i in range(PREFILL_LEN)]
+
+    def prefill() -> None:
+        fb = ForwardBatch.build(
+            ForwardMode.EXTEND, prefill_ids, prefill_rows, [0], [PREFILL_LEN], prefill_loc, runner.device
+        )
+        runner.forward(fb)
+
+    prefill_ms = _median_ms(prefill, max(1, args.repeats // 2))
+    print(f"prefill {PREFILL_LEN}: {prefill_ms:.1f} ms")
+    runner.token_to_kv_pool_allocator.free(prefill_loc)
+    runner.req_to_token_pool.free(prefill_rows)
+
+    rows = _fill_context(runner, max_bs, ctx, args.seed)
+    decode_ms: dict[str, float] = {}
+    attn_ms: dict[str, float] = {}
+    for bs in batch_sizes:
+        fb = _decode_batch(runner, rows[:bs], ctx)
+        decode_ms[str(bs)] = _median_ms(lambda fb=fb: runner.forward(fb), args.repeats)
+        attn_ms[str(bs)] = _attention_only_ms(runner, fb, args.repeats)
+        runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
+        print(
+            f"decode bs={bs:4d} ctx={ctx}: {decode_ms[str(bs)]:8.1f} ms/step "
+            f"(attention {attn_ms[str(bs)]:7.1f} ms, {1e3 * bs / decode_ms[str(bs)]:8.1f} tok/s)"
+        )
+
+    result = {
+        "load_s": round(load_s, 3),
+        "peak_rss_gib": round(_peak_rss_gib(), 3),
+        "decode_ms": {k: round(v, 3) for k, v in decode_ms.items()},
+        "prefill512_ms": round(prefill_ms, 3),
+        "load_rss_gib": round(load_rss, 3),
+        "decode_attn_ms": {k: round(v, 3) for k, v in attn_ms.items()},
+        "threads": torch.get_num_threads(),
+    }
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Device capability checks and dtype resolution.
+
+bfloat16 on CPU goes through oneDNN, which picks its kernels from the ISA the CPU
+*advertises*. On some virtual machines AMX is advertised but traps (SIGILL), so the first
+bf16 matmul kills the process. ``probe_bf16`` therefore runs a tiny bf16 matmul in a child
+process: a trap kills the child, never us. When the native probe fails, a second probe caps
+oneDNN at ``AVX512_CORE_BF16`` through ``ONEDNN_MAX_CPU_ISA``; if that one succeeds, the same
+cap is set in this process (oneDNN reads it lazily, at its first primitive, so this works as
+long as no oneDNN kernel has run here yet; ``ModelRunner`` resolves the dtype before loading
+the model). If both fail, ``resolve_dtype`` falls back to float32 with a warning.
+
+    resolve_dtype("auto", "cpu")      -> torch.float32
+    resolve_dtype("auto", "cuda")     -> torch.bfloat16 (float16 if the GPU lacks bf16)
+    resolve_dtype("bfloat16", "cpu")  -> torch.bfloat16 if probe_bf16("cpu") else torch.float32
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# oneDNN ISA cap that keeps bf16 on AVX512-BF16 kernels (no AMX).
+SAFE_BF16_ISA = "AVX512_CORE_BF16"
+_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+_PROBE_TIMEOUT_S = 120.0
+
+# Runs the op families a model forward uses in bf16 (linear, bmm, SDPA) and checks the
+# result against float32; exit status 0 means bf16 is usable.
+_PROBE_SCRIPT = """
+import torch
+torch.manual_seed(0)
+a = torch.randn(37, 256)
+w = torch.randn(384, 256)
+ref = a @ w.t()
+out = torch.nn.functional.linear(a.bfloat16(), w.bfloat16()).float()
+err = (out - ref).abs().max().item() / ref.abs().max().item()
+q = torch.randn(1, 4, 9, 32, dtype=torch.bfloat16)
+torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+torch.bmm(q[0], q[0].transpose(1, 2))
+raise SystemExit(0 if err < 0.05 else 3)
+"""
+
+_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class DtypeError(ValueError):
+    """An unknown dtype name was requested."""
+
+
+def _run_probe(extra_env: dict[str, str] | None = None) -> bool:
+    """Run the bf16 probe in a fresh interpreter; True when it exits 0 (no trap, sane result)."""
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE_SCRIPT],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=_PROBE_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("bf16 probe could not run: %s", e)
+        return False
+    if proc.returncode != 0:
+        logger.info(
+            "bf16 probe (env %s) failed with status %d: %s",
+            extra_env or {},
+            proc.returncode,
+            proc.stderr.decode(errors="replace").strip()[-300:],
+        )
+    return proc.returncode == 0
+
+
+def probe_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether bfloat16 compute is safe on ``device`` (cached per process).
+
+    CPU: a child process runs a bf16 matmul (see module docstring); when only the
+    ISA-capped run works, ``ONEDNN_MAX_CPU_ISA`` is set in ``os.environ`` here as a side
+    effect. CUDA: ``torch.cuda.is_bf16_supported()``. Other devices: True.
+    """
+    return _probe_bf16_cached(torch.device(device).type)
+
+
+@functools.cache
+def _probe_bf16_cached(device_type: str) -> bool:
+    if device_type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device_type != "cpu":
+        return True
+    if _run_probe():
+        return True
+    if os.environ.get(_ISA_ENV):
+        # The user already capped the ISA and bf16 still fails: nothing else to try.
+        return False
+    if _run_probe({_ISA_ENV: SAFE_BF16_ISA}):
+        logger.warning(
+            "bf16 kernels trap on this CPU at the advertised ISA; capping oneDNN with %s=%s.",
+            _ISA_ENV,
+            SAFE_BF16_ISA,
+        )
+        os.environ[_ISA_ENV] = SAFE_BF16_ISA
+        return True
+    return False
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Turn a ``--dtype`` value into a torch dtype that is safe on ``device``.
+
+    ``auto`` is float32 on CPU and bfloat16 (or float16 without bf16 support) on CUDA.
+    A bfloat16 request on a device where ``probe_bf16`` fails falls back to float32 with a
+    warning instead of crashing later. Raises ``DtypeError`` for unknown names.
+    """
+    dev = torch.device(device)
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name == "auto":
+        if dev.type == "cpu":
+            return torch.float32
+        dtype = torch.bfloat16
+        if dev.type == "cuda" and not probe_bf16(dev):
+            return torch.float16
+        return dtype
+    elif name in _NAMES:
+        dtype = _NAMES[name]
+    else:
+        raise DtypeError(f"unknown dtype {name!r}; use one of auto, {', '.join(sorted(_NAMES))}.")
+    if dtype == torch.bfloat16 and not probe_bf16(dev):
+        logger.warning(
+            "bfloat16 is not usable on %s (the probe matmul failed); falling back to float32.", dev
+        )
+        return torch.float32
+    return dtype

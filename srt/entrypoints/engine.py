@@ -1,0 +1,259 @@
+"""Engine: the offline / embedded API (same processes as the HTTP server, no HTTP).
+
+    from srt import Engine
+    with Engine() as llm:                        # the default SmolLM2 model, CPU
+        out = llm.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"], out["meta_info"]["finish_reason"])
+
+Threading model: the `TokenizerManager` lives in a private event loop (uvloop when available)
+run by a daemon thread. ``generate`` blocks the calling thread on that loop (usable from plain
+sync code); ``async_generate`` awaits it from the caller's own event loop (many concurrent calls
+under ``asyncio.gather`` are batched together by the scheduler). Cancelling an ``async_generate``
+(or closing a stream early) aborts the request.
+
+Outputs are SGLang-shaped dicts (see `srt.managers.req_state`); a batch (list of prompts) or
+``n > 1`` returns a list ordered prompt-major. Streams yield incremental chunks: ``text`` and
+``output_ids`` are the new part, ``meta_info`` counts are cumulative. Invalid requests raise
+`srt.utils.errors.RequestError` (a ``ValueError``); a dead child raises `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any
+
+from srt.entrypoints.launch import launch_subprocesses
+from srt.managers.generate_input import GenerateReqInput
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import ConfigError, ServerArgs
+from srt.utils.errors import EngineDeadError
+
+_Prompt = str | list[str] | None
+_Ids = list[int] | list[list[int]] | None
+_Params = dict[str, Any] | list[dict[str, Any]] | None
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        return asyncio.new_event_loop()
+
+
+class Engine:
+    """Launch the scheduler and detokenizer processes and serve requests in-process.
+
+    ``Engine(model_path=None, **kwargs)``: every keyword is a `ServerArgs` field.
+    """
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - ServerArgs.field_names())
+        if unknown:
+            raise ConfigError(
+                f"unknown Engine argument(s): {', '.join(unknown)} (see srt.server_args.ServerArgs)"
+            )
+        self._closed = False
+        self._loop = _new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="srt-engine-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.tokenizer_manager, self.scheduler_info = launch_subprocesses(
+                ServerArgs(model_path=model_path, **kwargs)
+            )
+            self._call(self.tokenizer_manager.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.server_args: ServerArgs = self.tokenizer_manager.server_args
+        self.tokenizer = self.tokenizer_manager.tokenizer
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the engine loop and wait for its result in this thread."""
+        if self._closed and self._loop.is_closed():
+            coro.close()
+            raise EngineDeadError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _make_input(
+        self,
+        prompt: _Prompt,
+        sampling_params: _Params,
+        input_ids: _Ids,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        logprob_start_len: int,
+        rid: str | list[str] | None,
+        stream: bool,
+    ) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            stream=stream,
+        )
+
+    async def _collect(self, obj: GenerateReqInput) -> dict[str, Any] | list[dict[str, Any]]:
+        tm: TokenizerManager = self.tokenizer_manager
+        prep = await tm.prepare(obj)
+        outs = [out async for out in tm.run(prep)]
+        outs.sort(key=lambda o: o["index"])
+        if prep.is_batch or len(prep.reqs) > 1:
+            return outs
+        return outs[0]
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt: _Prompt = None,
+        sampling_params: _Params = None,
+        input_ids: _Ids = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        logprob_start_len: int = -1,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict) or a list of prompts (a list of dicts);
+        ``stream=True`` returns an iterator of incremental chunks (each has ``index``)."""
+        obj = self._make_input(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            rid,
+            stream,
+        )
+        if stream:
+            return self._stream_sync(obj)
+        return self._call(self._collect(obj))
+
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+        agen = self.tokenizer_manager.generate(obj)
+        try:
+            while True:
+                try:
+                    chunk = self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._loop.is_closed():
+                try:
+                    self._call(agen.aclose(), timeout=10)
+                except (RuntimeError, concurrent.futures.TimeoutError):
+                    pass
+
+    async def async_generate(
+        self,
+        prompt: _Prompt = None,
+        sampling_params: _Params = None,
+        input_ids: _Ids = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        logprob_start_len: int = -1,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """Awaitable `generate` for the caller's event loop; with ``stream=True`` it returns an
+        async iterator of chunks (``async for chunk in await llm.async_generate(..., stream=True)``)."""
+        obj = self._make_input(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            rid,
+            stream,
+        )
+        if stream:
+            return self._stream_async(obj)
+        fut = asyncio.run_coroutine_threadsafe(self._collect(obj), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        agen = self.tokenizer_manager.generate(obj)
+        try:
+            while True:
+                fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
+                try:
+                    chunk = await asyncio.wrap_future(fut)
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._loop.is_closed():
+                try:
+                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+                except RuntimeError:  # the generator is still being cancelled: it aborts by itself
+                    pass
+
+    # ------------------------------------------------------------------ control
+    def get_server_info(self) -> dict[str, Any]:
+        """Resolved server args, the scheduler's capacity and its live internal state."""
+        state = self._call(self.tokenizer_manager.get_internal_state())
+        return {
+            **dataclasses.asdict(self.server_args),
+            **self.scheduler_info,
+            "internal_states": [state],
+        }
+
+    def flush_cache(self) -> dict[str, Any]:
+        """Drop the prefix cache (only succeeds when no request is running)."""
+        out = self._call(self.tokenizer_manager.flush_cache())
+        return {"success": out.success, "message": out.message}
+
+    def abort_request(self, rid: str = "") -> int:
+        """Abort request ``rid`` (``""``: every request). Returns the number of rids aborted."""
+
+        async def abort() -> int:
+            return self.tokenizer_manager.abort_request(rid)
+
+        return self._call(abort())
+
+    @property
+    def child_pids(self) -> dict[str, int | None]:
+        return self.tokenizer_manager.launcher.child_pids
+
+    def shutdown(self) -> None:
+        """Abort every request, stop the child processes and the event loop (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        tm = self.tokenizer_manager
+
+        async def close() -> None:
+            tm.fail_all(EngineDeadError("the engine was shut down"))
+            await tm.close()
+
+        try:
+            self._call(close(), timeout=10)
+        except Exception:  # noqa: BLE001 - shut down the rest regardless
+            pass
+        tm.launcher.shutdown()
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,120 @@
+"""The one launch function, shared by the Engine and the HTTP server.
+
+`launch_subprocesses(server_args)`:
+
+1. resolves ``server_args`` once (every ``auto`` filled) and creates the ipc endpoints
+   (`PortArgs.init_new`: a private temporary directory, removed at shutdown / interpreter exit);
+2. spawns the scheduler process (``run_scheduler_process``), loads the tokenizer in this process
+   meanwhile, saves a fast-loading copy into the ipc directory and spawns the detokenizer with it;
+3. waits for both ready messages (pipe *and* liveness polled: a child that fails or dies at
+   start-up raises `LaunchError` carrying the child's traceback, never a hang);
+4. builds the `TokenizerManager` and starts a monitor thread: if a child exits later, the
+   tokenizer manager fails every in-flight request and the ``on_child_death`` hooks run.
+
+It returns ``(tokenizer_manager, scheduler_info)``; ``tokenizer_manager.launcher`` is the
+`Launcher` whose `shutdown()` stops the children and removes the ipc directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from srt.managers.detokenizer_manager import run_detokenizer_process
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils.errors import LaunchError
+from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+from srt.utils.logging_utils import configure_logging
+from srt.utils.process import ProcessSupervisor
+
+logger = logging.getLogger(__name__)
+
+SchedulerEntry = Callable[..., None]
+
+
+def _default_scheduler_entry() -> SchedulerEntry:
+    from srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process
+
+
+class Launcher:
+    """Owns the children and the ipc directory of one launch; `shutdown` is idempotent."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.supervisor = ProcessSupervisor(log_level=server_args.log_level)
+        self._lock = threading.Lock()
+        self._done = False
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self.supervisor.stop()
+        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        atexit.unregister(self.shutdown)
+
+    @property
+    def child_pids(self) -> dict[str, int | None]:
+        return self.supervisor.pids()
+
+
+def launch_subprocesses(
+    server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None
+) -> tuple[TokenizerManager, dict[str, Any]]:
+    """Start the scheduler and the detokenizer; return ``(tokenizer_manager, scheduler_info)``.
+
+    ``scheduler_entry`` replaces ``run_scheduler_process`` (tests use fakes); it is called in the
+    child as ``entry(server_args, port_args, pipe_writer)``. Raises `LaunchError` when a child fails
+    to start (after stopping everything it started).
+    """
+    configure_logging(server_args.log_level, "main")
+    server_args = server_args.resolve()
+    port_args = PortArgs.init_new()
+    launcher = Launcher(server_args, port_args)
+    sup = launcher.supervisor
+    try:
+        entry = scheduler_entry or _default_scheduler_entry()
+        sup.start("scheduler", entry, (server_args, port_args))
+        tokenizer = None
+        detok_tokenizer_path = None
+        if not server_args.skip_tokenizer_init:
+            try:
+                tokenizer = load_tokenizer(tokenizer_source(server_args))
+            except Exception as e:
+                raise LaunchError("main", f"could not load the tokenizer: {e}") from e
+            detok_tokenizer_path = os.path.join(port_args.ipc_dir, "hf_tokenizer")
+            tokenizer.save_pretrained(detok_tokenizer_path)
+        detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
+        sup.start("detokenizer", detok_entry, (server_args, port_args))
+        ready = sup.wait_ready()
+    except BaseException:
+        launcher.shutdown()
+        raise
+    scheduler_info = {k: v for k, v in ready["scheduler"].items() if k != "status"}
+    tm = TokenizerManager(server_args, port_args, scheduler_info, tokenizer)
+    tm.launcher = launcher
+
+    def on_death(name: str, exitcode: int | None) -> None:
+        tm.on_child_death(name, exitcode)
+        launcher.shutdown()  # stop the surviving child too
+
+    sup.start_monitor(on_death)
+    logger.info(
+        "ready: context length %s, KV pool %s tokens, max running requests %s",
+        scheduler_info.get("context_len"),
+        scheduler_info.get("max_total_num_tokens"),
+        scheduler_info.get("max_running_requests"),
+    )
+    return tm, scheduler_info

@@ -1,0 +1,103 @@
+"""Helpers shared by the OpenAI-compatible routes: error bodies, usage, finish reasons, SSE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi.responses import Response
+
+from srt.utils.errors import QueueFullError, RequestAbortedError, SrtError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(
+    message: str,
+    status_code: int,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    etype = error_type or _TYPES.get(
+        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(content), status_code=status_code, media_type="application/json", headers=headers
+    )
+
+
+def error_response(
+    message: str,
+    status_code: int,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    return json_response(error_body(message, status_code, param, code, error_type), status_code, headers)
+
+
+def srt_error_response(e: SrtError) -> Response:
+    headers = {"Retry-After": str(e.retry_after)} if isinstance(e, QueueFullError) else None
+    return error_response(e.message, e.status_code, e.param, e.code, e.error_type, headers)
+
+
+def abort_error(finish_reason: dict[str, Any] | None) -> SrtError | None:
+    """The error to report for an output aborted with an HTTP status (None for other finishes)."""
+    if not finish_reason or finish_reason.get("type") != "abort":
+        return None
+    status = int(finish_reason.get("status_code") or 500)
+    return RequestAbortedError(str(finish_reason.get("message") or "request aborted"), status)
+
+
+def openai_finish_reason(finish_reason: dict[str, Any] | None) -> str | None:
+    if finish_reason is None:
+        return None
+    t = finish_reason.get("type")
+    return {"length": "length", "stop": "stop"}.get(t, "abort")
+
+
+def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
+    if finish_reason is not None and finish_reason.get("type") == "stop":
+        return finish_reason.get("matched")
+    return None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Usage of a request whose outputs are prompt-major with ``n`` choices per prompt: the
+    prompt is counted once per prompt, the completions of every choice."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs[::n])
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outputs[::n])
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return usage(prompt, completion, cached)
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)

@@ -1,0 +1,193 @@
+"""POST /v1/completions: OpenAI completion requests <-> the tokenizer manager's outputs.
+
+``prompt`` may be a string, a list of strings, a list of token ids, or a list of token-id lists;
+with ``n`` choices per prompt, choice ``i * n + j`` is the j-th completion of prompt i (the
+tokenizer manager's output index). ``echo`` prepends the prompt (and, with ``logprobs``, the
+prompt's token logprobs, the first being null).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from srt.entrypoints.openai.common import (
+    SSE_DONE,
+    abort_error,
+    matched_stop,
+    openai_finish_reason,
+    sse,
+    token_text,
+    usage,
+    usage_of,
+)
+from srt.entrypoints.openai.protocol import (
+    CompletionRequest,
+    check_top_logprobs,
+    sampling_params_from_request,
+)
+from srt.managers.generate_input import GenerateReqInput
+from srt.utils.errors import RequestError, SrtError
+
+
+class CompletionLogprobs:
+    """Builds OpenAI's completion ``logprobs`` object incrementally (text offsets continue)."""
+
+    def __init__(self, tokenizer: Any, with_top: bool) -> None:
+        self.tokenizer = tokenizer
+        self.with_top = with_top
+        self.offset = 0
+
+    def build(self, token_lps: list[tuple], top_lps: list | None) -> dict[str, Any]:
+        tokens, lps, offsets, tops = [], [], [], []
+        for k, (lp, tid, _) in enumerate(token_lps):
+            text = token_text(self.tokenizer, tid)
+            tokens.append(text)
+            lps.append(lp)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            if self.with_top:
+                top = top_lps[k] if top_lps is not None and k < len(top_lps) else None
+                tops.append(None if top is None else {token_text(self.tokenizer, t): v for v, t, _ in top})
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": tops if self.with_top else None,
+            "text_offset": offsets,
+        }
+
+
+class OpenAIServingCompletion:
+    def __init__(self, tokenizer_manager: Any) -> None:
+        self.tm = tokenizer_manager
+
+    def build_input(self, req: CompletionRequest) -> GenerateReqInput:
+        if req.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError("best_of is not supported (use n)", param="best_of")
+        prompt = req.prompt
+        if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], list) and not all(prompt))):
+            raise RequestError("prompt must not be empty", param="prompt")
+        sp, names = sampling_params_from_request(req, req.max_tokens, "max_tokens")
+        top = check_top_logprobs(req.logprobs, "logprobs")
+        want_lp = req.logprobs is not None
+        is_ids = isinstance(prompt, list) and isinstance(prompt[0], (int, list))
+        return GenerateReqInput(
+            text=None if is_ids else prompt,
+            input_ids=prompt if is_ids else None,
+            sampling_params=sp,
+            rid=req.rid,
+            return_logprob=want_lp,
+            logprob_start_len=0 if (want_lp and req.echo) else -1,
+            top_logprobs_num=top,
+            stream=req.stream,
+            param_names=names,
+        )
+
+    def _prompt_text(self, req: CompletionRequest, prompt_index: int) -> str:
+        p = req.prompt
+        if isinstance(p, str):
+            return p
+        item = p[prompt_index] if isinstance(p[0], (str, list)) else p
+        if isinstance(item, str):
+            return item
+        return self.tm.tokenizer.decode(item) if self.tm.tokenizer is not None else ""
+
+    def _choice(
+        self, req: CompletionRequest, out: dict[str, Any], lp: CompletionLogprobs | None, first: bool
+    ) -> dict[str, Any]:
+        meta = out["meta_info"]
+        text = out["text"]
+        logprobs = None
+        if req.echo and first:
+            text = self._prompt_text(req, out["index"] // req.n) + text
+        if lp is not None:
+            token_lps = list(meta.get("output_token_logprobs", []))
+            top_lps = list(meta.get("output_top_logprobs", [])) if lp.with_top else None
+            if req.echo and first and "input_token_logprobs" in meta:
+                token_lps = list(meta["input_token_logprobs"]) + token_lps
+                if top_lps is not None:
+                    top_lps = list(meta.get("input_top_logprobs", [])) + top_lps
+            logprobs = lp.build(token_lps, top_lps)
+        return {
+            "index": out["index"],
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": openai_finish_reason(meta["finish_reason"]),
+            "matched_stop": matched_stop(meta["finish_reason"]),
+        }
+
+    def _logprob_builder(self, req: CompletionRequest) -> CompletionLogprobs | None:
+        if req.logprobs is None:
+            return None
+        return CompletionLogprobs(self.tm.tokenizer, with_top=req.logprobs > 0)
+
+    def build_response(self, req: CompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streaming response; raises the abort error of an output aborted with a status."""
+        for o in outputs:
+            err = abort_error(o["meta_info"]["finish_reason"])
+            if err is not None and err.status_code != 499:
+                raise err
+        choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.tm.model_name,
+            "choices": choices,
+            "usage": usage_of(outputs, req.n),
+        }
+
+    async def stream(
+        self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[bytes]:
+        """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        builders: dict[int, CompletionLogprobs | None] = {}
+        last_meta: dict[int, dict[str, Any]] = {}
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+        try:
+            async for out in chunks:
+                idx = out["index"]
+                first = idx not in builders
+                if first:
+                    builders[idx] = self._logprob_builder(req)
+                last_meta[idx] = out["meta_info"]
+                err = abort_error(out["meta_info"]["finish_reason"])
+                if err is not None and err.status_code != 499:
+                    raise err
+                event: dict[str, Any] = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.tm.model_name,
+                    "choices": [self._choice(req, out, builders[idx], first)],
+                }
+                if continuous:
+                    m = out["meta_info"]
+                    event["usage"] = usage(m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"])
+                yield sse(event)
+        except SrtError as e:
+            yield sse(
+                {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}}
+            )
+            yield SSE_DONE
+            return
+        if include_usage:
+            outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
+            yield sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.tm.model_name,
+                    "choices": [],
+                    "usage": usage_of(outs, req.n),
+                }
+            )
+        yield SSE_DONE

@@ -1,0 +1,43 @@
+"""``python -m srt.launch_server [--flags]``: serve the OpenAI-compatible HTTP API.
+
+Every `ServerArgs` field is a flag (``--model-path``, ``--port``, ``--max-running-requests`` ...).
+Exit codes: 0 after SIGINT/SIGTERM, 1 when a process failed (at start-up or later), 2 for an invalid
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from srt.server_args import ConfigError, ServerArgs
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m srt.launch_server", description=__doc__.splitlines()[0])
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    server_args = parse_args(argv)
+    from srt.entrypoints.http_server import launch_server
+    from srt.utils.errors import LaunchError
+
+    log = logging.getLogger("srt.launch_server")
+    try:
+        return launch_server(server_args)
+    except ConfigError as e:
+        log.error("invalid configuration: %s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        log.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

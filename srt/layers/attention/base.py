@@ -1,0 +1,96 @@
+"""The attention backend interface.
+
+A backend is created once per ModelRunner (``create_attention_backend``) and used by every
+``RadixAttention`` layer of the model::
+
+    runner.forward(forward_batch):
+        attn_backend.init_forward_metadata(forward_batch)       # once per batch
+        model.forward(...)                                      # per layer:
+            RadixAttention.forward(q, k, v, forward_batch)
+                -> forward_batch.attn_backend.forward(q, k, v, layer, forward_batch)
+                   -> forward_extend (EXTEND, MIXED) / forward_decode (DECODE)
+
+Shapes (``T`` = ``forward_batch.num_tokens``, ``H``/``H_kv`` = query/KV heads of the layer,
+``D`` = head_dim):  q ``[T, H*D]``, k/v ``[T, H_kv*D]``, output ``[T, H*D]`` (q's dtype).
+Token order is the batch's (sequence by sequence; in MIXED the extending sequences first,
+then the decoding ones). Unless ``save_kv_cache`` is False the backend writes k/v of the
+new tokens into ``forward_batch.token_to_kv_pool`` at ``forward_batch.out_cache_loc`` before
+attending, so every query attends to its whole sequence (cached prefix + new tokens,
+causally) through the pool.
+
+The layer object supplies ``num_heads``, ``num_kv_heads``, ``head_dim``, ``scaling`` and
+``layer_id`` (see ``srt/layers/radix_attention.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads from the calling layer (``RadixAttention`` satisfies it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    layer_id: int
+
+
+class AttentionBackend(ABC):
+    """Base class of attention backends; see the module docstring for the contract."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Precompute everything the per-layer calls share (index tensors, masks) for this batch.
+
+        Called once per batch, after ``forward_batch.req_to_token_pool`` and
+        ``forward_batch.token_to_kv_pool`` are set and ``req_to_token`` holds the slots of every
+        token up to ``seq_lens``."""
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """EXTEND and MIXED batches: ``[T, H*D]`` attention output."""
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """DECODE batches (one token per sequence): ``[bs, H*D]`` attention output."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Dispatch on ``forward_batch.forward_mode`` (MIXED goes through ``forward_extend``)."""
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        if mode.is_extend():
+            return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        raise ValueError(f"attention called for a batch in mode {mode.name}")

@@ -1,0 +1,283 @@
+"""Torch-native attention: the CPU path and the oracle other backends are tested against.
+
+Padding-free across requests: q/k/v hold only real tokens. Per batch,
+``init_forward_metadata`` turns ``req_to_token`` into flat gather indices once; per layer the
+backend writes the new K/V into the pool, gathers K and V once, and runs
+``scaled_dot_product_attention`` (GQA through ``enable_gqa``: repeated K/V heads are never
+materialized by us).
+
+Extend part (sequences ``0 .. ne-1``; all of an EXTEND batch, the head of a MIXED one)::
+
+    extend_kv_slots = concat_i req_to_token[req_pool_indices[i], 0 : seq_lens[i]]   # [sum_i s_i]
+    sequence i: queries = its e_i new tokens, keys = its s_i tokens (prefix p_i from the pool,
+                then the new ones), mask = bottom-right causal: query j sees keys 0 .. p_i + j
+
+    Runs of consecutive sequences with the same (e_i, s_i) form one SDPA call of batch n
+    (zero-copy views); a lone sequence is a run of 1. No prefix -> ``is_causal``; e_i == 1 -> no mask.
+
+Decode part (the remaining ``nd`` sequences, one query token each)::
+
+    decode_slots [nd, L] = req_to_token[req_pool_indices[ne:], :L], L = max seq_len,
+                           entries past seq_len -> slot 0 (the pool's zero padding page)
+    decode_mask  [nd, 1, 1, L] = position < seq_len   (None when every sequence has length L)
+    per layer:   K = k_buffer.index_select(0, decode_slots.flatten()) -> [nd, L, H_kv, D]
+                 (once for K, once for V), then one batched SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from srt.layers.attention.base import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class ExtendRun:
+    """``n`` consecutive extend sequences sharing ``extend_len`` and ``seq_len``."""
+
+    q_start: int  # first token of the run in the batch's q
+    kv_start: int  # first row of the run in the gathered extend K/V
+    n: int
+    extend_len: int
+    seq_len: int
+    # None -> no mask (or is_causal when causal is True); else bool [extend_len, seq_len]
+    mask: torch.Tensor | None
+    causal: bool
+
+
+@dataclass(slots=True)
+class TorchNativeMetadata:
+    num_extend_seqs: int = 0
+    num_extend_tokens: int = 0
+    extend_kv_slots: torch.Tensor | None = None  # int64 [sum of extend seqs' seq_lens]
+    extend_runs: list[ExtendRun] = field(default_factory=list)
+    num_decode_seqs: int = 0
+    decode_max_len: int = 0
+    decode_slots: torch.Tensor | None = None  # int64 [nd * L] (flattened [nd, L])
+    decode_mask: torch.Tensor | None = None  # bool [nd, 1, 1, L] or None
+    max_gather_rows: int = 0  # max(len(extend_kv_slots), len(decode_slots)): the workspace size
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """See the module docstring. Needs nothing from ``model_runner`` (taken for the registry's
+    uniform constructor; may be None): every index tensor lives on ``req_to_token``'s device."""
+
+    def __init__(self, model_runner=None) -> None:
+        self.forward_metadata: TorchNativeMetadata | None = None
+        # gather destinations for K and V, reused across layers and batches (see _gather)
+        self._workspace: list[torch.Tensor | None] = [None, None]
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        mode = fb.forward_mode
+        if mode.is_idle() or fb.batch_size == 0:
+            self.forward_metadata = TorchNativeMetadata()
+            return
+        if fb.req_to_token_pool is None:
+            raise ValueError("forward_batch.req_to_token_pool must be set before init_forward_metadata")
+        req_to_token = fb.req_to_token_pool.req_to_token
+        bs = fb.batch_size
+        seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
+        if mode.is_decode():
+            ne = 0
+        elif mode.is_mixed():
+            ne = fb.num_extend_seqs
+        else:
+            ne = bs
+        md = TorchNativeMetadata(num_extend_seqs=ne, num_decode_seqs=bs - ne)
+        if ne:
+            extend_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+            prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+            self._init_extend(
+                md, req_to_token, fb.req_pool_indices[:ne], seq_lens[:ne], extend_lens[:ne], prefix_lens[:ne]
+            )
+        if bs - ne:
+            self._init_decode(md, req_to_token, fb.req_pool_indices[ne:], fb.seq_lens[ne:], seq_lens[ne:])
+        md.max_gather_rows = max(
+            0 if md.extend_kv_slots is None else md.extend_kv_slots.numel(),
+            0 if md.decode_slots is None else md.decode_slots.numel(),
+        )
+        self.forward_metadata = md
+
+    def _init_extend(
+        self,
+        md: TorchNativeMetadata,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: list[int],
+        extend_lens: list[int],
+        prefix_lens: list[int],
+    ) -> None:
+        device = req_to_token.device
+        total_kv = sum(seq_lens)
+        lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        starts_t = torch.cumsum(lens_t, 0) - lens_t
+        rows = torch.repeat_interleave(req_pool_indices.to(device), lens_t, output_size=total_kv)
+        cols = torch.arange(total_kv, device=device) - torch.repeat_interleave(
+            starts_t, lens_t, output_size=total_kv
+        )
+        md.extend_kv_slots = req_to_token[rows, cols]
+        md.num_extend_tokens = sum(extend_lens)
+
+        masks: dict[tuple[int, int], torch.Tensor] = {}
+        q_start = kv_start = 0
+        i = 0
+        while i < len(seq_lens):
+            e, s = extend_lens[i], seq_lens[i]
+            if e + prefix_lens[i] != s:
+                raise ValueError(f"sequence {i}: extend_len {e} + prefix_len {prefix_lens[i]} != seq_len {s}")
+            n = 1
+            while i + n < len(seq_lens) and extend_lens[i + n] == e and seq_lens[i + n] == s:
+                n += 1
+            mask = None
+            causal = False
+            if e > 1:
+                if e == s:
+                    causal = True
+                else:
+                    mask = masks.get((e, s))
+                    if mask is None:
+                        mask = torch.ones(e, s, dtype=torch.bool, device=device).tril(s - e)
+                        masks[(e, s)] = mask
+            md.extend_runs.append(ExtendRun(q_start, kv_start, n, e, s, mask, causal))
+            q_start += n * e
+            kv_start += n * s
+            i += n
+
+    def _init_decode(
+        self,
+        md: TorchNativeMetadata,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+    ) -> None:
+        device = req_to_token.device
+        max_len = max(seq_lens_cpu)
+        slots = req_to_token[req_pool_indices.to(device), :max_len]
+        if min(seq_lens_cpu) < max_len:
+            valid = torch.arange(max_len, device=device)[None, :] < seq_lens.to(device)[:, None]
+            slots = slots.masked_fill(~valid, 0)
+            md.decode_mask = valid[:, None, None, :]
+        md.decode_slots = slots.reshape(-1)
+        md.decode_max_len = max_len
+
+    # ------------------------------------------------------------------ per layer
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        md = self._metadata()
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        num_tokens = q.shape[0]
+        h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q3 = q.reshape(num_tokens, h, d)
+        out = q.new_empty(num_tokens, h, d)
+        gqa = h != h_kv
+        if md.num_extend_seqs:
+            kx = self._gather(k_buf, md.extend_kv_slots, 0, md).to(q.dtype)
+            vx = self._gather(v_buf, md.extend_kv_slots, 1, md).to(q.dtype)
+            for run in md.extend_runs:
+                qe, ks, n, e, s = run.q_start, run.kv_start, run.n, run.extend_len, run.seq_len
+                qr = q3[qe : qe + n * e].view(n, e, h, d).transpose(1, 2)
+                kr = kx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
+                vr = vx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
+                o = F.scaled_dot_product_attention(
+                    qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
+                )
+                out[qe : qe + n * e].view(n, e, h, d).copy_(o.transpose(1, 2))
+        if md.num_decode_seqs:
+            ne_tok = md.num_extend_tokens
+            out[ne_tok:] = self._decode(q3[ne_tok:], k_buf, v_buf, md, layer)
+        return out.view(num_tokens, h * d)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        md = self._metadata()
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        bs = q.shape[0]
+        h, d = layer.num_heads, layer.head_dim
+        return self._decode(q.reshape(bs, h, d), k_buf, v_buf, md, layer).reshape(bs, h * d)
+
+    def _decode(
+        self,
+        q3: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        md: TorchNativeMetadata,
+        layer: AttentionLayer,
+    ) -> torch.Tensor:
+        """q3 ``[nd, H, D]`` (one query per decoding sequence) -> ``[nd, H, D]``."""
+        nd, h, d = q3.shape
+        h_kv, max_len = layer.num_kv_heads, md.decode_max_len
+        kd = self._gather(k_buf, md.decode_slots, 0, md).view(nd, max_len, h_kv, d).transpose(1, 2)
+        vd = self._gather(v_buf, md.decode_slots, 1, md).view(nd, max_len, h_kv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q3.unsqueeze(2),
+            kd.to(q3.dtype),
+            vd.to(q3.dtype),
+            attn_mask=md.decode_mask,
+            scale=layer.scaling,
+            enable_gqa=h != h_kv,
+        )
+        return o.squeeze(2)
+
+    def _gather(
+        self, src: torch.Tensor, index: torch.Tensor, which: int, md: TorchNativeMetadata
+    ) -> torch.Tensor:
+        """``src.index_select(0, index)`` written into a reused workspace (``which``: 0 = K, 1 = V).
+
+        The gathered K/V of a decode batch are large (bs x max_len x H_kv x D); a fresh tensor per
+        layer would be a fresh ``mmap`` each time, whose page faults cost several times the copy
+        itself on CPU. The workspace is sized for the batch's largest gather
+        (``md.max_gather_rows``) and kept across layers and batches; it is re-made when too small
+        or more than 8x too large (so one huge batch does not pin its memory forever). The result
+        is valid until the next ``_gather`` with the same ``which``."""
+        row_shape = src.shape[1:]
+        row_numel = src[0].numel()
+        need = index.numel() * row_numel
+        batch_need = max(need, md.max_gather_rows * row_numel)
+        ws = self._workspace[which]
+        if (
+            ws is None
+            or ws.dtype != src.dtype
+            or ws.device != src.device
+            or ws.numel() < batch_need
+            or ws.numel() > 8 * batch_need
+            or (ws.is_inference() and not torch.is_inference_mode_enabled())
+        ):
+            ws = torch.empty(batch_need, dtype=src.dtype, device=src.device)
+            self._workspace[which] = ws
+        out = ws[:need].view(index.numel(), *row_shape)
+        return torch.index_select(src, 0, index, out=out)
+
+    def _metadata(self) -> TorchNativeMetadata:
+        if self.forward_metadata is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        return self.forward_metadata

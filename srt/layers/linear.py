@@ -1,0 +1,105 @@
+"""Linear layers with weights in F.linear's layout (``weight [out, in]``, contiguous).
+
+Fused projections run as one matmul: ``QKVLinear`` stacks q/k/v and ``MergedColumnLinear``
+stacks e.g. gate/up along the output dimension. Checkpoints store the parts separately;
+``load_shard`` copies one part into its row block:
+
+    QKVLinear rows:          [0, H*D) q | [H*D, (H+Hkv)*D) k | [(H+Hkv)*D, (H+2Hkv)*D) v
+    MergedColumnLinear rows: output_sizes[0] rows of shard 0, then shard 1, ...
+
+Parameters are created uninitialized (``torch.empty``, no init kernels, pages untouched
+until loading writes them) with ``requires_grad=False``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.model_loader.weight_utils import WeightLoadError, copy_weight
+
+
+def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialized, non-trainable parameter."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias``; x ``[..., in_features]`` -> ``[..., out_features]``."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = empty_param(out_features, in_features, dtype=dtype)
+        self.bias = empty_param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedColumnLinear(Linear):
+    """Several projections of the same input, stacked along the output dim (one matmul)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, dtype)
+        self.output_sizes = list(output_sizes)
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise WeightLoadError(f"{type(self).__name__}: unknown shard {shard_id!r}")
+        return shard_id
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard_id: int | str) -> None:
+        """Copy one checkpoint part (``weight [size, in]`` or ``bias [size]``) into its rows."""
+        idx = self._shard_index(shard_id)
+        param = getattr(self, param_name, None)
+        if param is None:
+            raise WeightLoadError(f"{type(self).__name__} has no parameter {param_name!r}")
+        rows = param.narrow(0, self.offsets[idx], self.output_sizes[idx])
+        copy_weight(rows, loaded, f"{param_name}[shard {shard_id}]")
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of the parts of an output ``[..., sum(output_sizes)]``."""
+        return out.split(self.output_sizes, dim=-1)
+
+
+class QKVLinear(MergedColumnLinear):
+    """Fused q/k/v projection; shards ``"q"``, ``"k"``, ``"v"``."""
+
+    _SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, dtype)
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.q_size = q_size
+        self.kv_size = kv_size
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        if shard_id not in self._SHARDS:
+            raise WeightLoadError(f"QKVLinear: unknown shard {shard_id!r} (expected q, k or v)")
+        return self._SHARDS[shard_id]

@@ -1,0 +1,168 @@
+"""GenerateReqInput: one native generation request (SGLang's /generate and Engine.generate shape).
+
+In-process only (it never crosses a socket; the tokenizer manager turns it into
+``io_struct.TokenizedGenerateReqInput``s). A request is *single* (``text: str`` or
+``input_ids: list[int]``) or a *batch* (``text: list[str]`` or ``input_ids: list[list[int]]``);
+per-prompt fields (``sampling_params``, ``rid``, ``return_logprob`` ...) are either one value for
+all prompts or a list with one value per prompt. `expand` normalizes this into `SingleInput`s.
+
+Parsing helpers here turn user dicts into verified `SamplingParams`, raising `RequestError` with
+a message per bad value (parameter names as the caller spells them, see ``param_names``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from srt.sampling.sampling_params import SamplingParams
+from srt.utils.errors import RequestError
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+@dataclass
+class GenerateReqInput:
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    # first prompt position whose logprob is returned (-1: no prompt logprobs)
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    stream: bool = False
+    # False for text that already holds the special tokens (chat-templated prompts)
+    add_special_tokens: bool = True
+    # how the caller names SamplingParams fields in error messages (OpenAI: max_new_tokens -> max_tokens)
+    param_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def expand(self) -> list[SingleInput]:
+        """One `SingleInput` per prompt (shape errors raise `RequestError`)."""
+        if self.text is None and self.input_ids is None:
+            raise RequestError("either text (prompt) or input_ids must be given", param="prompt")
+        if self.text is not None and self.input_ids is not None:
+            raise RequestError("give either text or input_ids, not both", param="input_ids")
+        if self.text is not None:
+            prompts: list[Any] = self.text if isinstance(self.text, list) else [self.text]
+            if not all(isinstance(t, str) for t in prompts):
+                raise RequestError("text must be a string or a list of strings", param="prompt")
+        else:
+            ids = self.input_ids
+            if not isinstance(ids, list):
+                raise RequestError("input_ids must be a list of token ids or a list of such lists")
+            prompts = ids if ids and isinstance(ids[0], list) else [ids]
+            for p in prompts:
+                if not isinstance(p, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p
+                ):
+                    raise RequestError(
+                        "input_ids must be a list of integers or a list of such lists", param="prompt"
+                    )
+        if not prompts:
+            raise RequestError("the batch of prompts is empty", param="prompt")
+        n = len(prompts)
+        sps = _per_prompt(self.sampling_params, n, "sampling_params", dict)
+        rids = _per_prompt(self.rid, n, "rid", str)
+        rlp = _per_prompt(self.return_logprob, n, "return_logprob", bool)
+        lsl = _per_prompt(self.logprob_start_len, n, "logprob_start_len", int)
+        tln = _per_prompt(self.top_logprobs_num, n, "top_logprobs_num", int)
+        out = []
+        for i, p in enumerate(prompts):
+            if tln[i] < 0:
+                raise RequestError(f"top_logprobs_num must be >= 0, got {tln[i]}", param="top_logprobs_num")
+            out.append(
+                SingleInput(
+                    text=p if isinstance(p, str) else None,
+                    input_ids=p if isinstance(p, list) else None,
+                    sampling_params=dict(sps[i] or {}),
+                    rid=rids[i] or uuid.uuid4().hex,
+                    return_logprob=bool(rlp[i]) or tln[i] > 0,
+                    logprob_start_len=lsl[i],
+                    top_logprobs_num=tln[i],
+                )
+            )
+        return out
+
+
+@dataclass
+class SingleInput:
+    text: str | None
+    input_ids: list[int] | None
+    sampling_params: dict[str, Any]
+    rid: str
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+
+
+def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if isinstance(value, list) and kind is not list:
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompts", param=name)
+        for v in value:
+            _check_type(v, name, kind)
+        return value
+    _check_type(value, name, kind)
+    if kind is str and value is not None and n > 1:
+        return [f"{value}-{i}" for i in range(n)]
+    return [value] * n
+
+
+def _check_type(value: Any, name: str, kind: type) -> None:
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if value is not None and not ok:
+        raise RequestError(f"{name} must be a {kind.__name__}, got {type(value).__name__}", param=name)
+
+
+def parse_sampling_params(
+    params: dict[str, Any], vocab_size: int | None, param_names: dict[str, str] | None = None
+) -> SamplingParams:
+    """A verified, normalized `SamplingParams` from a user dict.
+
+    Raises `RequestError` naming every bad value (unknown names, wrong types, out-of-range values);
+    ``param`` of the error is the first offending parameter as the caller spells it.
+    """
+    names = param_names or {}
+
+    def shown(p: str) -> str:
+        return names.get(p, p)
+
+    unknown = sorted(k for k in params if k not in _SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
+    clean = {k: v for k, v in params.items() if v is not None or k in ("max_new_tokens", "seed")}
+    try:
+        sp = msgspec.convert(clean, SamplingParams, strict=True)
+    except msgspec.ValidationError as e:
+        raise _type_error(str(e), shown) from None
+    errors = sp.validation_errors(vocab_size)
+    if errors:
+
+        def requirement(text: str) -> str:
+            for internal, external in names.items():
+                text = text.replace(internal, external)
+            return text
+
+        message = "; ".join(f"{shown(e.param)} {requirement(e.requirement)}, got {e.value!r}" for e in errors)
+        raise RequestError(message, param=shown(errors[0].param))
+    return sp.normalize()
+
+
+def _type_error(msg: str, shown) -> RequestError:
+    # msgspec: "Expected `float`, got `str` - at `$.temperature`"
+    param = None
+    if " - at `$." in msg:
+        head, _, path = msg.partition(" - at `$.")
+        param = path.rstrip("`").split(".")[0].split("[")[0]
+        msg = f"{shown(param)}: {head.replace('`', '')}"
+    return RequestError(msg, param=shown(param) if param else None, code="invalid_type")

@@ -1,0 +1,375 @@
+"""Scheduling policy: pure decisions from CPU state (no model, no tensors, no pools).
+
+Pieces (each unit tested without a model):
+
+- ``check_request_fits`` / ``resolve_max_new_tokens``: requests that can never run are rejected
+  at arrival with a message naming the numbers and the flag to change.
+- ``SchedulePolicy.order``: waiting-queue order -- ``fcfs`` (arrival), ``lpm`` (longest cached
+  prefix first, with aging so a cold request is never starved by cache-hot ones) and
+  ``priority`` (higher ``priority`` first, then arrival).
+- ``PrefillAdder``: admission of one prefill step under four budgets:
+
+  ====================  =================================================================
+  budget                meaning
+  ====================  =================================================================
+  prefill tokens        ``--max-prefill-tokens`` new tokens computed per step (the first
+                        request of a step may exceed it when chunking is off)
+  chunk                 ``--chunked-prefill-size``: a longer prompt is split; chunk ends
+                        are page-aligned; at most one request is mid-prompt at a time
+  KV tokens             free + evictable slots minus a reserve for the future decode
+                        tokens of the running batch (``new_token_ratio`` x remaining
+                        max_new_tokens, scaled by ``--schedule-conservativeness``); an
+                        admitted request costs its pages plus its own reserve
+  running requests      ``--max-running-requests``
+  ====================  =================================================================
+
+  A request that does not fit the KV budget is skipped so smaller ones behind it may go ahead,
+  but only ``max_overtakes`` times; then it blocks the queue until it fits.
+- ``NewTokenRatio``: the estimate of the fraction of max_new_tokens still to be generated;
+  decays every decode step from ``init`` to ``min`` and jumps up on retraction.
+- ``retraction_order`` / ``plan_retraction``: which running requests to push back to the
+  waiting queue when decode runs out of KV slots (least work lost first).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import Req
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
+
+# lpm: each scheduler step a request waits counts like this many cached prefix tokens
+LPM_AGING_TOKENS_PER_STEP = 16
+# lpm: a request that waited this many steps goes ahead of every non-starved one (fcfs among them)
+LPM_STARVATION_STEPS = 64
+# lpm needs a prefix match per waiting request per step: above this queue length use fcfs
+LPM_MAX_QUEUE = 128
+# a request that does not fit the KV budget may be overtaken this many times, then it blocks
+MAX_OVERTAKES = 8
+
+
+# ---------------------------------------------------------------------- arrival checks
+def resolve_max_new_tokens(
+    requested: int | None, prompt_len: int, context_len: int, max_total_tokens: int
+) -> int:
+    """``max_new_tokens`` of a request: None means "as many as fit" -- up to the context length
+    and the whole KV pool (never below 0)."""
+    if requested is not None:
+        return requested
+    return max(0, min(context_len, max_total_tokens) - prompt_len)
+
+
+def check_request_fits(
+    prompt_len: int, max_new_tokens: int, context_len: int, max_total_tokens: int, page_size: int = 1
+) -> str | None:
+    """Why a request can never be scheduled, or None if it can.
+
+    ``max_total_tokens`` is the whole KV pool; a sequence occupies whole pages."""
+    if prompt_len == 0:
+        return "The input is empty: give at least one input token."
+    total = prompt_len + max_new_tokens
+    if prompt_len >= context_len:
+        return (
+            f"The input ({prompt_len} tokens) is longer than the model's context length "
+            f"({context_len} tokens). Shorten the input or raise --context-length."
+        )
+    if total > context_len:
+        return (
+            f"Requested token count exceeds the context length of {context_len} tokens: "
+            f"{prompt_len} input tokens + {max_new_tokens} max_new_tokens = {total}. "
+            f"Lower max_new_tokens or raise --context-length."
+        )
+    pages = -(-total // page_size) * page_size
+    if pages > max_total_tokens:
+        return (
+            f"The request needs up to {total} KV cache tokens ({prompt_len} input + {max_new_tokens} "
+            f"max_new_tokens) but the whole KV cache holds {max_total_tokens} tokens. "
+            f"Lower max_new_tokens or raise --max-total-tokens / --mem-fraction-static."
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- queue order
+class SchedulePolicy:
+    """Waiting-queue order (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: str,
+        aging_tokens_per_step: int = LPM_AGING_TOKENS_PER_STEP,
+        starvation_steps: int = LPM_STARVATION_STEPS,
+        lpm_max_queue: int = LPM_MAX_QUEUE,
+    ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; choose one of {SCHEDULE_POLICIES}")
+        self.policy = policy
+        self.aging_tokens_per_step = aging_tokens_per_step
+        self.starvation_steps = starvation_steps
+        self.lpm_max_queue = lpm_max_queue
+
+    def uses_prefix_lens(self, queue_len: int) -> bool:
+        """Whether ``order`` wants the cached-prefix length of every waiting request."""
+        return self.policy == "lpm" and queue_len <= self.lpm_max_queue
+
+    def order(
+        self, queue: Sequence[Req], now_step: int, prefix_lens: Sequence[int] | None = None
+    ) -> list[Req]:
+        """The queue in admission order (a new list; ``queue`` is not modified).
+
+        ``prefix_lens[i]``: cached-prefix length of ``queue[i]`` (lpm only; without it lpm
+        falls back to fcfs). Ties always break by arrival (``queue_seq``)."""
+        if self.policy == "priority":
+            return sorted(queue, key=lambda r: (-r.priority, r.queue_seq))
+        if self.policy == "lpm" and prefix_lens is not None:
+            return [
+                queue[i]
+                for i in self.lpm_order(
+                    prefix_lens, [now_step - r.enqueue_step for r in queue], [r.queue_seq for r in queue]
+                )
+            ]
+        return sorted(queue, key=lambda r: r.queue_seq)
+
+    def lpm_order(
+        self, prefix_lens: Sequence[int], waited_steps: Sequence[int], seqs: Sequence[int]
+    ) -> list[int]:
+        """Indices in lpm order: starved requests (waited >= starvation_steps) first in arrival
+        order; then by cached prefix + aging bonus, descending."""
+        aging, starve = self.aging_tokens_per_step, self.starvation_steps
+
+        def key(i: int) -> tuple[int, int, int]:
+            w = waited_steps[i]
+            if w >= starve:
+                return (0, 0, seqs[i])
+            return (1, -(prefix_lens[i] + aging * w), seqs[i])
+
+        return sorted(range(len(prefix_lens)), key=key)
+
+
+# ---------------------------------------------------------------------- admission
+class AddResult(enum.Enum):
+    ADMITTED = "admitted"  # the whole remaining input runs this step
+    CHUNKED = "chunked"  # only a (page-aligned) chunk runs this step; admission stops
+    SKIPPED = "skipped"  # does not fit the KV budget now; later requests may go ahead
+    STOP = "stop"  # no further request can be admitted this step
+
+
+@dataclass(slots=True)
+class AddDecision:
+    result: AddResult
+    extend_len: int = 0  # tokens computed this step (ADMITTED / CHUNKED)
+
+    @property
+    def admitted(self) -> bool:
+        return self.result in (AddResult.ADMITTED, AddResult.CHUNKED)
+
+
+def page_ceil(n: int, page_size: int) -> int:
+    return -(-n // page_size) * page_size
+
+
+def page_floor(n: int, page_size: int) -> int:
+    return n // page_size * page_size
+
+
+def decode_reserve(
+    remaining_new_tokens: Sequence[int], new_token_ratio: float, conservativeness: float
+) -> int:
+    """KV slots to keep for the future decode tokens of the running requests."""
+    est = sum(math.ceil(n * new_token_ratio) for n in remaining_new_tokens)
+    return math.ceil(est * conservativeness)
+
+
+@dataclass
+class PrefillAdder:
+    """Admission of the requests of one prefill step, in queue order (one ``add`` per request).
+
+    Args:
+        page_size: KV page size (chunk ends and KV costs are page-rounded).
+        rem_total_tokens: KV slots obtainable (free + evictable) minus the decode reserve of
+            the running batch (``decode_reserve``).
+        rem_input_tokens: the prefill token budget (``--max-prefill-tokens``), minus the decode
+            tokens that share the forward in a MIXED step.
+        rem_chunk_tokens: ``--chunked-prefill-size`` (minus MIXED decode tokens), None when off.
+        max_new_reqs: how many more requests may run (``--max-running-requests`` and free
+            request slots).
+        new_token_ratio: the current ``NewTokenRatio`` value.
+        max_overtakes: how often a request that does not fit may be overtaken before it blocks.
+    """
+
+    page_size: int
+    rem_total_tokens: int
+    rem_input_tokens: int
+    rem_chunk_tokens: int | None
+    max_new_reqs: int
+    new_token_ratio: float
+    max_overtakes: int = MAX_OVERTAKES
+    num_admitted: int = 0
+    num_new_tokens: int = 0
+    stopped: bool = False
+    _skipped: list[Hashable] = field(default_factory=list)
+    _overtaken: list[Hashable] = field(default_factory=list)
+
+    def kv_cost(self, prefix_len: int, input_len: int, max_new_left: int, retracted: bool) -> int:
+        """Slots a request takes from the KV budget: the pages of its input beyond the prefix
+        plus its estimated future decode tokens (all of them for a retracted request: it comes
+        back only with margin)."""
+        ratio = 1.0 if retracted else self.new_token_ratio
+        est_new = math.ceil(max_new_left * ratio)
+        return page_ceil(input_len + est_new, self.page_size) - page_ceil(prefix_len, self.page_size)
+
+    def add(
+        self,
+        *,
+        prefix_len: int,
+        input_len: int,
+        max_new_left: int,
+        lock_cost: int = 0,
+        retracted: bool = False,
+        overtaken: int = 0,
+        handle: Hashable = None,
+    ) -> AddDecision:
+        """Decide for one request.
+
+        Args:
+            prefix_len: tokens of its input whose KV exists (cached prefix or earlier chunks).
+            input_len: tokens whose KV must exist before its first new token is sampled.
+            max_new_left: its remaining max_new_tokens.
+            lock_cost: evictable slots that locking its cached prefix takes out of the budget.
+            retracted: it was retracted before (re-admitted only with margin).
+            overtaken: how often it was already overtaken.
+            handle: identifies it in ``overtaken_handles()``.
+        """
+        if self.stopped:
+            return AddDecision(AddResult.STOP)
+        if (
+            self.num_admitted >= self.max_new_reqs
+            or self.rem_input_tokens <= 0
+            or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0)
+        ):
+            return self._stop()
+        extend = input_len - prefix_len
+        assert extend >= 1, (prefix_len, input_len)
+        cost = self.kv_cost(prefix_len, input_len, max_new_left, retracted) + lock_cost
+        if cost > self.rem_total_tokens:
+            return self.skip(overtaken, handle)
+
+        if self.rem_chunk_tokens is not None:
+            cap = min(self.rem_input_tokens, self.rem_chunk_tokens)
+            if extend > cap:
+                chunk = page_floor(cap, self.page_size)
+                if chunk <= 0:
+                    return self._stop()
+                self._commit(chunk, cost)
+                self.stopped = True
+                return AddDecision(AddResult.CHUNKED, chunk)
+        elif extend > self.rem_input_tokens and self.num_admitted > 0:
+            return self._stop()
+        self._commit(extend, cost)
+        return AddDecision(AddResult.ADMITTED, extend)
+
+    def fits(self, *, prefix_len: int, input_len: int, max_new_left: int, retracted: bool = False) -> bool:
+        """Whether a request with this prefix would fit the KV budget (no state change)."""
+        return self.kv_cost(prefix_len, input_len, max_new_left, retracted) <= self.rem_total_tokens
+
+    def skip(self, overtaken: int, handle: Hashable = None) -> AddDecision:
+        """A request that does not fit the KV budget: SKIPPED (later ones may go ahead), or
+        STOP once it was overtaken ``max_overtakes`` times (it blocks the queue)."""
+        if self.stopped:
+            return AddDecision(AddResult.STOP)
+        if overtaken >= self.max_overtakes:
+            return self._stop()
+        self._skipped.append(handle)
+        return AddDecision(AddResult.SKIPPED)
+
+    def overtaken_handles(self) -> list[Hashable]:
+        """Requests that were skipped and then overtaken by a later admission this step."""
+        return list(self._overtaken)
+
+    def _commit(self, extend: int, cost: int) -> None:
+        self.rem_total_tokens -= cost
+        self.rem_input_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
+        self.num_admitted += 1
+        self.num_new_tokens += extend
+        if self._skipped:
+            self._overtaken.extend(self._skipped)
+            self._skipped.clear()
+
+    def _stop(self) -> AddDecision:
+        self.stopped = True
+        return AddDecision(AddResult.STOP)
+
+
+# ---------------------------------------------------------------------- new-token ratio
+@dataclass
+class NewTokenRatio:
+    """Estimated fraction of its remaining max_new_tokens a running request will still generate.
+
+    Starts at ``init``; every decode step it decays by ``decay`` down to ``min``; a retraction
+    (the estimate was too optimistic) raises it by ``retract_step`` (and to at least ``init``),
+    capped at 1.
+    """
+
+    init: float = 0.7
+    min: float = 0.1
+    decay: float = 0.001
+    retract_step: float = 0.1
+    value: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min <= self.init <= 1.0:
+            raise ValueError(f"need 0 <= min ({self.min}) <= init ({self.init}) <= 1")
+        self.value = self.init
+
+    def on_decode_step(self) -> None:
+        self.value = max(self.min, self.value - self.decay)
+
+    def on_retract(self) -> None:
+        self.value = min(1.0, max(self.value, self.init) + self.retract_step)
+
+    def reset(self) -> None:
+        self.value = self.init
+
+
+# ---------------------------------------------------------------------- retraction
+def retraction_key(req: Req) -> tuple[int, int, int]:
+    """Least work lost first: fewest generated tokens, then shortest sequence, then the latest
+    arrival."""
+    return (len(req.output_ids), req.all_ids_len, -req.queue_seq)
+
+
+def retraction_order(reqs: Sequence[Req]) -> list[Req]:
+    return sorted(reqs, key=retraction_key)
+
+
+def decode_slots(kv_lens: Sequence[int], page_size: int, steps: int = 1) -> int:
+    """Fresh slots ``steps`` decode steps of sequences with these KV lengths take."""
+    p = page_size
+    return sum((-(-(n + steps) // p) - -(-n // p)) * p for n in kv_lens)
+
+
+def plan_retraction(reqs: Sequence[Req], available: int, page_size: int, margin_steps: int = 1) -> list[Req]:
+    """Victims, least work lost first, until the others can decode ``margin_steps`` steps.
+
+    ``available``: free + evictable slots now. A victim is assumed to give back at least the
+    slots it owns beyond its cached prefix (its KV goes to the prefix cache, evictable). At
+    least one request is always kept."""
+    order = retraction_order(reqs)
+    kept = list(order)
+    victims: list[Req] = []
+    avail = available
+    while len(kept) > 1:
+        need = decode_slots([r.kv_committed_len for r in kept], page_size, margin_steps)
+        if need <= avail:
+            break
+        v = kept.pop(0)
+        victims.append(v)
+        avail += page_ceil(v.kv_committed_len, page_size) - len(v.prefix_indices)
+    return victims

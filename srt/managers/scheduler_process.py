@@ -1,0 +1,83 @@
+"""The scheduler as a process: its ZMQ event loop and the process entry point.
+
+    tokenizer manager / detokenizer --PUSH--> [PULL scheduler_input_ipc_name] Scheduler
+    Scheduler [PUSH --> detokenizer_ipc_name] --> detokenizer
+
+``run_scheduler_process`` builds the ``Scheduler`` (which loads the model), reports readiness
+with its capacity figures through the launcher's pipe, then runs ``event_loop`` forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from srt.managers.io_struct import encode, scheduler_input_decoder
+
+if TYPE_CHECKING:
+    from srt.managers.scheduler import Scheduler
+    from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("srt.scheduler")
+
+
+def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
+    """Serve forever: drain every pending input message (replies to flush / internal-state
+    requests go out at once), run one step while there is work, and block in ``poll`` (no
+    timeout, no spinning) while the scheduler is idle. An undecodable message is logged and
+    dropped; anything else that fails propagates (the process dies loudly)."""
+    poller = zmq.Poller()
+    poller.register(recv_socket, zmq.POLLIN)
+    while True:
+        if scheduler.is_idle():
+            poller.poll()
+        while True:
+            try:
+                raw = recv_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = scheduler_input_decoder.decode(raw)
+            except msgspec.DecodeError as e:
+                logger.error("dropping an undecodable message: %s", e)
+                continue
+            for reply in scheduler.handle_message(msg):
+                send_socket.send(encode(reply))
+        if not scheduler.is_idle():
+            for out in scheduler.step():
+                send_socket.send(encode(out))
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
+    """Entry of the scheduler process (``server_args`` resolved).
+
+    Sends ``{"status": "ready", **SchedulerReady fields}`` through ``pipe_writer`` once the model
+    and pools exist and the sockets are bound (PULL at ``scheduler_input_ipc_name``, PUSH to
+    ``detokenizer_ipc_name``), then serves. A failure before that is reported as
+    ``{"status": "error", "message": traceback}``; any failure exits the process non-zero."""
+    from srt.managers.scheduler import Scheduler
+    from srt.utils.zmq import get_zmq_socket
+
+    ready_sent = False
+    try:
+        scheduler = Scheduler(server_args)
+        ctx = zmq.Context(io_threads=1)
+        recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
+        send = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        pipe_writer.send({"status": "ready", **msgspec.structs.asdict(scheduler.ready_message())})
+        ready_sent = True
+        event_loop(scheduler, recv, send)
+    except Exception:
+        tb = traceback.format_exc()
+        logger.error("scheduler failed:\n%s", tb)
+        if not ready_sent:
+            try:
+                pipe_writer.send({"status": "error", "message": tb})
+            except (OSError, ValueError):
+                pass
+        sys.exit(1)

@@ -1,0 +1,255 @@
+"""ModelRunner: the model, its KV pools, the attention backend and the sampler, in one place.
+
+Start-up (``ModelRunner(server_args)``, server_args already ``resolve()``d):
+
+    ModelConfig.from_server_args -> get_model (weights loaded, eval mode)
+    -> attention backend (by name, lazily imported) -> Sampler
+    -> KV pool size: --max-total-tokens, or profiled (srt/mem_cache/pool_size.py):
+           one dummy extend of the largest prefill (max_prefill_tokens, or chunked_prefill_size
+           if smaller) on throw-away pools measures the activation peak; then
+           tokens = (mem_fraction_static * memory - weights - req pool - activation peak) / bytes per token
+    -> ReqToTokenPool, MHATokenToKVPool, TokenToKVPoolAllocator
+    -> one log line "KV cache: N tokens, X GiB, page size P, max prefill tokens M"
+
+Per step (called by the scheduler): ``forward_batch_generation(forward_batch)`` =
+``forward`` (attach pools + backend to the batch, ``init_forward_metadata``, model forward under
+``torch.inference_mode``) then ``sample``. The caller has already allocated the batch's KV slots
+(``out_cache_loc``) and written every token's slot into ``req_to_token``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from srt.configs.model_config import ModelConfig
+from srt.layers.attention.registry import create_attention_backend
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.sampler import SampleOutput, Sampler
+from srt.mem_cache import pool_size
+from srt.mem_cache.allocator import TokenToKVPoolAllocator
+from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_loader import get_model
+from srt.server_args import ConfigError, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns the model and everything a forward needs. Attributes the scheduler reads:
+    ``model_config``, ``req_to_token_pool``, ``token_to_kv_pool``, ``token_to_kv_pool_allocator``,
+    ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
+    Also: ``model``, ``attn_backend``, ``sampler``, ``kv_cache_dtype``, ``load_time_s``,
+    ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled)."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.device = torch.device(server_args.device)
+        self.page_size = server_args.page_size
+        if server_args.num_threads:
+            torch.set_num_threads(server_args.num_threads)
+
+        t0 = time.perf_counter()
+        self.model_config = ModelConfig.from_server_args(server_args)
+        self.dtype: torch.dtype = self.model_config.dtype
+        kv_name = server_args.kv_cache_dtype
+        self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
+        self.model: nn.Module = get_model(
+            self.model_config, server_args.load_format, self.device, server_args.random_seed
+        )
+        self.load_time_s = time.perf_counter() - t0
+        self.weight_bytes = module_bytes(self.model)
+
+        self.sampler = Sampler()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+
+        cfg = self.model_config
+        self.context_len: int = cfg.context_len
+        self.bytes_per_token = pool_size.kv_bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype.itemsize
+        )
+        self.activation_peak_bytes = 0
+        self.max_total_num_tokens = self._resolve_max_total_num_tokens()
+        self.max_running_requests = (
+            server_args.max_running_requests
+            or pool_size.default_max_running_requests(self.max_total_num_tokens, self.device.type)
+        )
+
+        self.req_to_token_pool = ReqToTokenPool(
+            pool_size.req_to_token_pool_size(self.max_running_requests), self.context_len, self.device
+        )
+        self.token_to_kv_pool = self._new_kv_pool(self.max_total_num_tokens)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.page_size, self.device, debug=server_args.enable_debug_checks
+        )
+        logger.info(
+            pool_size.format_kv_cache_line(
+                self.max_total_num_tokens,
+                self.token_to_kv_pool.mem_bytes(),
+                self.page_size,
+                self.max_prefill_tokens,
+            )
+        )
+
+    # ------------------------------------------------------------------ per step
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the model on one batch; IDLE returns empty ``[0, vocab]`` logits."""
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        if forward_batch.forward_mode.is_idle():
+            return LogitsProcessorOutput(
+                next_token_logits=torch.empty(0, self.model_config.vocab_size, device=self.device)
+            )
+        return self._run_model(forward_batch)
+
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SampleOutput:
+        """Next token per sequence from ``logits_output.next_token_logits`` with the batch's
+        ``sampling_info`` (required unless the batch is IDLE)."""
+        if forward_batch.forward_mode.is_idle():
+            return SampleOutput(next_token_ids=torch.empty(0, dtype=torch.int64, device=self.device))
+        if forward_batch.sampling_info is None:
+            raise ValueError("forward_batch.sampling_info must be set to sample")
+        with torch.inference_mode():
+            return self.sampler(
+                logits_output.next_token_logits,
+                forward_batch.sampling_info,
+                forward_batch.return_logprob,
+                forward_batch.top_logprobs_nums,
+            )
+
+    def forward_batch_generation(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[LogitsProcessorOutput, SampleOutput]:
+        logits_output = self.forward(forward_batch)
+        return logits_output, self.sample(logits_output, forward_batch)
+
+    def _run_model(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with torch.inference_mode():
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    # ------------------------------------------------------------------ pool sizing
+    @property
+    def max_prefill_tokens(self) -> int:
+        """The largest extend the scheduler may form (also the size of the profiling forward)."""
+        a = self.server_args
+        return pool_size.profile_prefill_tokens(a.max_prefill_tokens, a.chunked_prefill_size)
+
+    def _new_kv_pool(self, size: int) -> MHATokenToKVPool:
+        cfg = self.model_config
+        return MHATokenToKVPool(
+            size,
+            self.page_size,
+            self.kv_cache_dtype,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.num_hidden_layers,
+            self.device,
+        )
+
+    def _resolve_max_total_num_tokens(self) -> int:
+        a = self.server_args
+        if a.max_total_tokens is not None:
+            tokens = a.max_total_tokens // self.page_size * self.page_size
+            if tokens < self.page_size:
+                raise ConfigError(
+                    f"--max-total-tokens ({a.max_total_tokens}) must be at least --page-size ({self.page_size})."
+                )
+            return tokens
+
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+        else:
+            total = pool_size.available_cpu_memory()
+        self.activation_peak_bytes = self._profile_activation_peak()
+        # the request pool is static memory too; size it for the largest running-request cap
+        mrr_bound = a.max_running_requests or pool_size.default_max_running_requests(
+            1 << 62, self.device.type
+        )
+        req_pool_bytes = pool_size.req_to_token_pool_size(mrr_bound) * self.context_len * 8
+        tokens = pool_size.profile_max_num_tokens(
+            available_bytes=total,
+            mem_fraction_static=a.mem_fraction_static,
+            weight_bytes=self.weight_bytes + req_pool_bytes,
+            activation_peak_bytes=self.activation_peak_bytes,
+            bytes_per_token=self.bytes_per_token,
+            page_size=self.page_size,
+        )
+        if tokens < self.page_size:
+            gib = 1 << 30
+            raise ConfigError(
+                f"No memory left for the KV cache: {a.mem_fraction_static} x {total / gib:.2f} GiB "
+                f"- weights {self.weight_bytes / gib:.2f} GiB - activations {self.activation_peak_bytes / gib:.2f} GiB "
+                "<= 0. Raise --mem-fraction-static, lower --max-prefill-tokens/--chunked-prefill-size, "
+                "or set --max-total-tokens."
+            )
+        return tokens
+
+    def _profile_activation_peak(self) -> int:
+        """Peak memory growth (bytes) of one dummy extend of ``max_prefill_tokens`` tokens.
+
+        Runs on throw-away pools whose memory is committed before measuring, so only the
+        activations (and one-time kernel workspaces) count."""
+        num_tokens = self.max_prefill_tokens
+        seq_lens = pool_size.split_into_sequences(num_tokens, self.context_len)
+        pool_tokens = -(-num_tokens // self.page_size) * self.page_size
+        req_pool = ReqToTokenPool(len(seq_lens), max(seq_lens), self.device)
+        kv_pool = self._new_kv_pool(pool_tokens)
+        for buf in kv_pool.k_buffer + kv_pool.v_buffer:
+            buf.zero_()
+        slots = torch.arange(
+            self.page_size, self.page_size + num_tokens, dtype=torch.int64, device=self.device
+        )
+        start = 0
+        for row, n in enumerate(seq_lens):
+            req_pool.req_to_token[row, :n] = slots[start : start + n]
+            start += n
+        vocab = self.model_config.vocab_size
+        input_ids = [(7 * i + 11) % vocab for i in range(num_tokens)]
+        fb = ForwardBatch.build(
+            ForwardMode.EXTEND,
+            input_ids,
+            list(range(len(seq_lens))),
+            [0] * len(seq_lens),
+            seq_lens,
+            slots,
+            self.device,
+        )
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = req_pool, kv_pool, self.attn_backend
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self._run_model(fb)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            del fb, kv_pool, req_pool
+            torch.cuda.empty_cache()
+            return max(0, peak)
+        meter = pool_size.PeakRSSMeter()
+        meter.start()
+        self._run_model(fb)
+        return meter.peak_growth()
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each storage counted once (tied weights)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total

@@ -1,0 +1,165 @@
+"""Weight iterators (safetensors, dummy) and the checked copy every ``load_weights`` uses.
+
+Every iterator yields ``(hf_name, tensor)`` one tensor at a time and keeps no reference to
+what it yielded, so loading never holds more than the model's parameters plus one
+checkpoint tensor in memory. Safetensors are read with plain file reads into a fresh
+buffer rather than through an mmap: mapped checkpoint pages would count in the resident
+set next to the parameters (a second full copy).
+
+Safetensors layout: ``u64 little-endian header size N | JSON header (N bytes) | data``;
+the header maps each name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with
+offsets relative to the start of the data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model (missing, unexpected or misshaped weights)."""
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files of an HF directory: the index's files if there is an index,
+    else every ``*.safetensors`` (the original-format ``consolidated*`` copies excluded when
+    HF-format files exist)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    hf_files = [p for p in files if not os.path.basename(p).startswith("consolidated")]
+    files = hf_files or files
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _readinto_exact(f, buf: torch.Tensor) -> None:
+    view = memoryview(buf.numpy())
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise WeightLoadError(f"{f.name}: unexpected end of file")
+        got += n
+
+
+def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the directory's safetensors files, in file
+    order, each in its stored dtype and freshly allocated (owned by the caller)."""
+    for path in safetensors_files(model_dir):
+        with open(path, "rb", buffering=0) as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            base = 8 + header_len
+            entries = sorted(
+                (info["data_offsets"][0], info["data_offsets"][1], name, info)
+                for name, info in header.items()
+                if name != "__metadata__"
+            )
+            for begin, end, name, info in entries:
+                dtype = _ST_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise WeightLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                f.seek(base + begin)
+                _readinto_exact(f, buf)
+                yield name, buf.view(dtype).reshape(info["shape"])
+
+
+def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """``param.copy_(loaded)`` (dtype/device converted) after checking the shapes agree."""
+    if param.shape != loaded.shape:
+        raise WeightLoadError(
+            f"weight {name}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # torch's CPU generator (mt19937) keeps 32 bits of a seed: mix seed and name into 32 bits
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Seeded random weights in place: norm weights 1, every other tensor ``N(0, std)``.
+
+    Each parameter draws from its own generator seeded by ``(seed, parameter name)``, so the
+    values depend only on the seed, the name and the shape (not on parameter order), and are
+    drawn in float32 on the CPU then copied (identical across dtypes up to rounding and across
+    devices)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            if param.dtype == torch.float32 and param.device.type == "cpu":
+                param.normal_(0.0, std, generator=gen)
+                continue
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            param.copy_(values)
+            del values
+
+
+def release_free_memory() -> None:
+    """Return the allocator's freed pages to the OS after loading (glibc ``malloc_trim``); the
+    per-tensor temporaries of loading would otherwise stay in the resident set."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = [
+    "WeightLoadError",
+    "copy_weight",
+    "init_dummy_weights",
+    "release_free_memory",
+    "safetensors_files",
+    "safetensors_weights_iterator",
+    "weight_bytes",
+]

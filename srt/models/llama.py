@@ -1,0 +1,264 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral without sliding window).
+
+Also the base of Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm): the variants differ only
+in ``AttentionOptions``.
+
+One layer, for the ``T`` tokens of a batch (H/H_kv heads, D head_dim, padding-free)::
+
+    x [T, hidden] -> RMSNorm (+ residual) -> qkv_proj (one matmul) -> q [T, H*D], k/v [T, H_kv*D]
+      -> (q/k RMSNorm per head) -> rope(positions) -> RadixAttention (backend, KV pool)
+      -> o_proj -> RMSNorm (+ residual) -> gate_up_proj (one matmul) -> SiLU(gate) * up -> down_proj
+
+Checkpoint names are HF's; ``load_weights`` routes q/k/v and gate/up into the fused weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from srt.layers.activation import SiluAndMul
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
+from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.radix_attention import RadixAttention
+from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
+from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+from srt.model_loader.weight_utils import WeightLoadError, copy_weight
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from srt.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    qkv_bias: bool = False  # biases on q/k/v projections
+    o_bias: bool = False  # bias on the output projection
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before rope (Qwen3)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        options: AttentionOptions,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias, dtype
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, options.o_bias, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.rotary_emb = rotary_emb  # shared by every layer
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """hidden_states ``[T, hidden]`` -> ``[T, hidden]``."""
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = self.qkv_proj.split(qkv)
+        if self.q_norm is not None and self.k_norm is not None:
+            num_tokens = qkv.shape[0]
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v, forward_batch)
+        return self.o_proj(attn_output)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        options: AttentionOptions,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, dtype)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``; the caller adds them (next layer's norm)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.forward_with_residual(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm.forward_with_residual(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary_emb = get_rope(head_dim_of(config), config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, options, dtype)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
+        return hidden_states
+
+
+# (fused module name, checkpoint module name, shard id)
+_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+_SHARDS_PER_FUSED = {".qkv_proj.": 3, ".gate_up_proj.": 2}
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], forward_batch) -> LogitsProcessorOutput``."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, self.attention_options(config), dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head: nn.Module = self.model.embed_tokens
+        else:
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters, one at a time.
+
+        Raises ``WeightLoadError`` on a shape mismatch or when a parameter (or a shard of a
+        fused one) received no weight; unknown names are logged and skipped."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[str | int | None]] = {}  # param name -> shards received
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard_id = name, None
+            for fused, part, shard in _STACKED_PARAMS:
+                if part in name:
+                    target, shard_id = name.replace(part, fused), shard
+                    break
+            if target not in params:
+                unexpected.append(name)
+                continue
+            if shard_id is None:
+                copy_weight(params[target], tensor, name)
+            else:
+                module_path, param_name = target.rsplit(".", 1)
+                module = self.get_submodule(module_path)
+                assert isinstance(module, MergedColumnLinear)
+                module.load_shard(param_name, tensor, shard_id)
+            loaded.setdefault(target, set()).add(shard_id)
+            del tensor
+        if unexpected:
+            logger.warning(
+                "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:8]
+            )
+        missing = []
+        for pname in params:
+            need = next((n for key, n in _SHARDS_PER_FUSED.items() if key in pname), 1)
+            if len(loaded.get(pname, ())) < need:
+                missing.append(pname)
+        if missing:
+            raise WeightLoadError(
+                f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
+            )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral = Llama layout; the sliding window is not implemented (full attention)."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> None:
+        window = getattr(config, "sliding_window", None)
+        if window:
+            logger.warning(
+                "MistralForCausalLM: sliding_window=%s is ignored (full attention); outputs differ "
+                "from the reference beyond %s tokens.",
+                window,
+                window,
+            )
+        super().__init__(config, dtype)
+
+
+EntryClass = [LlamaForCausalLM, MistralForCausalLM]

@@ -1,0 +1,78 @@
+"""Loading the Hugging Face tokenizer the serving processes share.
+
+The tokenizer manager loads it once from ``--tokenizer-path`` / ``--model-path`` (a directory or a
+.gguf file; parsing a GGUF takes seconds), saves it as ``tokenizer.json`` in the launch's private
+ipc directory, and the detokenizer loads that copy (a fraction of a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+from srt.server_args import ServerArgs
+
+
+def tokenizer_source(server_args: ServerArgs) -> str:
+    """The path the tokenizer comes from: --tokenizer-path, else the (resolved) model path."""
+    if server_args.tokenizer_path:
+        return os.path.abspath(os.path.expanduser(server_args.tokenizer_path))
+    from srt.configs.model_config import resolve_model_path
+
+    return resolve_model_path(server_args.model_path)
+
+
+def _cache_dir(gguf_path: str) -> str | None:
+    """Where the converted tokenizer of ``gguf_path`` is cached (keyed by path, size and mtime)."""
+    try:
+        st = os.stat(gguf_path)
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
+        :24
+    ]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "srt", "tokenizers", key)
+
+
+def _load_gguf_tokenizer(path: str):
+    """Parsing a GGUF for its tokenizer takes seconds; the converted tokenizer is cached on disk
+    (``$XDG_CACHE_HOME/srt/tokenizers``) and later launches load the cached copy."""
+    from transformers import AutoTokenizer
+
+    cache = _cache_dir(path)
+    if cache is not None and os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # noqa: BLE001 - a corrupt cache entry: rebuild it
+            shutil.rmtree(cache, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    if cache is not None:
+        tmp = f"{cache}.tmp-{os.getpid()}"
+        try:
+            tok.save_pretrained(tmp)
+            os.replace(tmp, cache)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer from a directory or a ``.gguf`` file (or a directory holding one)."""
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        return _load_gguf_tokenizer(path)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if ggufs and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0])
+    return AutoTokenizer.from_pretrained(path)
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids that ``skip_special_tokens=True`` removes (added tokens flagged special + named specials)."""
+    ids = {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None)
+    return ids

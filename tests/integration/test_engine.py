@@ -1,0 +1,152 @@
+"""The offline Engine (``from srt import Engine``) with the default model on CPU.
+
+One Engine for the module; the last test shuts it down and checks that no child is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import psutil
+import pytest
+
+from srt import Engine
+from srt.utils.errors import EngineDeadError, LaunchError, RequestError
+from tests.helpers.server import wait_gone
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = Engine(max_total_tokens=16384, log_level="warning")
+    yield llm
+    llm.shutdown()
+
+
+def test_generate_single(engine):
+    out = engine.generate("The capital of France is", GREEDY)
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 8
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode("The capital of France is"))
+    assert meta["e2e_latency"] > 0 and meta["cached_tokens"] >= 0 and meta["id"]
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"])
+
+
+def test_generate_batch_matches_single(engine):
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is"]
+    outs = engine.generate(prompts, GREEDY)
+    assert isinstance(outs, list) and len(outs) == 3
+    for p, o in zip(prompts, outs):
+        assert o["text"] == engine.generate(p, GREEDY)["text"]
+    by_ids = engine.generate(input_ids=[engine.tokenizer.encode(p) for p in prompts], sampling_params=GREEDY)
+    assert [o["text"] for o in by_ids] == [o["text"] for o in outs]
+
+
+def test_generate_stream(engine):
+    full = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
+    chunks = list(engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0}, stream=True))
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_logprobs(engine):
+    out = engine.generate(
+        "Hello", {"max_new_tokens": 4, "temperature": 0}, return_logprob=True, top_logprobs_num=2
+    )
+    lps = out["meta_info"]["output_token_logprobs"]
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert [tid for _, tid, _ in lps] == out["output_ids"]
+    for (lp, tid, _), top in zip(lps, tops):
+        assert lp <= 0 and len(top) == 2 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)
+
+
+def test_n_and_seed(engine):
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 2, "seed": 11, "ignore_eos": True}
+    a = engine.generate("Tell me a joke.", params)
+    b = engine.generate("Tell me a joke.", params)
+    assert [o["text"] for o in a] == [o["text"] for o in b]
+    assert a[0]["text"] != a[1]["text"]
+
+
+def test_async_generate_32_concurrent(engine):
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(32)]
+    params = {**GREEDY, "ignore_eos": True}
+
+    async def main():
+        return await asyncio.gather(*[engine.async_generate(p, params) for p in prompts])
+
+    outs = asyncio.run(main())
+    assert len(outs) == 32 and all(o["meta_info"]["completion_tokens"] == 8 for o in outs)
+    for i in (0, 17, 31):  # spot-check against one-at-a-time generation
+        assert outs[i]["output_ids"] == engine.generate(prompts[i], params)["output_ids"]
+
+
+def test_async_stream(engine):
+    async def main():
+        chunks = []
+        async for c in await engine.async_generate("Once upon a time", GREEDY, stream=True):
+            chunks.append(c)
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert "".join(c["text"] for c in chunks) == engine.generate("Once upon a time", GREEDY)["text"]
+
+
+def test_early_stream_close_aborts(engine):
+    it = engine.generate("Count to a million:", {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
+    next(it)
+    it.close()
+    running = engine.get_server_info()["internal_states"][0]["num_running_reqs"]
+    for _ in range(50):
+        if running == 0:
+            break
+        running = engine.get_server_info()["internal_states"][0]["num_running_reqs"]
+    assert running == 0
+
+
+def test_bad_sampling_params_raise_typed_error(engine):
+    with pytest.raises(RequestError) as e:
+        engine.generate("x", {"temperature": -1, "top_p": 2.0})
+    assert isinstance(e.value, ValueError) and "temperature" in str(e.value) and "top_p" in str(e.value)
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate("x", {"max_new_tokens": 10**6})
+
+
+def test_server_info_flush_and_abort(engine):
+    info = engine.get_server_info()
+    assert info["max_total_num_tokens"] == 16384 and "internal_states" in info
+    assert engine.flush_cache()["success"] is True
+    assert engine.abort_request("no-such-rid") == 0
+
+
+def test_launch_failure_raises_and_leaves_nothing(engine):
+    from srt.utils.hf_tokenizer import tokenizer_source
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(LaunchError) as e:
+        Engine(
+            model_path="/nonexistent/model",
+            tokenizer_path=tokenizer_source(engine.server_args),
+            log_level="error",
+        )
+    assert e.value.process_name == "scheduler" and "/nonexistent/model" in str(e.value)
+    extra = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert wait_gone(extra, 5.0) == []
+
+
+def test_shutdown_leaves_no_child(engine):
+    """Runs last: shuts the module's engine down."""
+    pids = engine.child_pids
+    procs = [psutil.Process(pid) for pid in pids.values() if pid is not None]
+    assert len(procs) == 2
+    engine.shutdown()
+    assert wait_gone(procs, 5.0) == []
+    assert [p for p in psutil.Process().children(recursive=True) if p.pid in pids.values()] == []
+    with pytest.raises(EngineDeadError):
+        engine.generate("x", GREEDY)

@@ -1,0 +1,176 @@
+"""Error handling of the real server: status codes and OpenAI error bodies, and isolation
+(a bad request never disturbs the others). The server runs with --api-key and --max-queued-requests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+import requests
+
+from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "sk-test-key"
+MAX_QUEUED = 4
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess([*DEFAULT_TEST_ARGS, "--api-key", KEY, "--max-queued-requests", str(MAX_QUEUED)]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
+
+
+def assert_error_body(body: dict, status: int, *needles: str, param: str | None = None) -> None:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    for n in needles:
+        assert n in err["message"], (n, err["message"])
+    if param is not None:
+        assert err["param"] == param
+    assert err["type"] == ("server_error" if status >= 500 else err["type"])
+
+
+def post(server, path: str, body, headers=AUTH):
+    kw = {"data": body} if isinstance(body, (bytes, str)) else {"json": body}
+    return requests.post(
+        server.url(path), headers={**headers, "Content-Type": "application/json"}, timeout=60, **kw
+    )
+
+
+@pytest.mark.parametrize(
+    "body, param, needles",
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", ["max_tokens", "0"]),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -5}, "max_tokens", ["-5"]),
+        ({"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature", ["temperature", "-0.5"]),
+        ({"model": MODEL, "prompt": "x", "top_p": 0.0}, "top_p", ["top_p", "(0, 1]"]),
+        ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p", ["top_p", "1.5"]),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n", ["n must be >= 1"]),
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", ["temperature"]),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "10"}, "max_tokens", ["max_tokens"]),
+        ({"model": MODEL, "prompt": []}, "prompt", ["prompt"]),
+        ({"model": MODEL, "prompt": "x", "frequency_penalty": 3}, "frequency_penalty", ["[-2, 2]"]),
+    ],
+)
+def test_completion_400(server, body, param, needles):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert_error_body(r.json(), 400, *needles, param=param)
+
+
+def test_several_bad_values_are_each_reported(server):
+    r = post(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "temperature": -1, "top_p": 2, "presence_penalty": 9},
+    )
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "temperature" in msg and "top_p" in msg and "presence_penalty" in msg
+
+
+def test_malformed_json_400(server):
+    r = post(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert r.status_code == 400
+    assert_error_body(r.json(), 400, "JSON")
+
+
+def test_context_length_400_gives_the_numbers(server):
+    ctx = requests.get(server.url("/get_model_info"), headers=AUTH, timeout=10).json()["context_len"]
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": ctx})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert str(ctx) in err["message"] and str(ctx + 2) in err["message"] and "max_tokens" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    long_prompt = "hello " * (ctx + 10)
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]},
+    )
+    assert r.status_code == 400 and str(ctx) in r.json()["error"]["message"]
+
+
+def test_chat_400(server):
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert r.status_code == 400
+    assert_error_body(r.json(), 400, "messages", param="messages")
+    r = post(
+        server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "pirate", "content": "arr"}]}
+    )
+    assert r.status_code == 400
+    assert_error_body(r.json(), 400, "pirate")
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hello"})
+    assert r.status_code == 400
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert e.value.status_code == 404 and "gpt-9" in e.value.body["message"]
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_api_key_401(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    r = post(server, "/v1/completions", body, headers={})
+    assert r.status_code == 401
+    assert_error_body(r.json(), 401, "API key")
+    r = post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0).models.list()
+    assert requests.get(server.url("/health"), timeout=10).status_code == 200  # probes need no key
+    assert requests.get(server.url("/get_server_info"), timeout=10).status_code == 401
+
+
+def test_queue_full_429_with_retry_after(server):
+    batch = {"text": ["a"] * (MAX_QUEUED + 1), "sampling_params": {"max_new_tokens": 1}}
+    r = post(server, "/generate", batch)
+    assert r.status_code == 429
+    assert int(r.headers["Retry-After"]) >= 1
+    assert_error_body(r.json(), 429, "--max-queued-requests")
+    ok = post(server, "/generate", {"text": ["a"] * MAX_QUEUED, "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200 and len(ok.json()) == MAX_QUEUED
+
+
+def test_bad_requests_do_not_disturb_a_running_one(server, client):
+    kw = dict(model=MODEL, prompt="Tell me about the sea.", max_tokens=24, temperature=0)
+    reference = client.completions.create(**kw).choices[0].text
+    result: dict[str, str] = {}
+
+    def stream() -> None:
+        result["text"] = "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices
+        )
+
+    t = threading.Thread(target=stream)
+    t.start()
+    bad = [
+        {"model": MODEL, "prompt": "x", "temperature": -1},
+        {"model": MODEL, "prompt": "x", "max_tokens": 10**6},
+        {"model": MODEL, "prompt": [49152 + 5]},  # token id outside the vocabulary
+        {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]},
+    ]
+    for body in bad:
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+    assert post(server, "/generate", b"\x00\x01").status_code == 400
+    t.join(timeout=120)
+    assert result["text"] == reference
+    assert requests.get(server.url("/health"), timeout=10).status_code == 200

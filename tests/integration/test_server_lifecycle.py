@@ -1,0 +1,249 @@
+"""Process life cycle of the real server: client disconnects, idle CPU, a dying scheduler, SIGTERM,
+and a child that fails at start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from tests.helpers.server import DEFAULT_TEST_ARGS, REPO_ROOT, ServerProcess, wait_gone
+
+LONG = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+def state(server) -> dict:
+    return requests.get(server.url("/get_server_info"), timeout=30).json()["internal_states"][0]
+
+
+def wait_until_running(server, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while state(server)["num_running_reqs"] < n:
+        assert time.monotonic() < deadline, "request never started running"
+        time.sleep(0.05)
+
+
+def assert_freed_within_one_step(server, timeout_s: float = 5.0) -> None:
+    """After a disconnect: running drops to 0 within a couple of scheduler steps (the abort reaches
+    the scheduler before its next step; one step may already be under way)."""
+    first = state(server)
+    t0 = time.monotonic()
+    last = first
+    while last["num_running_reqs"] > 0:
+        assert time.monotonic() - t0 < timeout_s, f"request still running: {last}"
+        last = state(server)
+    assert last["num_steps"] - first["num_steps"] <= 2, (first["num_steps"], last["num_steps"])
+
+
+def test_streaming_client_disconnect_frees_the_request(server):
+    r = requests.post(
+        server.url("/v1/completions"),
+        stream=True,
+        timeout=60,
+        json={
+            "prompt": "Tell me a long story.",
+            "max_tokens": 4000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    )
+    lines = r.iter_lines()
+    got = 0
+    while got < 3:
+        if next(lines).startswith(b"data: "):
+            got += 1
+    assert state(server)["num_running_reqs"] == 1
+    r.close()  # the client goes away mid-stream
+    assert_freed_within_one_step(server)
+    metrics = requests.get(server.url("/metrics"), timeout=30).text
+    assert 'reason="client_disconnect"' in metrics
+    # once idle, flushing the cache frees every KV slot
+    assert requests.post(server.url("/flush_cache"), timeout=30).status_code == 200
+    s = state(server)
+    assert s["available_size"] == s["max_total_num_tokens"] and s["evictable_size"] == 0
+
+
+def test_non_streaming_client_disconnect_frees_the_request(server):
+    body = json.dumps({"text": "Count to a million:", "sampling_params": LONG}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    wait_until_running(server, 1)
+    sock.close()
+    assert_freed_within_one_step(server)
+
+
+def test_explicit_abort_request(server):
+    result: dict = {}
+
+    def run() -> None:
+        result["out"] = requests.post(
+            server.url("/generate"),
+            timeout=120,
+            json={"text": "Count to a million:", "sampling_params": LONG, "rid": "to-abort"},
+        ).json()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until_running(server, 1)
+    r = requests.post(server.url("/abort_request"), json={"rid": "to-abort"}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"aborted": 1}
+    t.join(timeout=30)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert state(server)["num_running_reqs"] == 0
+
+
+def test_idle_cpu_below_5_percent(server):
+    procs = server.process_tree()  # main (tokenizer manager + HTTP), scheduler, detokenizer (+ mp's tracker)
+    assert set(_child_pids(server).values()) <= {p.pid for p in procs}
+    time.sleep(1.0)  # let the last request's bookkeeping settle
+
+    def cpu() -> float:
+        total = 0.0
+        for p in procs:
+            t = p.cpu_times()
+            total += t.user + t.system
+        return total
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(10.0)
+    used = (cpu() - c0) / (time.monotonic() - t0)
+    assert used < 0.05, f"idle server used {used:.1%} of a core"
+
+
+def _child_pids(server) -> dict[str, int]:
+    return requests.get(server.url("/get_server_info"), timeout=30).json()["process_pids"]
+
+
+def test_scheduler_death_fails_requests_and_stops_the_server():
+    with ServerProcess() as srv:
+        tree = srv.process_tree()
+        pids = _child_pids(srv)
+        statuses: list[int] = []
+        stream_events: list[bytes] = []
+
+        def non_streaming() -> None:
+            r = requests.post(srv.url("/generate"), json={"text": "Hi", "sampling_params": LONG}, timeout=60)
+            statuses.append(r.status_code)
+
+        def streaming() -> None:
+            try:
+                r = requests.post(
+                    srv.url("/v1/completions"),
+                    stream=True,
+                    timeout=60,
+                    json={"prompt": "Hi", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+                )
+                stream_events.extend(line for line in r.iter_lines() if line.startswith(b"data: "))
+            except requests.RequestException:
+                stream_events.append(b"connection error")
+
+        threads = [threading.Thread(target=non_streaming) for _ in range(2)] + [
+            threading.Thread(target=streaming)
+        ]
+        for t in threads:
+            t.start()
+        wait_until_running(srv, 3)
+        time.sleep(0.3)
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = srv.wait_exit(10)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=10)
+        assert code is not None and elapsed < 5.0, f"server still up {elapsed:.1f} s after the scheduler died"
+        assert code != 0
+        assert statuses and all(s >= 500 for s in statuses), statuses
+        assert stream_events and (
+            b"error" in stream_events[-2] or stream_events[-1] == b"connection error"
+        ), stream_events[-3:]
+        assert wait_gone(tree, 2.0) == []
+        assert "scheduler process died" in srv.log_text()
+
+
+def test_child_failing_at_startup_fails_the_launch():
+    from srt.server_args import ServerArgs
+    from srt.utils.hf_tokenizer import tokenizer_source
+
+    srv = ServerProcess(
+        [
+            *DEFAULT_TEST_ARGS,
+            "--model-path",
+            "/nonexistent/model-dir",
+            "--tokenizer-path",
+            tokenizer_source(ServerArgs()),
+        ]
+    )
+    srv.launch()
+    t0 = time.monotonic()
+    seen: dict[int, psutil.Process] = {}
+    while srv.proc.poll() is None and time.monotonic() - t0 < 120:
+        seen.update({p.pid: p for p in srv.process_tree()})
+        time.sleep(0.2)
+    code = srv.wait_exit(5)
+    try:
+        assert code == 1, srv.log_tail()
+        log = srv.log_text()
+        assert "scheduler process failed to start" in log and "/nonexistent/model-dir" in log
+        assert len(seen) >= 2  # the scheduler was really started
+        assert wait_gone(list(seen.values()), 5.0) == []
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("launched_from", ["main", "thread"])
+def test_children_die_with_a_sigkilled_parent(launched_from):
+    """No orphans: the parent-death signal (or, when launched from a worker thread, the children's
+    getppid() watchdog) takes the children down when the parent is SIGKILLed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.launch_and_wait", launched_from],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        children = [psutil.Process(int(pid)) for pid in line.split()]
+        assert len(children) == 2, line
+        time.sleep(1.5)  # the launching thread is gone by now: the children must still be alive
+        assert len(wait_gone(children, 0.0)) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_gone(children, 5.0) == []
+    finally:
+        proc.kill()
+
+
+def test_sigterm_stops_everything(server):
+    """Runs last in this module: it stops the module's server (the fixture's teardown is then a no-op)."""
+    tree = server.process_tree()
+    assert set(_child_pids(server).values()) <= {p.pid for p in tree}
+    r = requests.post(
+        server.url("/v1/completions"),
+        stream=True,
+        timeout=60,
+        json={"prompt": "Hi", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+    )
+    next(r.iter_lines())  # a request is in flight
+    code = server.stop(signal.SIGTERM, timeout_s=15)
+    assert code == 0
+    assert wait_gone(tree, 5.0) == []
+    r.close()

@@ -1,0 +1,142 @@
+"""Every cross-process message round-trips through msgspec msgpack, via the decoder its receiver uses."""
+
+from __future__ import annotations
+
+import inspect
+
+import msgspec
+import pytest
+
+from srt.managers import io_struct as io
+from srt.sampling.sampling_params import SamplingParams
+
+SAMPLES: list[io._Msg] = [
+    io.TokenizedGenerateReqInput(
+        rid="r1",
+        input_ids=[1, 2, 3, 49151],
+        sampling_params=SamplingParams(
+            max_new_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=20,
+            stop=["</s>", "\n\n"],
+            stop_token_ids=[2],
+            seed=-5,
+            n=1,
+            logit_bias={"17": -3.5},
+            ignore_eos=True,
+        ),
+        input_text="héllo 世界",
+        return_logprob=True,
+        logprob_start_len=1,
+        top_logprobs_num=3,
+        stream=True,
+        priority=2,
+        arrival_time=1234.5,
+    ),
+    io.AbortReq(rid="r1", message="client disconnected", status_code=499),
+    io.AbortReq(rid=""),
+    io.FlushCacheReq(),
+    io.GetInternalStateReq(),
+    io.StopStringHit(rid="r1", matched="\n\n"),
+    io.BatchTokenIDOut(
+        rids=["a", "b"],
+        output_ids=[[5, 6], []],
+        finished_reasons=[None, {"type": "stop", "matched": 2}],
+        prompt_tokens=[3, 4],
+        completion_tokens=[2, 9],
+        cached_tokens=[0, 4],
+        skip_special_tokens=[True, False],
+        spaces_between_special_tokens=[True, True],
+        no_stop_trim=[False, True],
+        stop_strs=[["x"], []],
+        output_token_logprobs=[[-0.1, -0.2], []],
+        output_top_logprobs=[[[(5, -0.1), (7, -2.0)], [(6, -0.2)]], []],
+        input_token_logprobs=[[None, -1.5, -0.25], []],
+        input_top_logprobs=[[None, [(9, -1.0)], [(3, -0.25)]], []],
+        queue_times=[0.01, None],
+    ),
+    io.SchedulerReady(
+        max_total_num_tokens=16384,
+        max_running_requests=64,
+        max_req_input_len=8191,
+        context_len=8192,
+        page_size=16,
+    ),
+    io.FlushCacheReqOutput(success=False, message="busy"),
+    io.GetInternalStateReqOutput(state={"num_running_reqs": 3, "token_usage": 0.25, "policy": "fcfs"}),
+    io.BatchStrOut(
+        rids=["a"],
+        output_strs=["🎉 ok"],
+        output_ids=[[5]],
+        finished_reasons=[{"type": "abort", "message": "boom", "status_code": 500}],
+        prompt_tokens=[3],
+        completion_tokens=[1],
+        cached_tokens=[0],
+        output_token_logprobs=[[-0.5]],
+        output_top_logprobs=[[[(5, -0.5)]]],
+        queue_times=[0.5],
+    ),
+]
+
+# which decoder the receiving process uses for each message type
+DECODERS = {
+    io.TokenizedGenerateReqInput: io.scheduler_input_decoder,
+    io.AbortReq: io.scheduler_input_decoder,
+    io.FlushCacheReq: io.scheduler_input_decoder,
+    io.GetInternalStateReq: io.scheduler_input_decoder,
+    io.StopStringHit: io.scheduler_input_decoder,
+    io.BatchTokenIDOut: io.detokenizer_input_decoder,
+    io.SchedulerReady: io.detokenizer_input_decoder,
+    io.FlushCacheReqOutput: io.detokenizer_input_decoder,
+    io.GetInternalStateReqOutput: io.detokenizer_input_decoder,
+    io.BatchStrOut: io.tokenizer_input_decoder,
+}
+
+
+def _normalize(v):
+    """msgpack has no tuples: compare tuples and lists alike."""
+    if isinstance(v, (list, tuple)):
+        return [_normalize(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _normalize(x) for k, x in v.items()}
+    if isinstance(v, msgspec.Struct):
+        return {f: _normalize(getattr(v, f)) for f in v.__struct_fields__}
+    return v
+
+
+def test_every_message_struct_has_a_sample():
+    structs = {
+        obj
+        for _, obj in inspect.getmembers(io, inspect.isclass)
+        if issubclass(obj, io._Msg) and obj is not io._Msg
+    }
+    assert structs == {type(s) for s in SAMPLES} == set(DECODERS)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    raw = io.encode(msg)
+    back = DECODERS[type(msg)].decode(raw)
+    assert type(back) is type(msg)
+    assert _normalize(back) == _normalize(msg)
+
+
+def test_forwarded_messages_decode_for_the_tokenizer_manager():
+    # the detokenizer forwards these raw bytes unchanged; the tokenizer manager must decode them
+    for msg in SAMPLES:
+        if isinstance(msg, (io.SchedulerReady, io.FlushCacheReqOutput, io.GetInternalStateReqOutput)):
+            assert _normalize(io.tokenizer_input_decoder.decode(io.encode(msg))) == _normalize(msg)
+
+
+def test_messages_are_tagged_and_rejected_by_the_wrong_decoder():
+    raw = io.encode(io.StopStringHit(rid="x", matched="y"))
+    assert b"StopStringHit" in raw
+    with pytest.raises(msgspec.ValidationError):
+        io.tokenizer_input_decoder.decode(raw)
+
+
+def test_stop_string_given_as_string_becomes_a_list_after_decode():
+    msg = io.TokenizedGenerateReqInput(rid="r", input_ids=[1], sampling_params=SamplingParams(stop="END"))
+    back = io.scheduler_input_decoder.decode(io.encode(msg))
+    assert back.sampling_params.stop == ["END"]

