@@ -246,7 +246,9 @@ async def benchmark(
             if status != 200:
                 print(f"warning: POST /flush_cache answered {status}: {body[:200]}", file=sys.stderr)
 
-        arrivals = poisson_arrival_times(np.random.default_rng(seed), len(rows), request_rate)
+        # a stream of its own: the dataset drew from default_rng(seed), and reusing those bits
+        # would tie each request's arrival gap to its lengths
+        arrivals = poisson_arrival_times(np.random.default_rng([seed, 1]), len(rows), request_rate)
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         pbar = None
         if not disable_tqdm:

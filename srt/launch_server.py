@@ -24,13 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     server_args = parse_args(argv)
     from srt.entrypoints.http_server import launch_server
     from srt.utils.errors import LaunchError
+    from srt.utils.logging_utils import configure_logging
 
+    configure_logging(server_args.log_level, "main")
     log = logging.getLogger("srt.launch_server")
     try:
         return launch_server(server_args)
     except ConfigError as e:
         log.error("invalid configuration: %s", e)
-        print(f"error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         log.error("%s", e)

@@ -154,7 +154,9 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             hint = hints[f.name]
             if hint is bool:
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                # a flag that defaults to True also gets its --no-... form
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                parser.add_argument(flag, action=action, default=f.default, help=help_)
                 continue
             base = _base_type(hint)
             parser.add_argument(flag, type=base, default=f.default, choices=choices, help=help_)

@@ -67,7 +67,8 @@ class DecodeState:
 
 class DetokenizerManager:
     """Pure detokenization logic (no sockets): `handle_batch_token_id_out` maps one scheduler output
-    to one `BatchStrOut` (or None when every entry was dropped) plus the `StopStringHit`s to send."""
+    to one `BatchStrOut` (or None when every entry was dropped) plus the `StopStringHit`s to send.
+    ``tokenizer=None`` (``--skip-tokenizer-init``) passes token ids through with empty text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -80,6 +81,8 @@ class DetokenizerManager:
         """Text of ``ids``. With special tokens kept and ``spaces_between_special_tokens``, one space
         separates a special token from neighbouring text that has no whitespace at that side."""
         tok = self.tokenizer
+        if tok is None:  # --skip-tokenizer-init: token ids only
+            return ""
         if skip_special_tokens or not spaces_between_special_tokens or self.special_ids.isdisjoint(ids):
             return tok.decode(
                 ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
@@ -233,7 +236,9 @@ def run_detokenizer_process(
     server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any, tokenizer_path: str | None = None
 ) -> None:
     """Process entry: load the tokenizer, report ready, then serve forever (blocking recv)."""
-    tokenizer = load_tokenizer(tokenizer_path or tokenizer_source(server_args))
+    tokenizer = None
+    if not server_args.skip_tokenizer_init:
+        tokenizer = load_tokenizer(tokenizer_path or tokenizer_source(server_args))
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context(io_threads=1)
     recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)

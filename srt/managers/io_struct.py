@@ -97,6 +97,8 @@ class SchedulerReady(_Msg):
     max_req_input_len: int
     context_len: int
     page_size: int
+    # the model's vocabulary size (0: not reported); bounds input token ids at the tokenizer manager
+    vocab_size: int = 0
 
 
 class FlushCacheReqOutput(_Msg):

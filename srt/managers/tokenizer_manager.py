@@ -91,8 +91,11 @@ class TokenizerManager:
         self.context_len: int = int(scheduler_info["context_len"])
         self.max_req_input_len: int = int(scheduler_info.get("max_req_input_len") or self.context_len)
         self.max_total_num_tokens: int = int(scheduler_info.get("max_total_num_tokens") or 0)
-        vocab = scheduler_info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else None)
-        self.vocab_size: int | None = int(vocab) if vocab else None
+        # input ids must be valid for the model and (when there is one) the tokenizer
+        known = [
+            int(v) for v in (scheduler_info.get("vocab_size"), len(tokenizer) if tokenizer else None) if v
+        ]
+        self.vocab_size: int | None = min(known) if known else None
         self.metrics = TokenizerMetrics(self.model_name)
 
         self.rid_to_state: dict[str, ReqState] = {}

@@ -57,9 +57,10 @@ class ReqToTokenPool:
     def free(self, idx: int | list[int]) -> None:
         """Return rows to the pool. Freeing a row that is not in use raises ``ValueError``."""
         rows = [idx] if isinstance(idx, int) else list(idx)
+        bad = [r for r in rows if not 0 <= r < self.size or not self._in_use[r]]
+        if bad or len(set(rows)) != len(rows):
+            raise ValueError(f"ReqToTokenPool.free: rows {bad or rows} are not allocated (or repeated)")
         for r in rows:
-            if not 0 <= r < self.size or not self._in_use[r]:
-                raise ValueError(f"ReqToTokenPool.free: row {r} is not allocated")
             self._in_use[r] = 0
         self._free.extend(rows)
 

@@ -294,7 +294,10 @@ NEAR_TIES_ALLOWED = NUM_REQS // 24
 def real_workload() -> tuple[Item, ...]:
     from tests.helpers.hf_reference import make_prompts, make_shared_prefix_group
 
-    return tuple(build_workload(make_prompts, make_shared_prefix_group, seed=0))
+    items = build_workload(make_prompts, make_shared_prefix_group, seed=0)
+    for it in items:  # the references run with EOS disabled
+        it.params = {"ignore_eos": True}
+    return tuple(items)
 
 
 @pytest.fixture(scope="module")

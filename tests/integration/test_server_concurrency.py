@@ -53,6 +53,7 @@ async def _chat_stream(aclient, content: str) -> tuple[str, object]:
     return text, usage
 
 
+@pytest.mark.slow
 def test_64_concurrent_streaming_chats_match_sequential(server, client, tokenizer):
     prompts = [f"Give me a fun fact about the number {i}." for i in range(64)]
 

@@ -62,6 +62,7 @@ SAMPLES: list[io._Msg] = [
         max_req_input_len=8191,
         context_len=8192,
         page_size=16,
+        vocab_size=49152,
     ),
     io.FlushCacheReqOutput(success=False, message="busy"),
     io.GetInternalStateReqOutput(state={"num_running_reqs": 3, "token_usage": 0.25, "policy": "fcfs"}),

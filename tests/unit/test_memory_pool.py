@@ -23,6 +23,9 @@ def test_req_to_token_pool_alloc_free_clear():
     assert pool.available_size() == 3
     with pytest.raises(ValueError, match="not allocated"):
         pool.free(a[0])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([b[0], b[0]])
+    assert pool.available_size() == 3  # a failed free changes nothing
     pool.clear()
     assert pool.available_size() == 4
     assert sorted(pool.alloc(4)) == [0, 1, 2, 3]

@@ -92,3 +92,8 @@ def test_port_args_private_dir():
         assert len(names) == 3 and all(n.startswith("ipc://" + p.ipc_dir) for n in names)
     finally:
         os.rmdir(p.ipc_dir)
+
+
+def test_true_default_bool_can_be_switched_off():
+    assert _parse([]).enable_metrics is True
+    assert _parse(["--no-enable-metrics"]).enable_metrics is False

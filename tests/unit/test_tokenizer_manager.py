@@ -47,7 +47,12 @@ def make_tm():
 
     def make(**kw) -> TokenizerManager:
         args = ServerArgs(**kw)
-        info = {"context_len": 100, "max_req_input_len": 99, "max_total_num_tokens": 1000, "max_running_requests": 8}
+        info = {
+            "context_len": 100,
+            "max_req_input_len": 99,
+            "max_total_num_tokens": 1000,
+            "max_running_requests": 8,
+        }
         tm = TokenizerManager(args, PortArgs.init_new(), info, CharTokenizer())
         tm._send_sock.close(linger=0)
         tm._send_sock = CaptureSocket()
@@ -141,7 +146,9 @@ def test_requests_arriving_together_are_tokenized_in_one_call(make_tm):
 
     preps = run(go())
     assert tm.tokenizer.calls == 1
-    assert [p.reqs[0][0].input_ids for p in preps] == [[ord(c) % 200 for c in f"prompt {i}"] for i in range(6)]
+    assert [p.reqs[0][0].input_ids for p in preps] == [
+        [ord(c) % 200 for c in f"prompt {i}"] for i in range(6)
+    ]
 
 
 def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm):
@@ -170,7 +177,11 @@ def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm)
 
     c1, c2, final = run(go())
     assert (c1["text"], c1["output_ids"], c1["meta_info"]["completion_tokens"]) == ("Hello", [5, 6], 2)
-    assert (c2["text"], c2["output_ids"], c2["meta_info"]["finish_reason"]) == ("!", [7], {"type": "length", "length": 3})
+    assert (c2["text"], c2["output_ids"], c2["meta_info"]["finish_reason"]) == (
+        "!",
+        [7],
+        {"type": "length", "length": 3},
+    )
     assert final["text"] == "ab" and final["output_ids"] == [1, 2]
     assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": "c"}
     assert tm.rid_to_state == {}

@@ -1,0 +1,30 @@
+"""Tiny child-process targets for ProcessSupervisor tests (spawn imports them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def ready_then_wait(tag: str, pipe_writer: Any) -> None:
+    pipe_writer.send({"status": "ready", "tag": tag})
+    time.sleep(600)
+
+
+def ready_then_exit(code: int, pipe_writer: Any) -> None:
+    pipe_writer.send({"status": "ready"})
+    time.sleep(0.5)
+    os._exit(code)
+
+
+def raise_error(message: str, pipe_writer: Any) -> None:
+    raise ValueError(message)
+
+
+def exit_silently(code: int, pipe_writer: Any) -> None:
+    os._exit(code)
+
+
+def hang(seconds: float, pipe_writer: Any) -> None:
+    time.sleep(seconds)
