@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from srt.layers.linear import linear
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
@@ -84,7 +85,7 @@ class LogitsProcessor(nn.Module):
         else:
             last_index = fb.extend_start_loc + fb.extend_seq_lens - 1
             last = hidden_states.index_select(0, last_index)
-        next_token_logits = F.linear(last, weight).float()
+        next_token_logits = linear(last, weight).float()
         out = LogitsProcessorOutput(next_token_logits)
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
             self._prompt_logprobs(hidden_states, weight, fb, out)
@@ -152,7 +153,7 @@ class LogitsProcessor(nn.Module):
         top_lp: list[list[float]] = []
         for c0 in range(0, len(plan.rows), LOGPROB_CHUNK_ROWS):
             sel = rows[c0 : c0 + LOGPROB_CHUNK_ROWS]
-            logits = F.linear(hidden_states.index_select(0, sel), weight).float()
+            logits = linear(hidden_states.index_select(0, sel), weight).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             del logits
             tgt = targets[c0 : c0 + LOGPROB_CHUNK_ROWS]

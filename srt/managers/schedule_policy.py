@@ -18,13 +18,15 @@ Pieces (each unit tested without a model):
                         are page-aligned; at most one request is mid-prompt at a time
   KV tokens             free + evictable slots minus a reserve for the future decode
                         tokens of the running batch (``new_token_ratio`` x remaining
-                        max_new_tokens, scaled by ``--schedule-conservativeness``); an
-                        admitted request costs its pages plus its own reserve
+                        max_new_tokens); an admitted request costs its pages plus its
+                        own reserve
   running requests      ``--max-running-requests``
   ====================  =================================================================
 
   A request that does not fit the KV budget is skipped so smaller ones behind it may go ahead,
   but only ``max_overtakes`` times; then it blocks the queue until it fits.
+- ``InBatchPrefixFilter``: requests that share an uncached prefix with one admitted in the same
+  step wait a step (then the prefix is cached) instead of computing it twice.
 - ``NewTokenRatio``: the estimate of the fraction of max_new_tokens still to be generated;
   decays every decode step from ``init`` to ``min`` and jumps up on retraction.
 - ``retraction_order`` / ``plan_retraction``: which running requests to push back to the
@@ -151,6 +153,45 @@ class SchedulePolicy:
         return sorted(range(len(prefix_lens)), key=key)
 
 
+# ---------------------------------------------------------------------- in-batch sharing
+IN_BATCH_PREFIX_BLOCK = 32  # granularity (tokens) of the in-batch prefix comparison
+IN_BATCH_PREFIX_THRESHOLD = 32  # defer a request sharing at least this many uncached tokens
+
+
+class InBatchPrefixFilter:
+    """Finds requests of one admission step that share a not-yet-cached prefix with a request
+    admitted earlier in the same step (or mid-prompt): computing both at once would compute
+    the shared part twice, while one step later the second finds it in the prefix cache.
+
+    Keys are compared in blocks of ``block`` tokens through chained hashes, so ``add`` and
+    ``shared_len`` cost O(len(key)). A hash collision can only defer a request by a step.
+    """
+
+    def __init__(self, block: int = IN_BATCH_PREFIX_BLOCK) -> None:
+        self.block = block
+        self._seen: set[int] = set()
+
+    def _hashes(self, key: Sequence[int]):
+        h = 0
+        b = self.block
+        for end in range(b, len(key) + 1, b):
+            h = hash((h, tuple(key[end - b : end])))
+            yield end, h
+
+    def add(self, key: Sequence[int]) -> None:
+        self._seen.update(h for _, h in self._hashes(key))
+
+    def shared_len(self, key: Sequence[int]) -> int:
+        """Length (a multiple of ``block``) of the longest prefix of ``key`` that some added
+        key starts with."""
+        shared = 0
+        for end, h in self._hashes(key):
+            if h not in self._seen:
+                break
+            shared = end
+        return shared
+
+
 # ---------------------------------------------------------------------- admission
 class AddResult(enum.Enum):
     ADMITTED = "admitted"  # the whole remaining input runs this step
@@ -177,12 +218,9 @@ def page_floor(n: int, page_size: int) -> int:
     return n // page_size * page_size
 
 
-def decode_reserve(
-    remaining_new_tokens: Sequence[int], new_token_ratio: float, conservativeness: float
-) -> int:
+def decode_reserve(remaining_new_tokens: Sequence[int], new_token_ratio: float) -> int:
     """KV slots to keep for the future decode tokens of the running requests."""
-    est = sum(math.ceil(n * new_token_ratio) for n in remaining_new_tokens)
-    return math.ceil(est * conservativeness)
+    return sum(math.ceil(n * new_token_ratio) for n in remaining_new_tokens)
 
 
 @dataclass
@@ -308,6 +346,11 @@ class PrefillAdder:
 
 
 # ---------------------------------------------------------------------- new-token ratio
+DEFAULT_INIT_NEW_TOKEN_RATIO = 0.7
+DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # min = init * factor (0.7 -> ~0.1)
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps from init down to min
+
+
 @dataclass
 class NewTokenRatio:
     """Estimated fraction of its remaining max_new_tokens a running request will still generate.
@@ -317,9 +360,11 @@ class NewTokenRatio:
     capped at 1.
     """
 
-    init: float = 0.7
-    min: float = 0.1
-    decay: float = 0.001
+    init: float = DEFAULT_INIT_NEW_TOKEN_RATIO
+    min: float = DEFAULT_INIT_NEW_TOKEN_RATIO * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
+    decay: float = (
+        DEFAULT_INIT_NEW_TOKEN_RATIO * (1 - DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR) / NEW_TOKEN_RATIO_DECAY_STEPS
+    )
     retract_step: float = 0.1
     value: float = field(init=False)
 
@@ -327,6 +372,14 @@ class NewTokenRatio:
         if not 0.0 <= self.min <= self.init <= 1.0:
             raise ValueError(f"need 0 <= min ({self.min}) <= init ({self.init}) <= 1")
         self.value = self.init
+
+    @classmethod
+    def from_conservativeness(cls, conservativeness: float) -> NewTokenRatio:
+        """``--schedule-conservativeness`` scales the estimate (SGLang's meaning): higher
+        reserves more KV for running requests (fewer retractions, less concurrency)."""
+        init = min(1.0, max(0.0, DEFAULT_INIT_NEW_TOKEN_RATIO * conservativeness))
+        low = init * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
+        return cls(init=init, min=low, decay=(init - low) / NEW_TOKEN_RATIO_DECAY_STEPS)
 
     def on_decode_step(self) -> None:
         self.value = max(self.min, self.value - self.decay)

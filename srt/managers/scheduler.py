@@ -52,7 +52,9 @@ from srt.managers.schedule_batch import (
     finish_stop,
 )
 from srt.managers.schedule_policy import (
+    IN_BATCH_PREFIX_THRESHOLD,
     AddResult,
+    InBatchPrefixFilter,
     NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
@@ -77,7 +79,8 @@ logger = logging.getLogger("srt.scheduler")
 RETRACT_MARGIN_STEPS = 4
 # a request retracted more often than this is aborted (the pool is too small for the load)
 MAX_RETRACTIONS_PER_REQ = 8
-# stop scanning the waiting queue after this many requests that do not fit
+# stop scanning the waiting queue after passing over this many requests (not fitting, or
+# deferred to share a prefix admitted in the same step): bounds the work per step
 MAX_SKIPS_PER_STEP = 64
 
 
@@ -116,11 +119,10 @@ class Scheduler:
         self.sampling_cache = SamplingInfoCache()
 
         self.policy = SchedulePolicy(server_args.schedule_policy)
-        self.new_token_ratio = NewTokenRatio()
+        self.new_token_ratio = NewTokenRatio.from_conservativeness(server_args.schedule_conservativeness)
         cps = server_args.chunked_prefill_size
         self.chunked_prefill_size: int | None = cps if cps is not None and cps > 0 else None
         self.max_prefill_tokens = server_args.max_prefill_tokens
-        self.conservativeness = server_args.schedule_conservativeness
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
         self.rng = random.Random(server_args.random_seed)
@@ -333,9 +335,7 @@ class Scheduler:
             return None
         mixed_tokens = running_bs if self.enable_mixed_chunk else 0
         P = self.page_size
-        reserve = decode_reserve(
-            [r.remaining_new_tokens for r in self.running], self.new_token_ratio.value, self.conservativeness
-        )
+        reserve = decode_reserve([r.remaining_new_tokens for r in self.running], self.new_token_ratio.value)
         rem_chunk = (
             None if self.chunked_prefill_size is None else max(P, self.chunked_prefill_size - mixed_tokens)
         )
@@ -397,11 +397,16 @@ class Scheduler:
         admitted: set[int] = set()
         cached = skips = 0
         P = self.page_size
+        in_batch = None
+        if not self.server_args.disable_radix_cache:
+            in_batch = InBatchPrefixFilter()
+            for r in can_run:  # the request mid-prompt: its whole prompt gets cached
+                in_batch.add(r.origin_input_ids + r.output_ids)
         for req in ordered:
             input_len = req.all_ids_len
             retracted = req.retract_count > 0
+            key = req.prefix_match_key()
             if prefix_lens is None:
-                key = req.prefix_match_key()
                 # cheap bound first: even with all of the key cached, does it fit?
                 best = len(key) // P * P
                 if not adder.fits(
@@ -419,6 +424,12 @@ class Scheduler:
                 req.prefix_indices, req.last_node = m.device_indices, m.last_node
                 matched.append(req)
             prefix_len = len(req.prefix_indices)
+            if in_batch is not None and in_batch.shared_len(key) - prefix_len >= IN_BATCH_PREFIX_THRESHOLD:
+                # an earlier admission computes this prefix now: reuse it from the cache next step
+                skips += 1
+                if skips >= MAX_SKIPS_PER_STEP:
+                    break
+                continue
             ev_before = cache.evictable_size()
             cache.inc_lock_ref(req.last_node)
             d = adder.add(
@@ -448,6 +459,8 @@ class Scheduler:
                 req.queue_time = time.perf_counter() - req.wait_start
             cached += prefix_len
             admitted.add(id(req))
+            if in_batch is not None:
+                in_batch.add(key)
             can_run.append(req)
             if d.result == AddResult.CHUNKED:
                 self.chunked_req = req

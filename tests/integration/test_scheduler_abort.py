@@ -147,7 +147,7 @@ def test_abort_running(radix):
 
 
 def test_abort_retracted():
-    s = make_scheduler(total=512, chunk=64)
+    s = make_scheduler(total=512, chunk=64, schedule_conservativeness=0.3)
     c = Collector()
     for i in range(8):
         s.handle_message(gen(f"r{i}", prompt(10 + i, 40), max_new=120))

@@ -39,7 +39,7 @@ from tests.helpers.scheduler_fakes import (
 )
 
 NUM_REQS = 64
-MAX_ARRIVAL_STEP = 60
+MAX_ARRIVAL_STEP = 40
 
 
 @dataclass
@@ -57,21 +57,24 @@ def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def build_workload(make_prompts, make_group, seed: int = 0) -> list[Item]:
-    """24 requests in 4 groups of 6 sharing a 150-450 token prefix, 40 independent ones
-    (lengths log-uniform in [5, 600], both ends included); arrivals uniform in [0, 60] steps."""
+    """24 requests in 4 groups of 6 sharing a 150-450 token prefix (prompts up to 600 tokens),
+    40 independent ones (5, 450 and 600 tokens, the rest log-uniform in [5, 300]); max_new_tokens
+    log-uniform in [8, 96] (both ends included); arrivals uniform in [0, 40] steps."""
     rng = random.Random(seed)
     prompts: list[list[int]] = []
     for g in range(4):
         prefix = rng.randint(150, 450)
         suffixes = [rng.randint(1, min(150, 600 - prefix)) for _ in range(6)]
         prompts += make_group(prefix, suffixes, seed * 100 + g)
-    lengths = [5, 600] + [log_uniform(rng, 5, 600) for _ in range(NUM_REQS - len(prompts) - 2)]
+    lengths = [5, 600, 450] + [log_uniform(rng, 5, 300) for _ in range(NUM_REQS - len(prompts) - 3)]
     prompts += make_prompts(lengths, seed + 1)
     news = [8, 96] + [log_uniform(rng, 8, 96) for _ in range(NUM_REQS - 2)]
     rng.shuffle(news)
     order = list(range(NUM_REQS))
     rng.shuffle(order)
-    return [Item(f"req{i}", prompts[k], news[i], rng.randint(0, MAX_ARRIVAL_STEP)) for i, k in enumerate(order)]
+    return [
+        Item(f"req{i}", prompts[k], news[i], rng.randint(0, MAX_ARRIVAL_STEP)) for i, k in enumerate(order)
+    ]
 
 
 def drive(sched: Scheduler, items: list[Item], max_steps: int = 20_000) -> dict[str, list[int]]:
@@ -127,18 +130,21 @@ def _fake_group(prefix_len, suffix_lens, seed):
     return [prefix + [rng.randrange(3, 1000) for _ in range(n)] for n in suffix_lens]
 
 
+# "_total": KV pool size; "_retract": the run must retract (a small pool with an optimistic
+# new-token estimate)
+_SMALL = dict(_total=1024, schedule_conservativeness=0.3, _retract=True)
 FAKE_CONFIGS = {
     "default": dict(),
     "chunk32": dict(chunked_prefill_size=32),
     "no_chunk": dict(chunked_prefill_size=-1, max_prefill_tokens=512),
     "mixed": dict(enable_mixed_chunk=True, chunked_prefill_size=64),
     "page16": dict(page_size=16, chunked_prefill_size=64),
-    "page16_mixed_small": dict(page_size=16, chunked_prefill_size=32, enable_mixed_chunk=True, _total=1024),
+    "page16_mixed_small": dict(page_size=16, chunked_prefill_size=32, enable_mixed_chunk=True, **_SMALL),
     "no_radix": dict(disable_radix_cache=True, chunked_prefill_size=64),
-    "no_radix_small": dict(disable_radix_cache=True, _total=1024),
-    "small_pool": dict(chunked_prefill_size=64, _total=1024),
+    "no_radix_small": dict(disable_radix_cache=True, **_SMALL),
+    "small_pool": dict(chunked_prefill_size=64, **_SMALL),
     "lpm": dict(schedule_policy="lpm"),
-    "lpm_small": dict(schedule_policy="lpm", _total=1024),
+    "lpm_small": dict(schedule_policy="lpm", **_SMALL),
     "priority": dict(schedule_policy="priority", max_running_requests=8),
     "conservative": dict(schedule_conservativeness=2.0, _total=1024),
 }
@@ -147,6 +153,7 @@ FAKE_CONFIGS = {
 def fake_scheduler(eos_every: int = 0, **cfg) -> Scheduler:
     cfg = dict(cfg)
     total = cfg.pop("_total", 8192)
+    cfg.pop("_retract", None)
     page = cfg.get("page_size", 1)
     max_running = cfg.setdefault("max_running_requests", 64)
     args = ServerArgs(device="cpu", enable_debug_checks=True, **cfg).resolve()
@@ -163,7 +170,7 @@ def test_exact_outputs_fake_model(name):
     out = drive(sched, items)
     for it in items:
         assert out[it.rid] == reference_generate(it.prompt, it.max_new), it.rid
-    if "_total" in FAKE_CONFIGS[name]:
+    if FAKE_CONFIGS[name].get("_retract"):
         assert sched.metrics.num_retractions > 0, "the small pool must force retractions"
     if FAKE_CONFIGS[name].get("enable_mixed_chunk"):
         assert "MIXED" in sched.model_runner.modes and sched.metrics.num_mixed_steps > 0
@@ -263,13 +270,30 @@ def test_prompt_logprobs_across_chunks_and_cached_prefixes(chunk, start):
     check_clean(sched)
 
 
+def test_requests_arriving_together_share_their_prefix():
+    """16 requests with one 400-token system prompt arrive at once: the prompt is computed
+    once (the others wait a step for it instead of computing it again)."""
+    sched = fake_scheduler()
+    rng = random.Random(9)
+    system = [rng.randrange(3, 1000) for _ in range(400)]
+    prompts = [system + [rng.randrange(3, 1000) for _ in range(20)] for _ in range(16)]
+    items = [Item(f"g{i}", p, 8, 0) for i, p in enumerate(prompts)]
+    out = drive(sched, items)
+    assert all(out[it.rid] == reference_generate(it.prompt, 8) for it in items)
+    assert sched.metrics.num_prefill_tokens <= 400 + 16 * 20 + 16
+    assert sched.metrics.cache_hit_rate > 0.85
+    check_clean(sched)
+
+
 def test_cached_tokens_reported_for_a_shared_prefix():
     sched = fake_scheduler()
     prompt = list(range(100, 400))
     for rid in ("a", "b"):
         sched.handle_message(
             TokenizedGenerateReqInput(
-                rid=rid, input_ids=prompt + [7], sampling_params=SamplingParams(max_new_tokens=3, temperature=0)
+                rid=rid,
+                input_ids=prompt + [7],
+                sampling_params=SamplingParams(max_new_tokens=3, temperature=0),
             )
         )
         outs = sched.run_until_idle()
@@ -284,7 +308,8 @@ REAL_CONFIGS = {
     "mixed_chunk": dict(enable_mixed_chunk=True),
     "page16": dict(page_size=16, _total=16384),
     "no_radix": dict(disable_radix_cache=True),
-    "retraction": dict(_total=1536),
+    # a pool of a third of the workload's KV and an optimistic new-token estimate: retractions
+    "retraction": dict(_total=4096, schedule_conservativeness=0.05),
     "lpm": dict(schedule_policy="lpm"),
 }
 NEAR_TIES_ALLOWED = NUM_REQS // 24
@@ -306,7 +331,8 @@ def references():
 
     load = functools.cache(load_default_hf_model)
     return {
-        it.rid: hf_greedy_references(DEFAULT_MODEL_KEY, [it.prompt], it.max_new, load)[0] for it in real_workload()
+        it.rid: hf_greedy_references(DEFAULT_MODEL_KEY, [it.prompt], it.max_new, load)[0]
+        for it in real_workload()
     }
 
 

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from srt.layers import logits_processor as logits_processor_module
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
@@ -243,6 +244,8 @@ def test_logits_processor_does_not_compute_full_logits(monkeypatch):
         return real_linear(x, w, b)
 
     monkeypatch.setattr(F, "linear", spy)
+    # the processor's matmul helper (oneDNN on CPU float32, else F.linear)
+    monkeypatch.setattr(logits_processor_module, "linear", spy)
     fb = _batch(ForwardMode.EXTEND, [0, 0], [30, 20])
     lp(torch.randn(50, HIDDEN), head, fb)
     assert shapes == [(2, HIDDEN)]

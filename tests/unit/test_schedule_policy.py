@@ -10,6 +10,7 @@ import pytest
 from srt.managers.schedule_batch import Req
 from srt.managers.schedule_policy import (
     AddResult,
+    InBatchPrefixFilter,
     NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
@@ -25,7 +26,9 @@ from srt.sampling.sampling_params import SamplingParams
 
 
 def make_req(i: int, prompt_len: int = 10, out_len: int = 0, max_new: int = 100, **kw) -> Req:
-    req = Req(f"r{i}", list(range(prompt_len)), SamplingParams(), max_new_tokens=max_new, seed=i, queue_seq=i, **kw)
+    req = Req(
+        f"r{i}", list(range(prompt_len)), SamplingParams(), max_new_tokens=max_new, seed=i, queue_seq=i, **kw
+    )
     req.output_ids = [7] * out_len
     return req
 
@@ -83,7 +86,12 @@ def test_adder_respects_every_budget_randomized(chunked):
     for _ in range(3000):
         a = _random_adder(rng, chunked)
         P = a.page_size
-        total0, input0, chunk0, reqs0 = a.rem_total_tokens, a.rem_input_tokens, a.rem_chunk_tokens, a.max_new_reqs
+        total0, input0, chunk0, reqs0 = (
+            a.rem_total_tokens,
+            a.rem_input_tokens,
+            a.rem_chunk_tokens,
+            a.max_new_reqs,
+        )
         admitted: list[tuple[int, int]] = []  # (extend, cost)
         stopped = False
         for j in range(rng.randint(1, 12)):
@@ -135,7 +143,11 @@ def test_adder_respects_every_budget_randomized(chunked):
 
 def test_small_requests_go_ahead_of_a_blocked_large_one():
     a = PrefillAdder(
-        page_size=1, rem_total_tokens=1000, rem_input_tokens=4096, rem_chunk_tokens=None, max_new_reqs=10,
+        page_size=1,
+        rem_total_tokens=1000,
+        rem_input_tokens=4096,
+        rem_chunk_tokens=None,
+        max_new_reqs=10,
         new_token_ratio=0.5,
     )
     big = a.add(prefix_len=0, input_len=2000, max_new_left=100, handle="big")
@@ -148,17 +160,29 @@ def test_small_requests_go_ahead_of_a_blocked_large_one():
 
 def test_blocked_request_stops_the_queue_after_max_overtakes():
     a = PrefillAdder(
-        page_size=1, rem_total_tokens=1000, rem_input_tokens=4096, rem_chunk_tokens=None, max_new_reqs=10,
-        new_token_ratio=0.5, max_overtakes=3,
+        page_size=1,
+        rem_total_tokens=1000,
+        rem_input_tokens=4096,
+        rem_chunk_tokens=None,
+        max_new_reqs=10,
+        new_token_ratio=0.5,
+        max_overtakes=3,
     )
-    assert a.add(prefix_len=0, input_len=2000, max_new_left=1, overtaken=3, handle="big").result == AddResult.STOP
+    assert (
+        a.add(prefix_len=0, input_len=2000, max_new_left=1, overtaken=3, handle="big").result
+        == AddResult.STOP
+    )
     assert a.add(prefix_len=0, input_len=10, max_new_left=1, handle="small").result == AddResult.STOP
     assert a.overtaken_handles() == []
 
 
 def test_skipped_but_not_overtaken_is_not_counted():
     a = PrefillAdder(
-        page_size=1, rem_total_tokens=100, rem_input_tokens=4096, rem_chunk_tokens=None, max_new_reqs=10,
+        page_size=1,
+        rem_total_tokens=100,
+        rem_input_tokens=4096,
+        rem_chunk_tokens=None,
+        max_new_reqs=10,
         new_token_ratio=0.5,
     )
     a.add(prefix_len=0, input_len=2000, max_new_left=1, handle="a")
@@ -181,8 +205,13 @@ def test_overtaking_is_bounded_under_a_stream_of_small_requests(max_overtakes):
         for step in range(steps):
             queue += [(f"s{step}a", 60, 0), (f"s{step}b", 60, 0)]
             a = PrefillAdder(
-                page_size=1, rem_total_tokens=pool - sum(s for s, _ in running), rem_input_tokens=1 << 20,
-                rem_chunk_tokens=None, max_new_reqs=100, new_token_ratio=1.0, max_overtakes=bound,
+                page_size=1,
+                rem_total_tokens=pool - sum(s for s, _ in running),
+                rem_input_tokens=1 << 20,
+                rem_chunk_tokens=None,
+                max_new_reqs=100,
+                new_token_ratio=1.0,
+                max_overtakes=bound,
             )
             keep = []
             for name, slots, over in queue:
@@ -215,8 +244,12 @@ def test_chunk_split_is_page_aligned_and_covers_the_prompt_randomized():
         done, pieces = prefix, []
         while done < total:
             a = PrefillAdder(
-                page_size=P, rem_total_tokens=1 << 30, rem_input_tokens=max_prefill, rem_chunk_tokens=chunk_size,
-                max_new_reqs=1, new_token_ratio=0.5,
+                page_size=P,
+                rem_total_tokens=1 << 30,
+                rem_input_tokens=max_prefill,
+                rem_chunk_tokens=chunk_size,
+                max_new_reqs=1,
+                new_token_ratio=0.5,
             )
             d = a.add(prefix_len=done, input_len=total, max_new_left=10)
             assert d.admitted
@@ -237,7 +270,11 @@ def test_chunk_split_is_page_aligned_and_covers_the_prompt_randomized():
 
 def test_chunk_budget_below_one_page_stops():
     a = PrefillAdder(
-        page_size=16, rem_total_tokens=10_000, rem_input_tokens=10, rem_chunk_tokens=64, max_new_reqs=4,
+        page_size=16,
+        rem_total_tokens=10_000,
+        rem_input_tokens=10,
+        rem_chunk_tokens=64,
+        max_new_reqs=4,
         new_token_ratio=0.5,
     )
     assert a.add(prefix_len=0, input_len=100, max_new_left=10).result == AddResult.STOP
@@ -245,13 +282,21 @@ def test_chunk_budget_below_one_page_stops():
 
 def test_without_chunking_the_first_request_may_exceed_the_prefill_budget():
     a = PrefillAdder(
-        page_size=1, rem_total_tokens=100_000, rem_input_tokens=100, rem_chunk_tokens=None, max_new_reqs=4,
+        page_size=1,
+        rem_total_tokens=100_000,
+        rem_input_tokens=100,
+        rem_chunk_tokens=None,
+        max_new_reqs=4,
         new_token_ratio=0.5,
     )
     assert a.add(prefix_len=0, input_len=500, max_new_left=10).result == AddResult.ADMITTED
     assert a.add(prefix_len=0, input_len=5, max_new_left=10).result == AddResult.STOP
     b = PrefillAdder(
-        page_size=1, rem_total_tokens=100_000, rem_input_tokens=100, rem_chunk_tokens=None, max_new_reqs=4,
+        page_size=1,
+        rem_total_tokens=100_000,
+        rem_input_tokens=100,
+        rem_chunk_tokens=None,
+        max_new_reqs=4,
         new_token_ratio=0.5,
     )
     assert b.add(prefix_len=0, input_len=50, max_new_left=10).result == AddResult.ADMITTED
@@ -260,7 +305,11 @@ def test_without_chunking_the_first_request_may_exceed_the_prefill_budget():
 
 def test_kv_cost_uses_the_ratio_and_whole_pages():
     a = PrefillAdder(
-        page_size=16, rem_total_tokens=0, rem_input_tokens=1, rem_chunk_tokens=None, max_new_reqs=1,
+        page_size=16,
+        rem_total_tokens=0,
+        rem_input_tokens=1,
+        rem_chunk_tokens=None,
+        max_new_reqs=1,
         new_token_ratio=0.5,
     )
     # 100 input tokens past a 32-token prefix + ceil(0.5 * 30) = 15 decode tokens -> 115 -> 128 - 32
@@ -270,10 +319,10 @@ def test_kv_cost_uses_the_ratio_and_whole_pages():
 
 
 def test_decode_reserve():
-    assert decode_reserve([], 0.7, 1.0) == 0
-    assert decode_reserve([10, 10], 0.5, 1.0) == 10
-    assert decode_reserve([10, 10], 0.5, 2.0) == 20
-    assert decode_reserve([3], 0.5, 1.0) == 2  # rounded up per request
+    assert decode_reserve([], 0.7) == 0
+    assert decode_reserve([10, 10], 0.5) == 10
+    assert decode_reserve([10, 10], 1.0) == 20
+    assert decode_reserve([3], 0.5) == 2  # rounded up per request
 
 
 # ---------------------------------------------------------------------- queue order
@@ -308,7 +357,9 @@ def test_lpm_aging_and_starvation_order_randomized():
         order = pol.lpm_order(prefix, waited, seqs)
         assert sorted(order) == list(range(n))
         starved = [i for i in order if waited[i] >= starve]
-        assert order[: len(starved)] == sorted(starved, key=lambda i: seqs[i]), "starved first, in arrival order"
+        assert order[: len(starved)] == sorted(starved, key=lambda i: seqs[i]), (
+            "starved first, in arrival order"
+        )
         rest = order[len(starved) :]
         scores = [prefix[i] + aging * waited[i] for i in rest]
         assert scores == sorted(scores, reverse=True)
@@ -356,6 +407,18 @@ def test_new_token_ratio_decays_to_min_and_rises_on_retraction():
         NewTokenRatio(init=0.05, min=0.1)
 
 
+def test_conservativeness_scales_the_new_token_ratio():
+    base = NewTokenRatio.from_conservativeness(1.0)
+    assert base.value == pytest.approx(0.7) and base.min == pytest.approx(0.098)
+    assert NewTokenRatio.from_conservativeness(2.0).value == 1.0
+    low = NewTokenRatio.from_conservativeness(0.5)
+    assert low.value == pytest.approx(0.35) and low.min < base.min
+    for r in (base, low):  # reaches its minimum after the decay steps
+        for _ in range(600):
+            r.on_decode_step()
+        assert r.value == pytest.approx(r.min)
+
+
 # ---------------------------------------------------------------------- retraction
 def test_retraction_order_loses_the_least_work_first():
     a = make_req(0, prompt_len=50, out_len=10)
@@ -398,3 +461,33 @@ def test_decode_slots_counts_fresh_pages():
     assert decode_slots([16, 17, 31], 16) == 16  # only the full page at 16 needs a new one
     assert decode_slots([15], 16, steps=2) == 16
     assert decode_slots([0], 16, steps=1) == 16
+
+
+# ---------------------------------------------------------------------- in-batch sharing
+def test_in_batch_prefix_filter_block_granularity():
+    f = InBatchPrefixFilter(block=4)
+    assert f.shared_len(list(range(20))) == 0
+    f.add(list(range(10)))  # blocks [0,4) and [4,8) are recorded
+    assert f.shared_len(list(range(20))) == 8
+    assert f.shared_len(list(range(7))) == 4
+    assert f.shared_len([0, 1, 2, 99] + list(range(4, 20))) == 0
+    assert f.shared_len(list(range(4)) + [5, 4, 6, 7]) == 4
+
+
+def test_in_batch_prefix_filter_matches_a_brute_force_model():
+    rng = random.Random(5)
+    for _ in range(300):
+        f = InBatchPrefixFilter(block=rng.choice([1, 2, 8]))
+        added: list[list[int]] = []
+        for _ in range(rng.randint(1, 6)):
+            base = rng.choice(added) if added and rng.random() < 0.6 else []
+            key = base[: rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 40))]
+            expect = 0
+            for other in added:
+                common = 0
+                while common < min(len(key), len(other)) and key[common] == other[common]:
+                    common += 1
+                expect = max(expect, common // f.block * f.block)
+            assert f.shared_len(key) == expect
+            f.add(key)
+            added.append(key)

@@ -97,3 +97,11 @@ def test_port_args_private_dir():
 def test_true_default_bool_can_be_switched_off():
     assert _parse([]).enable_metrics is True
     assert _parse(["--no-enable-metrics"]).enable_metrics is False
+
+
+def test_configuration_doc_lists_every_flag():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    missing = [f.name for f in dataclasses.fields(ServerArgs) if f"`--{f.name.replace('_', '-')}`" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"

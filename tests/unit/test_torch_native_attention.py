@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from srt.layers.attention import torch_native
 from srt.layers.attention.registry import (
     UnknownAttentionBackendError,
     available_attention_backends,
@@ -165,14 +166,36 @@ def test_decode(page_size):
     case = make_case(ForwardMode.DECODE, [1, 30, 0, 17, 64], [1, 1, 1, 1, 1], page_size, seed=3)
     check(case)
     md = case.fb.attn_backend.forward_metadata
-    # one padded [bs, max_len] gather index, built once per batch
-    assert md.decode_slots.numel() == 5 * 65 and md.decode_mask.shape == (5, 1, 1, 65)
+    # small batch: one chunk, one padded [bs, max_len] gather index built once per batch,
+    # sequences ordered by length
+    (chunk,) = md.decode_chunks
+    assert chunk.slots.numel() == 5 * 65 and chunk.mask.shape == (5, 1, 1, 65)
+    assert chunk.index.tolist() == [2, 0, 3, 1, 4]
 
 
 def test_decode_equal_lengths_needs_no_mask():
     case = make_case(ForwardMode.DECODE, [12, 12, 12], [1, 1, 1], 16, seed=4)
     check(case)
-    assert case.fb.attn_backend.forward_metadata.decode_mask is None
+    (chunk,) = case.fb.attn_backend.forward_metadata.decode_chunks
+    assert chunk.mask is None and chunk.index is None  # already in length order: plain slices
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_decode_in_chunks_by_length(page_size, monkeypatch):
+    # a gather budget of 40 rows: sequences are sorted by length and cut into chunks
+    head_num, head_dim = 2, 16  # make_case's pool (kv_heads, head_dim)
+    monkeypatch.setattr(torch_native, "DECODE_CHUNK_BYTES", 40 * 2 * head_num * head_dim * 4)
+    prefixes = [30, 3, 9, 2, 17, 8, 25, 4, 4]
+    case = make_case(ForwardMode.DECODE, prefixes, [1] * len(prefixes), page_size, seed=7)
+    check(case)
+    chunks = case.fb.attn_backend.forward_metadata.decode_chunks
+    seen = []
+    for c in chunks:
+        idx = list(range(c.start, c.start + c.n)) if c.index is None else c.index.tolist()
+        lens = [prefixes[i] + 1 for i in idx]
+        assert c.max_len == max(lens) and (c.n == 1 or c.n * c.max_len <= 40)
+        seen += lens
+    assert seen == sorted(p + 1 for p in prefixes) and len(chunks) > 2
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

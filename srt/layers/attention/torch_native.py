@@ -15,13 +15,22 @@ Extend part (sequences ``0 .. ne-1``; all of an EXTEND batch, the head of a MIXE
     Runs of consecutive sequences with the same (e_i, s_i) form one SDPA call of batch n
     (zero-copy views); a lone sequence is a run of 1. No prefix -> ``is_causal``; e_i == 1 -> no mask.
 
-Decode part (the remaining ``nd`` sequences, one query token each)::
+Decode part (the remaining ``nd`` sequences, one query token each), in chunks::
 
-    decode_slots [nd, L] = req_to_token[req_pool_indices[ne:], :L], L = max seq_len,
-                           entries past seq_len -> slot 0 (the pool's zero padding page)
-    decode_mask  [nd, 1, 1, L] = position < seq_len   (None when every sequence has length L)
-    per layer:   K = k_buffer.index_select(0, decode_slots.flatten()) -> [nd, L, H_kv, D]
-                 (once for K, once for V), then one batched SDPA.
+    sequences ordered by seq_len (stable), then cut into chunks of consecutive ones whose
+    padded K+V gather (n_c x L_c rows, L_c = the chunk's max seq_len) fits DECODE_CHUNK_BYTES
+    (at least one sequence per chunk); per chunk, built once per batch:
+      slots [n_c, L_c] = req_to_token[rows, :L_c], entries past seq_len -> slot 0 (the pool's
+                         zero padding page)
+      mask  [n_c, 1, 1, L_c] = position < seq_len   (None when the chunk's lengths are equal)
+    per layer and chunk: K = k_buffer.index_select(0, slots.flatten()) -> [n_c, L_c, H_kv, D]
+                 (once for K, once for V, into a reused workspace), then one batched SDPA.
+
+Chunking keeps the gathered K/V in the CPU caches between the gather and SDPA's reads (one
+gather of a whole large batch is tens of MB and goes to DRAM and back), and grouping equal or
+similar lengths cuts the padding a single ``[nd, max_len]`` matrix would attend over. Each
+sequence's result does not depend on its chunk (SDPA is per sequence and head; masked padding
+adds exact zeros).
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ from srt.layers.attention.base import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
+
+# Budget for one decode chunk's gathered K plus V (bytes): fits comfortably in a core's L2 plus
+# its share of L3 on current x86 server parts.
+DECODE_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -53,16 +66,26 @@ class ExtendRun:
 
 
 @dataclass(slots=True)
+class DecodeChunk:
+    """``n`` decode sequences attended together (positions among the batch's decode part)."""
+
+    start: int  # first position when the chunk is a contiguous range of decode sequences
+    n: int
+    index: torch.Tensor | None  # int64 [n] positions (None: the range start .. start + n - 1)
+    max_len: int
+    slots: torch.Tensor  # int64 [n * max_len] (flattened [n, max_len]; padding -> slot 0)
+    mask: torch.Tensor | None  # bool [n, 1, 1, max_len] or None (all lengths == max_len)
+
+
+@dataclass(slots=True)
 class TorchNativeMetadata:
     num_extend_seqs: int = 0
     num_extend_tokens: int = 0
     extend_kv_slots: torch.Tensor | None = None  # int64 [sum of extend seqs' seq_lens]
     extend_runs: list[ExtendRun] = field(default_factory=list)
     num_decode_seqs: int = 0
-    decode_max_len: int = 0
-    decode_slots: torch.Tensor | None = None  # int64 [nd * L] (flattened [nd, L])
-    decode_mask: torch.Tensor | None = None  # bool [nd, 1, 1, L] or None
-    max_gather_rows: int = 0  # max(len(extend_kv_slots), len(decode_slots)): the workspace size
+    decode_chunks: list[DecodeChunk] = field(default_factory=list)
+    max_gather_rows: int = 0  # max(len(extend_kv_slots), rows of a decode chunk): the workspace size
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -100,10 +123,13 @@ class TorchNativeAttnBackend(AttentionBackend):
                 md, req_to_token, fb.req_pool_indices[:ne], seq_lens[:ne], extend_lens[:ne], prefix_lens[:ne]
             )
         if bs - ne:
-            self._init_decode(md, req_to_token, fb.req_pool_indices[ne:], fb.seq_lens[ne:], seq_lens[ne:])
+            pool = fb.token_to_kv_pool
+            row_bytes = 0 if pool is None else 2 * pool.head_num * pool.head_dim * pool.dtype.itemsize
+            budget = DECODE_CHUNK_BYTES // row_bytes if row_bytes else 4096
+            self._init_decode(md, req_to_token, fb.req_pool_indices[ne:], seq_lens[ne:], budget)
         md.max_gather_rows = max(
             0 if md.extend_kv_slots is None else md.extend_kv_slots.numel(),
-            0 if md.decode_slots is None else md.decode_slots.numel(),
+            max((c.slots.numel() for c in md.decode_chunks), default=0),
         )
         self.forward_metadata = md
 
@@ -157,18 +183,38 @@ class TorchNativeAttnBackend(AttentionBackend):
         md: TorchNativeMetadata,
         req_to_token: torch.Tensor,
         req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: list[int],
+        seq_lens: list[int],
+        budget_rows: int,
     ) -> None:
+        """Chunks of the decode sequences (see the module docstring); ``budget_rows`` = gathered
+        K/V rows per chunk."""
         device = req_to_token.device
-        max_len = max(seq_lens_cpu)
-        slots = req_to_token[req_pool_indices.to(device), :max_len]
-        if min(seq_lens_cpu) < max_len:
-            valid = torch.arange(max_len, device=device)[None, :] < seq_lens.to(device)[:, None]
-            slots = slots.masked_fill(~valid, 0)
-            md.decode_mask = valid[:, None, None, :]
-        md.decode_slots = slots.reshape(-1)
-        md.decode_max_len = max_len
+        nd = len(seq_lens)
+        md.num_decode_seqs = nd
+        order = sorted(range(nd), key=seq_lens.__getitem__)
+        in_order = all(order[i] == i for i in range(nd))
+        pool_rows = req_pool_indices.to(device)
+        lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        i = 0
+        while i < nd:
+            n = 1  # lengths ascend along `order`, so the last one is the chunk's max
+            while i + n < nd and (n + 1) * seq_lens[order[i + n]] <= budget_rows:
+                n += 1
+            max_len = seq_lens[order[i + n - 1]]
+            if in_order:
+                index = None
+                rows, lens = pool_rows[i : i + n], lens_t[i : i + n]
+            else:
+                index = torch.tensor(order[i : i + n], dtype=torch.int64, device=device)
+                rows, lens = pool_rows[index], lens_t[index]
+            slots = req_to_token[rows, :max_len]
+            mask = None
+            if seq_lens[order[i]] < max_len:
+                valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+                slots = slots.masked_fill(~valid, 0)
+                mask = valid[:, None, None, :]
+            md.decode_chunks.append(DecodeChunk(i, n, index, max_len, slots.reshape(-1), mask))
+            i += n
 
     # ------------------------------------------------------------------ per layer
     def forward_extend(
@@ -235,18 +281,32 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """q3 ``[nd, H, D]`` (one query per decoding sequence) -> ``[nd, H, D]``."""
         nd, h, d = q3.shape
-        h_kv, max_len = layer.num_kv_heads, md.decode_max_len
-        kd = self._gather(k_buf, md.decode_slots, 0, md).view(nd, max_len, h_kv, d).transpose(1, 2)
-        vd = self._gather(v_buf, md.decode_slots, 1, md).view(nd, max_len, h_kv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q3.unsqueeze(2),
-            kd.to(q3.dtype),
-            vd.to(q3.dtype),
-            attn_mask=md.decode_mask,
-            scale=layer.scaling,
-            enable_gqa=h != h_kv,
-        )
-        return o.squeeze(2)
+        h_kv = layer.num_kv_heads
+        gqa = h != h_kv
+        chunks = md.decode_chunks
+        whole = len(chunks) == 1 and chunks[0].index is None  # one chunk, batch order
+        out = None if whole else q3.new_empty(nd, h, d)
+        for c in chunks:
+            n, max_len = c.n, c.max_len
+            qc = q3[c.start : c.start + n] if c.index is None else q3.index_select(0, c.index)
+            kd = self._gather(k_buf, c.slots, 0, md).view(n, max_len, h_kv, d).transpose(1, 2)
+            vd = self._gather(v_buf, c.slots, 1, md).view(n, max_len, h_kv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qc.unsqueeze(2),
+                kd.to(q3.dtype),
+                vd.to(q3.dtype),
+                attn_mask=c.mask,
+                scale=layer.scaling,
+                enable_gqa=gqa,
+            ).squeeze(2)
+            if out is None:
+                return o
+            if c.index is None:
+                out[c.start : c.start + n] = o
+            else:
+                out.index_copy_(0, c.index, o)
+        assert out is not None
+        return out
 
     def _gather(
         self, src: torch.Tensor, index: torch.Tensor, which: int, md: TorchNativeMetadata
