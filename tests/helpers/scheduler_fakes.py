@@ -69,7 +69,11 @@ def reference_prompt_logprobs(prompt: Sequence[int], start: int) -> list[float |
 
 
 def reference_generate(
-    prompt: Sequence[int], max_new_tokens: int, eos_every: int = 0, ignore_eos: bool = False, min_new_tokens: int = 0
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    eos_every: int = 0,
+    ignore_eos: bool = False,
+    min_new_tokens: int = 0,
 ) -> list[int]:
     """The output the scheduler must produce for ``prompt`` (run alone, token by token)."""
     ctx = list(prompt)
@@ -96,7 +100,9 @@ class KVEchoRunner:
 
     def __post_init__(self) -> None:
         assert self.context_len <= MAX_CONTEXT
-        self.model_config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=[EOS], context_len=self.context_len)
+        self.model_config = SimpleNamespace(
+            vocab_size=VOCAB, eos_token_ids=[EOS], context_len=self.context_len
+        )
         self.max_total_num_tokens = self.max_total_tokens
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 4, self.context_len, "cpu")
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
@@ -128,7 +134,9 @@ class KVEchoRunner:
             h = int((self.kv_token[slots] * _WEIGHTS[:n]).sum()) % _PRIME
             next_ids.append(_token_of_hash(h, self.eos_every))
             lps.append(-float(n % 7) - 0.5)
-        logits_output = SimpleNamespace(next_token_logits=None, input_token_logprobs=None, input_top_logprobs=None)
+        logits_output = SimpleNamespace(
+            next_token_logits=None, input_token_logprobs=None, input_top_logprobs=None
+        )
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None:
             logits_output.input_token_logprobs = self._prompt_logprobs(fb)
         out = SampleOutput(next_token_ids=torch.tensor(next_ids, dtype=torch.int64))

@@ -48,7 +48,9 @@ def make_scheduler(total: int = 2048, page: int = 1, radix: bool = True, **kw) -
 
 def gen(rid: str, prompt: list[int], max_new: int = 8, **params) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(
-        rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **params)
+        rid=rid,
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, **params),
     )
 
 
@@ -186,7 +188,9 @@ def test_abort_unknown_finished_and_all():
     s.handle_message(AbortReq(rid="", message="shutdown", status_code=503))
     assert s.waiting_queue == [] and s.running == [] and s.chunked_req is None
     step(s, c)
-    assert all(c.finish[f"x{i}"] == {"type": "abort", "message": "shutdown", "status_code": 503} for i in range(5))
+    assert all(
+        c.finish[f"x{i}"] == {"type": "abort", "message": "shutdown", "status_code": 503} for i in range(5)
+    )
     finish_and_check_free(s, c)
 
 

@@ -31,8 +31,20 @@ def _args(path: str, **kw) -> ServerArgs:
     return ServerArgs(**base).resolve()
 
 
+@pytest.fixture(autouse=True)
+def _capture_runner_log(caplog):
+    # An in-process Engine test may have set the "srt" logger not to propagate to the root
+    # logger (where caplog listens): listen on the runner's logger itself.
+    logger = logging.getLogger("srt.model_executor.model_runner")
+    caplog.set_level(logging.INFO, logger=logger.name)
+    logger.addHandler(caplog.handler)
+    yield
+    logger.removeHandler(caplog.handler)
+
+
 def _kv_lines(caplog) -> list[re.Match]:
-    return [m for r in caplog.records if (m := KV_LINE.match(r.getMessage()))]
+    records = {id(r): r for r in caplog.records}.values()  # the fixture's handler may see a record twice
+    return [m for r in records if (m := KV_LINE.match(r.getMessage()))]
 
 
 def test_profiled_pool_size(tiny_path, caplog):

@@ -22,7 +22,9 @@ EOS = 2
 
 
 def make_req(rid: str, ids: list[int], max_new: int = 10, **params) -> Req:
-    kw = {k: params.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in params}
+    kw = {
+        k: params.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in params
+    }
     return Req(rid, ids, SamplingParams(**params), max_new_tokens=max_new, seed=1, eos_token_ids=[EOS], **kw)
 
 
