@@ -10,19 +10,24 @@ stacks e.g. gate/up along the output dimension. Checkpoints store the parts sepa
 Parameters are created uninitialized (``torch.empty``, no init kernels, pages untouched
 until loading writes them) with ``requires_grad=False``.
 
-``linear(x, weight, bias)`` is the matmul every layer (and the LM head) uses: ``F.linear``
-(MKL sgemm on CPU) by default. With ``SRT_ONEDNN_LINEAR=1`` CPU float32 inputs with two or
-more rows run oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) instead: about 2x faster
-on AMD CPUs, where MKL does not take its AVX-512 path, but its float32 accumulation order
-differs from MKL's, so logits move by ~1e-4 (SmolLM2-135M, 30 layers) against a reference
-computed with MKL (e.g. transformers on the same machine): off by default to keep outputs
-bitwise those of ``F.linear``. It is also off when oneDNN is missing or fails a one-time
-self-check.
+``linear(x, weight, bias)`` is the matmul every layer (and the LM head) uses. Its CPU float32
+backend is process-wide, chosen by ``ServerArgs.linear_backend`` (``--linear-backend``) and set
+by the ModelRunner through ``set_linear_backend``:
+
+* ``onednn`` (what ``auto`` picks on CPU float32 when oneDNN is present and passes a one-time
+  self-check): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``). About 2x MKL's sgemm
+  on AMD CPUs, where MKL does not take its AVX-512 path (prefill 512 tokens 824 -> 485 ms on the
+  2-core dev VM), and it also streams weights faster at one row (decode at batch 1, where the
+  step is bound by reading the weights: 45 -> 33 ms). Its float32
+  accumulation order differs from MKL's, so logits move by ~1e-4 (SmolLM2-135M, 30 layers)
+  against a reference computed with MKL (e.g. transformers on the same machine); greedy tokens
+  stay equal except at near-ties.
+* ``torch``: ``F.linear`` everywhere (MKL sgemm on CPU): outputs bitwise those of a plain
+  PyTorch model on the same machine. The default of a process that never calls
+  ``set_linear_backend`` (a model used outside the ModelRunner), and always the choice on CUDA.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -30,45 +35,69 @@ from torch import nn
 
 from srt.model_loader.weight_utils import WeightLoadError, copy_weight
 
-_onednn_ok: bool | None = None  # None = not probed yet
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+_use_onednn = False  # the process-wide choice (see the module docstring)
+_onednn_probe: bool | None = None  # None = not probed yet
 
 
-def _onednn_linear_available() -> bool:
-    """oneDNN linear asked for and usable here (probed once: enabled, present, matches
-    ``F.linear`` up to rounding)."""
-    global _onednn_ok
-    if _onednn_ok is None:
-        ok = (
-            os.environ.get("SRT_ONEDNN_LINEAR", "0") not in ("", "0") and torch.backends.mkldnn.is_available()
-        )
+def onednn_linear_available() -> bool:
+    """oneDNN's linear is present here and matches ``F.linear`` up to rounding (probed once)."""
+    global _onednn_probe
+    if _onednn_probe is None:
+        ok = torch.backends.mkldnn.is_available()
         if ok:
             try:
                 gen = torch.Generator().manual_seed(0)
-                x = torch.randn(3, 16, generator=gen)
-                w = torch.randn(8, 16, generator=gen)
-                b = torch.randn(8, generator=gen)
+                x = torch.randn(5, 64, generator=gen)
+                w = torch.randn(24, 64, generator=gen)
+                b = torch.randn(24, generator=gen)
                 got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-                ok = got.shape == (3, 8) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+                ok = got.shape == (5, 24) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
             except Exception:  # noqa: BLE001 - any failure means "use F.linear"
                 ok = False
-        _onednn_ok = ok
-    return _onednn_ok
+        _onednn_probe = ok
+    return _onednn_probe
+
+
+def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
+    """``auto`` -> ``onednn`` on CPU float32 when available, else ``torch``. An explicit
+    ``onednn`` that cannot run here raises ``ValueError`` (the caller turns it into a config
+    error)."""
+    if requested not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {requested!r}; expected one of {LINEAR_BACKENDS}")
+    usable = device == "cpu" and dtype == "float32" and onednn_linear_available()
+    if requested == "auto":
+        return "onednn" if usable else "torch"
+    if requested == "onednn" and not usable:
+        raise ValueError(
+            "--linear-backend onednn needs --device cpu, --dtype float32 and a working oneDNN "
+            "(torch.backends.mkldnn); use --linear-backend torch"
+        )
+    return requested
+
+
+def set_linear_backend(name: str) -> None:
+    """Make ``linear`` use ``name`` (``onednn`` or ``torch``) in this process."""
+    global _use_onednn
+    if name not in ("onednn", "torch"):
+        raise ValueError(f"set_linear_backend takes 'onednn' or 'torch', got {name!r}")
+    _use_onednn = name == "onednn" and onednn_linear_available()
+
+
+def get_linear_backend() -> str:
+    return "onednn" if _use_onednn else "torch"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]`` -> ``[..., out]``.
-
-    With ``SRT_ONEDNN_LINEAR=1``, CPU float32 inputs with at least two rows go through oneDNN
-    (see the module docstring); everything else through ``F.linear``."""
-    if _onednn_ok is False:  # the default: no per-call checks
-        return F.linear(x, weight, bias)
+    """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]`` -> ``[..., out]``,
+    through the process's backend (see the module docstring)."""
     if (
-        x.dtype == torch.float32
+        _use_onednn
+        and x.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.dtype == torch.float32
-        and x.numel() >= 2 * x.shape[-1] > 0
+        and x.numel() > 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and _onednn_linear_available()
     ):
         x2 = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+import srt.layers.linear as linear_mod
 from srt.layers import logits_processor as logits_processor_module
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
@@ -172,6 +173,54 @@ def test_merged_column_linear_gate_up():
 def test_linear_has_no_grad_and_no_bias_by_default():
     layer = Linear(4, 3)
     assert layer.bias is None and not layer.weight.requires_grad
+
+
+@pytest.fixture
+def restore_linear_backend():
+    before = linear_mod.get_linear_backend()
+    yield
+    linear_mod.set_linear_backend(before)
+
+
+@pytest.mark.skipif(not linear_mod.onednn_linear_available(), reason="oneDNN linear not usable here")
+def test_onednn_linear_backend_matches_f_linear(restore_linear_backend, monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        linear_mod.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a)
+    )
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    linear_mod.set_linear_backend("onednn")
+    assert linear_mod.get_linear_backend() == "onednn"
+    for shape in [(7, 24), (2, 3, 24), (1, 24)]:
+        x = torch.randn(*shape, generator=gen)
+        for bias in (None, b):
+            got = linear_mod.linear(x, w, bias)
+            assert got.shape == (*shape[:-1], 40)
+            torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 6
+    calls.clear()
+    linear_mod.set_linear_backend("torch")
+    x = torch.randn(7, 24, generator=gen)
+    assert torch.equal(linear_mod.linear(x, w, b), F.linear(x, w, b)) and not calls
+    x64 = x.double()  # other dtypes always take F.linear
+    linear_mod.set_linear_backend("onednn")
+    assert torch.equal(linear_mod.linear(x64, w.double()), F.linear(x64, w.double())) and not calls
+
+
+def test_resolve_linear_backend():
+    ok = linear_mod.onednn_linear_available()
+    assert linear_mod.resolve_linear_backend("auto", "cpu", "float32") == ("onednn" if ok else "torch")
+    assert linear_mod.resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
+    assert linear_mod.resolve_linear_backend("auto", "cuda", "float32") == "torch"
+    assert linear_mod.resolve_linear_backend("torch", "cpu", "float32") == "torch"
+    with pytest.raises(ValueError, match="--linear-backend"):
+        linear_mod.resolve_linear_backend("onednn", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        linear_mod.resolve_linear_backend("mkl", "cpu", "float32")
+    with pytest.raises(ValueError):
+        linear_mod.set_linear_backend("auto")
 
 
 # ---------------------------------------------------------------- radix attention

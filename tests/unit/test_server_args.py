@@ -55,6 +55,7 @@ def test_resolve_cpu_defaults_and_does_not_mutate():
     assert r.attention_backend == "torch_native"
     assert 0 < r.mem_fraction_static < 1
     assert r.chunked_prefill_size > 0
+    assert r.linear_backend in ("onednn", "torch")  # auto resolved (onednn where it works)
 
 
 def test_resolve_gguf_load_format():
@@ -69,6 +70,7 @@ def test_resolve_gguf_load_format():
         ({"page_size": 16, "chunked_prefill_size": 100}, "--chunked-prefill-size"),
         ({"tp_size": 2}, "--tp-size"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
+        ({"linear_backend": "onednn", "dtype": "bfloat16"}, "--linear-backend"),
     ],
 )
 def test_resolve_errors_name_the_flag(kwargs, needle):

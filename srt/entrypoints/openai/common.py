@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any
 
 import orjson
@@ -61,6 +63,14 @@ def abort_error(finish_reason: dict[str, Any] | None) -> SrtError | None:
     return RequestAbortedError(str(finish_reason.get("message") or "request aborted"), status)
 
 
+def raise_abort_error(finish_reason: dict[str, Any] | None) -> None:
+    """Raise the error of an output aborted with an HTTP status other than 499 (the client went
+    away: nothing to report to it)."""
+    err = abort_error(finish_reason)
+    if err is not None and err.status_code != 499:
+        raise err
+
+
 def openai_finish_reason(finish_reason: dict[str, Any] | None) -> str | None:
     if finish_reason is None:
         return None
@@ -101,3 +111,46 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def stream_error(e: SrtError) -> bytes:
+    """The SSE event of an error met mid-stream (OpenAI's error object)."""
+    return sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}})
+
+
+class Envelope:
+    """The fields every response object of one request shares: ``id`` (``prefix`` + a uuid),
+    ``object``, ``created``, ``model``; streamed chunks and the non-streaming body both carry
+    them, with their ``choices`` and ``usage``."""
+
+    def __init__(self, prefix: str, obj: str, model: str) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.object = obj
+        self.created = int(time.time())
+        self.model = model
+
+    def body(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage_ is not None:
+            out["usage"] = usage_
+        return out
+
+    def event(self, choices: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> bytes:
+        """One SSE chunk; ``meta`` given -> with that output's running usage."""
+        u = (
+            None
+            if meta is None
+            else usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
+        )
+        return sse(self.body(choices, u))
+
+    def usage_event(self, last_meta: dict[int, dict[str, Any]], n: int) -> bytes:
+        """The final ``include_usage`` chunk: empty choices, the usage of every choice's last output."""
+        outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
+        return sse(self.body([], usage_of(outs, n)))

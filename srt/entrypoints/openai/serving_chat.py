@@ -10,19 +10,17 @@ usage; and ``data: [DONE]``.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from srt.entrypoints.openai.common import (
     SSE_DONE,
-    abort_error,
+    Envelope,
     matched_stop,
     openai_finish_reason,
-    sse,
+    raise_abort_error,
+    stream_error,
     token_text,
-    usage,
     usage_of,
 )
 from srt.entrypoints.openai.protocol import (
@@ -97,9 +95,7 @@ class OpenAIServingChat:
 
     def build_response(self, req: ChatCompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
         for o in outputs:
-            err = abort_error(o["meta_info"]["finish_reason"])
-            if err is not None and err.status_code != 499:
-                raise err
+            raise_abort_error(o["meta_info"]["finish_reason"])
         choices = []
         for o in outputs:
             meta = o["meta_info"]
@@ -114,56 +110,29 @@ class OpenAIServingChat:
                     "matched_stop": matched_stop(meta["finish_reason"]),
                 }
             )
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.tm.model_name,
-            "choices": choices,
-            "usage": usage_of(outputs, req.n),
-        }
+        return Envelope("chatcmpl", "chat.completion", self.tm.model_name).body(
+            choices, usage_of(outputs, req.n)
+        )
 
     async def stream(
         self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = self.tm.model_name
+        env = Envelope("chatcmpl", "chat.completion.chunk", self.tm.model_name)
         started: set[int] = set()
         last_meta: dict[int, dict[str, Any]] = {}
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-
-        def event(choice: dict[str, Any], meta: dict[str, Any] | None = None) -> bytes:
-            ev = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if continuous and meta is not None:
-                ev["usage"] = usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
-            return sse(ev)
 
         try:
             async for out in chunks:
                 idx = out["index"]
                 meta = out["meta_info"]
                 last_meta[idx] = meta
-                err = abort_error(meta["finish_reason"])
-                if err is not None and err.status_code != 499:
-                    raise err
+                raise_abort_error(meta["finish_reason"])
                 if idx not in started:
                     started.add(idx)
-                    yield event(
-                        {
-                            "index": idx,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    )
+                    delta = {"role": "assistant", "content": ""}
+                    yield env.event([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
                 finish = openai_finish_reason(meta["finish_reason"])
                 if not out["text"] and finish is None and not (req.logprobs and out["output_ids"]):
                     continue  # nothing to show yet (e.g. text held back by a possible stop string)
@@ -177,23 +146,11 @@ class OpenAIServingChat:
                 }
                 if finish is not None:
                     choice["matched_stop"] = matched_stop(meta["finish_reason"])
-                yield event(choice, meta)
+                yield env.event([choice], meta if continuous else None)
         except SrtError as e:
-            yield sse(
-                {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}}
-            )
+            yield stream_error(e)
             yield SSE_DONE
             return
         if include_usage:
-            outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
-            yield sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage_of(outs, req.n),
-                }
-            )
+            yield env.usage_event(last_meta, req.n)
         yield SSE_DONE

@@ -8,19 +8,17 @@ prompt's token logprobs, the first being null).
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from srt.entrypoints.openai.common import (
     SSE_DONE,
-    abort_error,
+    Envelope,
     matched_stop,
     openai_finish_reason,
-    sse,
+    raise_abort_error,
+    stream_error,
     token_text,
-    usage,
     usage_of,
 )
 from srt.entrypoints.openai.protocol import (
@@ -128,25 +126,15 @@ class OpenAIServingCompletion:
     def build_response(self, req: CompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
         """The non-streaming response; raises the abort error of an output aborted with a status."""
         for o in outputs:
-            err = abort_error(o["meta_info"]["finish_reason"])
-            if err is not None and err.status_code != 499:
-                raise err
+            raise_abort_error(o["meta_info"]["finish_reason"])
         choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.tm.model_name,
-            "choices": choices,
-            "usage": usage_of(outputs, req.n),
-        }
+        return Envelope("cmpl", "text_completion", self.tm.model_name).body(choices, usage_of(outputs, req.n))
 
     async def stream(
         self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
         """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        env = Envelope("cmpl", "text_completion", self.tm.model_name)
         builders: dict[int, CompletionLogprobs | None] = {}
         last_meta: dict[int, dict[str, Any]] = {}
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -158,36 +146,13 @@ class OpenAIServingCompletion:
                 if first:
                     builders[idx] = self._logprob_builder(req)
                 last_meta[idx] = out["meta_info"]
-                err = abort_error(out["meta_info"]["finish_reason"])
-                if err is not None and err.status_code != 499:
-                    raise err
-                event: dict[str, Any] = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.tm.model_name,
-                    "choices": [self._choice(req, out, builders[idx], first)],
-                }
-                if continuous:
-                    m = out["meta_info"]
-                    event["usage"] = usage(m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"])
-                yield sse(event)
+                raise_abort_error(out["meta_info"]["finish_reason"])
+                choice = self._choice(req, out, builders[idx], first)
+                yield env.event([choice], out["meta_info"] if continuous else None)
         except SrtError as e:
-            yield sse(
-                {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}}
-            )
+            yield stream_error(e)
             yield SSE_DONE
             return
         if include_usage:
-            outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
-            yield sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.tm.model_name,
-                    "choices": [],
-                    "usage": usage_of(outs, req.n),
-                }
-            )
+            yield env.usage_event(last_meta, req.n)
         yield SSE_DONE
