@@ -77,6 +77,15 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        logger.info(
+            "Model loaded in %.1f s: %.2f GiB of %s weights; attention %s, linear %s, %d threads",
+            self.load_time_s,
+            self.weight_bytes / (1 << 30),
+            dtype_name,
+            server_args.attention_backend,
+            self.linear_backend,
+            torch.get_num_threads(),
+        )
 
         cfg = self.model_config
         self.context_len: int = cfg.context_len
