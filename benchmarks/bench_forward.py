@@ -18,7 +18,7 @@ Timed region = ``ModelRunner.forward`` (metadata, model, logits; no sampling).
 
 With ``--json`` the last output line is one JSON object: ``load_s``, ``peak_rss_gib``,
 ``decode_ms`` ({"1": .., "16": .., ...}), ``prefill512_ms`` and the extras ``load_rss_gib``,
-``decode_attn_ms``, ``threads``.
+``decode_attn_ms``, ``threads``, ``linear_backend``.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
@@ -134,6 +135,7 @@ def main() -> None:
         max_total_tokens=pool_tokens,
         max_running_requests=max_bs,
         num_threads=args.num_threads,
+        linear_backend=args.linear_backend,
         random_seed=args.seed,
     ).resolve()
     t0 = time.perf_counter()
@@ -180,6 +182,7 @@ def main() -> None:
         "load_rss_gib": round(load_rss, 3),
         "decode_attn_ms": {k: round(v, 3) for k, v in attn_ms.items()},
         "threads": torch.get_num_threads(),
+        "linear_backend": runner.linear_backend,
     }
     if args.json:
         print(json.dumps(result))
