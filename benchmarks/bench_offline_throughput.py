@@ -34,9 +34,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,6 +97,19 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def _timed(fn: Callable[[], Any], pids: Sequence[int] = ()) -> tuple[Any, float, float]:
+    """``(fn(), wall seconds, CPU seconds of this process and pids)``."""
+    c0, t0 = _cpu_seconds(list(pids)), time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0, _cpu_seconds(list(pids)) - c0
+
+
+def _check_lengths(system: str, got: list[int], want: list[int]) -> None:
+    if got != want:
+        bad = sum(g != w for g, w in zip(got, want))
+        raise RuntimeError(f"{system} generated the wrong number of tokens for {bad} sequences")
+
+
 def _warmup_workload(wl: Workload) -> Workload:
     """Two short sequences that share no prefix with the workload (no prefix-cache head start)."""
     return Workload([list(range(1000, 1016)), list(range(2000, 2024))], [4, 4])
@@ -117,15 +132,13 @@ def run_srt(wl: Workload, engine_kwargs: dict) -> SystemResult:
         engine.generate(input_ids=warm.input_ids, sampling_params=_srt_sampling_params(warm.output_lens))
         engine.flush_cache()
         pids = [p for p in engine.child_pids.values() if p is not None]
-        c0, t0 = _cpu_seconds(pids), time.perf_counter()
-        outs = engine.generate(input_ids=wl.input_ids, sampling_params=_srt_sampling_params(wl.output_lens))
-        wall, cpu = time.perf_counter() - t0, _cpu_seconds(pids) - c0
+        params = _srt_sampling_params(wl.output_lens)
+        outs, wall, cpu = _timed(
+            lambda: engine.generate(input_ids=wl.input_ids, sampling_params=params), pids
+        )
     finally:
         engine.shutdown()
-    got = [int(o["meta_info"]["completion_tokens"]) for o in outs]
-    if got != wl.output_lens:
-        bad = sum(g != w for g, w in zip(got, wl.output_lens))
-        raise RuntimeError(f"srt generated the wrong number of tokens for {bad} sequences")
+    _check_lengths("srt", [int(o["meta_info"]["completion_tokens"]) for o in outs], wl.output_lens)
     return SystemResult("srt", wall, wl.num_input_tokens, wl.num_output_tokens, cpu)
 
 
@@ -168,9 +181,7 @@ def run_hf_static(model, wl: Workload, batch_size: int) -> SystemResult:
     pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
     with torch.inference_mode():
         _hf_static_once(model, _warmup_workload(wl), batch_size, pad_id)
-        c0, t0 = time.process_time(), time.perf_counter()
-        _hf_static_once(model, wl, batch_size, pad_id)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        _, wall, cpu = _timed(lambda: _hf_static_once(model, wl, batch_size, pad_id))
     name = f"hf-static (batch {batch_size})"
     return SystemResult(name, wall, wl.num_input_tokens, wl.num_output_tokens, cpu)
 
@@ -216,12 +227,8 @@ def run_hf_cb(model, wl: Workload) -> SystemResult:
     # no inference_mode here: the manager builds its tensors in this thread and updates them in
     # its generation thread (it disables autograd itself)
     _hf_cb_once(model, _warmup_workload(wl))
-    c0, t0 = time.process_time(), time.perf_counter()
-    got = _hf_cb_once(model, wl)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if got != wl.output_lens:
-        bad = sum(g != w for g, w in zip(got, wl.output_lens))
-        raise RuntimeError(f"hf-cb generated the wrong number of tokens for {bad} sequences")
+    got, wall, cpu = _timed(lambda: _hf_cb_once(model, wl))
+    _check_lengths("hf-cb", got, wl.output_lens)
     return SystemResult("hf-cb (generate_batch)", wall, wl.num_input_tokens, wl.num_output_tokens, cpu)
 
 

@@ -18,10 +18,10 @@ by the ModelRunner through ``set_linear_backend``:
   self-check): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``). About 2x MKL's sgemm
   on AMD CPUs, where MKL does not take its AVX-512 path (prefill 512 tokens 824 -> 485 ms on the
   2-core dev VM), and it also streams weights faster at one row (decode at batch 1, where the
-  step is bound by reading the weights: 45 -> 33 ms). Its float32
-  accumulation order differs from MKL's, so logits move by ~1e-4 (SmolLM2-135M, 30 layers)
-  against a reference computed with MKL (e.g. transformers on the same machine); greedy tokens
-  stay equal except at near-ties.
+  step is bound by reading the weights: 45 -> 27 ms). Its float32 accumulation order differs
+  from MKL's, so logits move by ~1e-4 (SmolLM2-135M, 30 layers) against a reference computed
+  with MKL (e.g. transformers on the same machine); greedy tokens stay equal except at
+  near-ties.
 * ``torch``: ``F.linear`` everywhere (MKL sgemm on CPU): outputs bitwise those of a plain
   PyTorch model on the same machine. The default of a process that never calls
   ``set_linear_backend`` (a model used outside the ModelRunner), and always the choice on CUDA.

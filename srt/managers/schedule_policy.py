@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from srt.managers.schedule_batch import Req
+    from srt.managers.req import Req
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 

@@ -3,7 +3,8 @@
 It wires small parts together; the decisions live elsewhere:
 
     schedule_policy.py            queue order, admission budgets, chunk split, retraction choice
-    schedule_batch.py             Req / ScheduleBatch, KV allocation of a batch -> ForwardBatch
+    req.py                        Req: one request's state machine and KV bookkeeping
+    schedule_batch.py             ScheduleBatch, KV allocation of a batch -> ForwardBatch
     scheduler_output_processor.py forward results -> Req state, BatchTokenIDOut
     scheduler_metrics.py          counters and log lines
     scheduler_process.py          the ZMQ event loop and the process entry point
@@ -43,16 +44,8 @@ from srt.managers.io_struct import (
     StopStringHit,
     TokenizedGenerateReqInput,
 )
-from srt.managers.schedule_batch import (
-    KVAllocationError,
-    KVContext,
-    Req,
-    ReqState,
-    SamplingInfoCache,
-    ScheduleBatch,
-    finish_abort,
-    finish_stop,
-)
+from srt.managers.req import Req, ReqState, finish_abort, finish_stop
+from srt.managers.schedule_batch import KVAllocationError, KVContext, SamplingInfoCache, ScheduleBatch
 from srt.managers.schedule_policy import (
     IN_BATCH_PREFIX_THRESHOLD,
     AddResult,
@@ -68,7 +61,7 @@ from srt.managers.schedule_policy import (
 )
 from srt.managers.scheduler_metrics import SchedulerMetrics
 from srt.managers.scheduler_output_processor import build_batch_output, process_batch_result
-from srt.managers.scheduler_process import event_loop, run_scheduler_process
+from srt.managers.scheduler_process import run_scheduler_process
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
@@ -605,8 +598,3 @@ class Scheduler:
             context_len=self.context_len,
             page_size=self.page_size,
         )
-
-    # ================================================================== process
-    def event_loop(self, recv_socket: Any, send_socket: Any) -> None:
-        """Serve forever on ZMQ sockets (see ``scheduler_process.event_loop``)."""
-        event_loop(self, recv_socket, send_socket)

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from srt.managers.io_struct import BatchTokenIDOut
-from srt.managers.schedule_batch import Req, ReqState, ScheduleBatch, finish_length
+from srt.managers.req import Req, ReqState, finish_length
+from srt.managers.schedule_batch import ScheduleBatch
 from srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 

@@ -13,7 +13,7 @@ Keys are token-id lists; values are the KV slot indices (int64 tensor) of those 
 With page_size P > 1 the tree stores whole pages only: every key length is a multiple
 of P, and a node's value begins on a page boundary.
 
-Fields of ``Req`` the cache reads and writes (see srt/managers/schedule_batch.py):
+Fields of ``Req`` the cache reads and writes (see srt/managers/req.py):
   req.origin_input_ids, req.output_ids  -- token ids
   req.fill_ids       -- the ids whose KV is computed after the current step
                         (prompt chunk so far, or prompt + output for retracted reqs)

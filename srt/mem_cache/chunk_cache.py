@@ -16,7 +16,7 @@ import torch
 from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 
 if TYPE_CHECKING:
-    from srt.managers.schedule_batch import Req
+    from srt.managers.req import Req
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import ReqToTokenPool
 

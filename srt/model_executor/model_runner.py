@@ -27,7 +27,7 @@ from torch import nn
 
 from srt.configs.model_config import ModelConfig
 from srt.layers.attention.registry import create_attention_backend
-from srt.layers.linear import resolve_linear_backend, set_linear_backend
+from srt.layers.linear import get_linear_backend, set_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
@@ -59,14 +59,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model_config = ModelConfig.from_server_args(server_args)
         self.dtype: torch.dtype = self.model_config.dtype
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        try:
-            self.linear_backend = resolve_linear_backend(
-                server_args.linear_backend, self.device.type, dtype_name
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        set_linear_backend(self.linear_backend)
+        set_linear_backend(server_args.linear_backend)  # resolved (and validated) by ServerArgs.resolve
+        self.linear_backend = get_linear_backend()
         kv_name = server_args.kv_cache_dtype
         self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
         self.model: nn.Module = get_model(
@@ -81,7 +75,7 @@ class ModelRunner:
             "Model loaded in %.1f s: %.2f GiB of %s weights; attention %s, linear %s, %d threads",
             self.load_time_s,
             self.weight_bytes / (1 << 30),
-            dtype_name,
+            str(self.dtype).removeprefix("torch."),
             server_args.attention_backend,
             self.linear_backend,
             torch.get_num_threads(),

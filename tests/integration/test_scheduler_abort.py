@@ -24,7 +24,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     encode,
 )
-from srt.managers.schedule_batch import ReqState
+from srt.managers.req import ReqState
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.managers.schedule_batch import (
-    InvalidTransitionError,
-    KVContext,
-    Req,
-    ReqState,
-    ScheduleBatch,
-)
+from srt.managers.req import InvalidTransitionError, Req, ReqState
+from srt.managers.schedule_batch import KVContext, ScheduleBatch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.mem_cache.radix_cache import RadixCache

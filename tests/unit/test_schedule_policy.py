@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from srt.managers.schedule_batch import Req
+from srt.managers.req import Req
 from srt.managers.schedule_policy import (
     AddResult,
     InBatchPrefixFilter,
