@@ -26,6 +26,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.req import ReqState
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_process import event_loop
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.helpers.scheduler_fakes import KVEchoRunner, reference_generate
@@ -250,7 +251,7 @@ def test_event_loop_serves_over_zmq_and_blocks_when_idle():
     sink.bind(out_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(in_addr)
-    thread = threading.Thread(target=s.event_loop, args=(recv, send), daemon=True)
+    thread = threading.Thread(target=event_loop, args=(s, recv, send), daemon=True)
     thread.start()
     try:
         from srt.managers.io_struct import detokenizer_input_decoder
