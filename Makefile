@@ -29,6 +29,8 @@ serve: setup
 lint: setup
 	$(PY) -m ruff check srt tests benchmarks
 	$(PY) -m ruff format --check srt tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(PY) -m tests.helpers.import_cycles srt
 
 format: setup
 	$(PY) -m ruff format srt tests benchmarks

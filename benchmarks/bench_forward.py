@@ -34,6 +34,7 @@ import torch
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
+from srt.utils.pages import page_ceil
 
 PREFILL_LEN = 512
 
@@ -125,8 +126,8 @@ def main() -> None:
     max_bs = max(batch_sizes)
     ctx = args.context
     page = args.page_size
-    per_seq = -(-(ctx + 1) // page) * page
-    pool_tokens = max(max_bs * per_seq, -(-PREFILL_LEN // page) * page) + 4 * page
+    per_seq = page_ceil(ctx + 1, page)
+    pool_tokens = max(max_bs * per_seq, page_ceil(PREFILL_LEN, page)) + 4 * page
 
     server_args = ServerArgs(
         model_path=args.model_path,
@@ -182,7 +183,7 @@ def main() -> None:
         "load_rss_gib": round(load_rss, 3),
         "decode_attn_ms": {k: round(v, 3) for k, v in attn_ms.items()},
         "threads": torch.get_num_threads(),
-        "linear_backend": runner.linear_backend,
+        "linear_backend": runner.linear_backend.name,
     }
     if args.json:
         print(json.dumps(result))

@@ -138,7 +138,7 @@ def _time_matmul(m: int, k: int, n: int, min_time_s: float) -> float:
     repeatedly (best time)."""
     import torch
 
-    from srt.layers.linear import onednn_linear_available
+    from srt.configs.device import onednn_linear_available
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen)

@@ -11,7 +11,8 @@ import argparse
 import logging
 import sys
 
-from srt.server_args import ConfigError, ServerArgs
+from srt.server_args import ServerArgs
+from srt.utils.errors import ConfigError, LaunchError
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -23,7 +24,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> int:
     server_args = parse_args(argv)
     from srt.entrypoints.http_server import launch_server
-    from srt.utils.errors import LaunchError
     from srt.utils.logging_utils import configure_logging
 
     configure_logging(server_args.log_level, "main")

@@ -3,10 +3,13 @@
 Every tunable is a dataclass field with a default and help text. The CLI of
 `python -m srt.launch_server` is generated from the fields (``--model-path`` for
 ``model_path``), and ``Engine(**kwargs)`` takes the same names. Automatic choices
-(device, dtype, attention backend, chunk size ...) are resolved once by
-``resolve()`` before any process starts; the KV pool size is resolved by the
-scheduler's ModelRunner at start-up and reported back with the ready message.
-After launch the object is never mutated.
+(device, dtype, attention and linear backends, chunk size ...) are resolved once by
+``resolve()`` before any process starts (the backend choices by srt/configs/backends.py);
+the KV pool size is resolved by the scheduler's ModelRunner at start-up and reported back
+with the ready message. After launch the object is never mutated.
+
+This module is configuration: it imports nothing of srt but srt.configs and srt.utils, and no
+torch at import time (``resolve`` imports it to look at the device).
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says what to change."""
+from srt.configs.backends import (
+    ATTENTION_BACKENDS,
+    LINEAR_BACKENDS,
+    resolve_attention_backend,
+    resolve_linear_backend,
+)
+from srt.utils.errors import ConfigError
 
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
@@ -78,8 +85,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk together with the running decodes (MIXED).")
     attention_backend: str | None = _f(
         None,
-        "Attention backend (auto: flashinfer on CUDA when installed, else torch_native).",
-        ["torch_native", "flashinfer"],
+        "Attention backend (auto: the best one implemented and installed for the device: "
+        "flashinfer on CUDA once srt has its backend, else torch_native).",
+        list(ATTENTION_BACKENDS),
     )
     num_threads: int | None = _f(None, "torch intra-op threads on CPU (default: torch's choice).")
     linear_backend: str = _f(
@@ -87,7 +95,7 @@ class ServerArgs:
         "Matmul of the linear layers and LM head. auto = onednn on CPU float32 when oneDNN passes a "
         "self-check (about 2x MKL on AMD CPUs; logits within ~1e-4 of MKL's), else torch; "
         "torch = F.linear (bitwise equal to a plain PyTorch model on the same machine).",
-        ["auto", "onednn", "torch"],
+        list(LINEAR_BACKENDS),
     )
 
     # ---- server ----
@@ -134,15 +142,7 @@ class ServerArgs:
             )
         if a.max_prefill_tokens < 1:
             raise ConfigError("--max-prefill-tokens must be >= 1.")
-        if a.attention_backend is None:
-            a.attention_backend = "torch_native"
-            if a.device == "cuda":
-                import importlib.util
-
-                if importlib.util.find_spec("flashinfer") is not None:
-                    a.attention_backend = "flashinfer"
-        from srt.layers.linear import resolve_linear_backend
-
+        a.attention_backend = resolve_attention_backend(a.attention_backend, a.device)
         try:
             a.linear_backend = resolve_linear_backend(a.linear_backend, a.device, a.dtype)
         except ValueError as e:

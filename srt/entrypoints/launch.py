@@ -4,7 +4,8 @@
 
 1. resolves ``server_args`` once (every ``auto`` filled) and creates the ipc endpoints
    (`PortArgs.init_new`: a private temporary directory, removed at shutdown / interpreter exit);
-2. spawns the scheduler process (``run_scheduler_process``), loads the tokenizer in this process
+2. spawns the scheduler process (`run_scheduler`: the scheduler module is imported in the child
+   only, so the main process never imports torch model code), loads the tokenizer in this process
    meanwhile, saves a fast-loading copy into the ipc directory and spawns the detokenizer with it;
 3. waits for both ready messages (pipe *and* liveness polled: a child that fails or dies at
    start-up raises `LaunchError` carrying the child's traceback, never a hang);
@@ -39,10 +40,15 @@ logger = logging.getLogger(__name__)
 SchedulerEntry = Callable[..., None]
 
 
-def _default_scheduler_entry() -> SchedulerEntry:
-    from srt.managers.scheduler import run_scheduler_process
+def run_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
+    """Entry of the scheduler child: ``run_scheduler_process``, imported in the child only.
 
-    return run_scheduler_process
+    The scheduler pulls in torch and the model code; importing it here, at call time in the
+    spawned child, keeps the main process (tokenizer manager, HTTP server, Engine front end) free
+    of both. This is the one edge from srt.entrypoints to the scheduler (a process boundary)."""
+    from srt.managers.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(server_args, port_args, pipe_writer)
 
 
 class Launcher:
@@ -85,7 +91,7 @@ def launch_subprocesses(
     launcher = Launcher(server_args, port_args)
     sup = launcher.supervisor
     try:
-        entry = scheduler_entry or _default_scheduler_entry()
+        entry = scheduler_entry or run_scheduler
         sup.start("scheduler", entry, (server_args, port_args))
         tokenizer = None
         detok_tokenizer_path = None

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.layers.linear import empty_param
+from srt.layers.parameter import empty_param
 
 
 class RMSNorm(nn.Module):

@@ -7,126 +7,50 @@ stacks e.g. gate/up along the output dimension. Checkpoints store the parts sepa
     QKVLinear rows:          [0, H*D) q | [H*D, (H+Hkv)*D) k | [(H+Hkv)*D, (H+2Hkv)*D) v
     MergedColumnLinear rows: output_sizes[0] rows of shard 0, then shard 1, ...
 
-Parameters are created uninitialized (``torch.empty``, no init kernels, pages untouched
-until loading writes them) with ``requires_grad=False``.
+Parameters are created uninitialized (``empty_param``) with ``requires_grad=False``.
 
-``linear(x, weight, bias)`` is the matmul every layer (and the LM head) uses. Its CPU float32
-backend is process-wide, chosen by ``ServerArgs.linear_backend`` (``--linear-backend``) and set
-by the ModelRunner through ``set_linear_backend``:
-
-* ``onednn`` (what ``auto`` picks on CPU float32 when oneDNN is present and passes a one-time
-  self-check): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``). About 2x MKL's sgemm
-  on AMD CPUs, where MKL does not take its AVX-512 path (prefill 512 tokens 824 -> 485 ms on the
-  2-core dev VM), and it also streams weights faster at one row (decode at batch 1, where the
-  step is bound by reading the weights: 45 -> 27 ms). Its float32 accumulation order differs
-  from MKL's, so logits move by ~1e-4 (SmolLM2-135M, 30 layers) against a reference computed
-  with MKL (e.g. transformers on the same machine); greedy tokens stay equal except at
-  near-ties.
-* ``torch``: ``F.linear`` everywhere (MKL sgemm on CPU): outputs bitwise those of a plain
-  PyTorch model on the same machine. The default of a process that never calls
-  ``set_linear_backend`` (a model used outside the ModelRunner), and always the choice on CUDA.
+Every layer runs its matmul through the ``LinearBackend`` it was built with (``linear_backend``;
+``TORCH_LINEAR``, i.e. ``F.linear``, when none is given). The ModelRunner builds the backend
+named by ``--linear-backend`` and passes it down through the model's constructor; see
+``srt/layers/linear_backend.py``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from srt.model_loader.weight_utils import WeightLoadError, copy_weight
-
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
-_use_onednn = False  # the process-wide choice (see the module docstring)
-_onednn_probe: bool | None = None  # None = not probed yet
-
-
-def onednn_linear_available() -> bool:
-    """oneDNN's linear is present here and matches ``F.linear`` up to rounding (probed once)."""
-    global _onednn_probe
-    if _onednn_probe is None:
-        ok = torch.backends.mkldnn.is_available()
-        if ok:
-            try:
-                gen = torch.Generator().manual_seed(0)
-                x = torch.randn(5, 64, generator=gen)
-                w = torch.randn(24, 64, generator=gen)
-                b = torch.randn(24, generator=gen)
-                got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-                ok = got.shape == (5, 24) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-            except Exception:  # noqa: BLE001 - any failure means "use F.linear"
-                ok = False
-        _onednn_probe = ok
-    return _onednn_probe
-
-
-def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
-    """``auto`` -> ``onednn`` on CPU float32 when available, else ``torch``. An explicit
-    ``onednn`` that cannot run here raises ``ValueError`` (the caller turns it into a config
-    error)."""
-    if requested not in LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear backend {requested!r}; expected one of {LINEAR_BACKENDS}")
-    usable = device == "cpu" and dtype == "float32" and onednn_linear_available()
-    if requested == "auto":
-        return "onednn" if usable else "torch"
-    if requested == "onednn" and not usable:
-        raise ValueError(
-            "--linear-backend onednn needs --device cpu, --dtype float32 and a working oneDNN "
-            "(torch.backends.mkldnn); use --linear-backend torch"
-        )
-    return requested
-
-
-def set_linear_backend(name: str) -> None:
-    """Make ``linear`` use ``name`` (``onednn`` or ``torch``) in this process."""
-    global _use_onednn
-    if name not in ("onednn", "torch"):
-        raise ValueError(f"set_linear_backend takes 'onednn' or 'torch', got {name!r}")
-    _use_onednn = name == "onednn" and onednn_linear_available()
-
-
-def get_linear_backend() -> str:
-    return "onednn" if _use_onednn else "torch"
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]`` -> ``[..., out]``,
-    through the process's backend (see the module docstring)."""
-    if (
-        _use_onednn
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and x.numel() > 0
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
-
-
-def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
-    """An uninitialized, non-trainable parameter."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
+from srt.layers.parameter import copy_weight, empty_param
+from srt.utils.errors import WeightLoadError
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; x ``[..., in_features]`` -> ``[..., out_features]``."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        linear_backend: LinearBackend | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
+        self.linear_backend = linear_backend or TORCH_LINEAR
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.linear_backend.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+            f"backend={self.linear_backend.name}"
+        )
 
 
 class MergedColumnLinear(Linear):
@@ -138,8 +62,9 @@ class MergedColumnLinear(Linear):
         output_sizes: list[int],
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        linear_backend: LinearBackend | None = None,
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, dtype)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, linear_backend)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
@@ -175,9 +100,10 @@ class QKVLinear(MergedColumnLinear):
         num_kv_heads: int,
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        linear_backend: LinearBackend | None = None,
     ) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, dtype)
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, dtype, linear_backend)
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -18,9 +18,12 @@ It asks when ``0 <= s <= L - 1`` (``s <= L`` when it has a next token); the list
 ``None`` for position 0 when ``s == 0`` and ``p == 0`` (the first token has no logprob).
 Concatenating the lists of consecutive chunks (each giving the next chunk's first token id)
 yields one entry per prompt position from ``s``. The caller must keep a reused prefix at
-most ``max(s - 1, 0)`` tokens long, or the positions up to the prefix have no logits here. ``input_top_logprobs`` (when ``top_logprobs_nums[i] > 0``) is
-aligned with ``input_token_logprobs``: ``(token_id, logprob)`` pairs, best first. Logits for
-these rows are computed in chunks of ``LOGPROB_CHUNK_ROWS``, never as one ``[T, vocab]``.
+most ``max(s - 1, 0)`` tokens long, or the positions up to the prefix have no logits here.
+
+``input_top_logprobs`` (when ``top_logprobs_nums[i] > 0``) is aligned with
+``input_token_logprobs``: ``(token_id, logprob)`` pairs, best first. Logits for these rows are
+computed in chunks of ``LOGPROB_CHUNK_ROWS``, never as one ``[T, vocab]``, through the model's
+``LinearBackend`` (the same matmul as the next-token logits).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from srt.layers.linear import linear
+from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
@@ -64,11 +67,13 @@ class _PromptLogprobPlan:
 
 class LogitsProcessor(nn.Module):
     """``forward(hidden_states [T, hidden], lm_head, forward_batch) -> LogitsProcessorOutput``;
-    ``lm_head`` is any module with ``weight [vocab, hidden]`` (the embedding when tied)."""
+    ``lm_head`` is any module with ``weight [vocab, hidden]`` (the embedding when tied), applied
+    through ``linear_backend`` (the model's; ``F.linear`` when None)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, linear_backend: LinearBackend | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.linear_backend = linear_backend or TORCH_LINEAR
 
     def forward(
         self,
@@ -85,7 +90,7 @@ class LogitsProcessor(nn.Module):
         else:
             last_index = fb.extend_start_loc + fb.extend_seq_lens - 1
             last = hidden_states.index_select(0, last_index)
-        next_token_logits = linear(last, weight).float()
+        next_token_logits = self.linear_backend.apply(last, weight).float()
         out = LogitsProcessorOutput(next_token_logits)
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
             self._prompt_logprobs(hidden_states, weight, fb, out)
@@ -153,7 +158,7 @@ class LogitsProcessor(nn.Module):
         top_lp: list[list[float]] = []
         for c0 in range(0, len(plan.rows), LOGPROB_CHUNK_ROWS):
             sel = rows[c0 : c0 + LOGPROB_CHUNK_ROWS]
-            logits = linear(hidden_states.index_select(0, sel), weight).float()
+            logits = self.linear_backend.apply(hidden_states.index_select(0, sel), weight).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             del logits
             tgt = targets[c0 : c0 + LOGPROB_CHUNK_ROWS]

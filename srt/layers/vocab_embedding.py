@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.layers.linear import empty_param
+from srt.layers.parameter import empty_param
 
 
 class VocabEmbedding(nn.Module):
@@ -26,8 +26,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Output projection weight ``[vocab, hidden]``; applied by ``LogitsProcessor`` only to the
-    rows that need logits."""
+    """Output projection weight ``[vocab, hidden]``; applied by ``LogitsProcessor`` (through the
+    model's ``LinearBackend``) only to the rows that need logits."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()

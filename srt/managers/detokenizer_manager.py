@@ -19,8 +19,8 @@ committed until a later token completes it, so no emitted text ever contains a b
 Guarantees of the emitted text (``BatchStrOut.output_strs`` are increments):
 - stop strings are matched in the committed text, across token boundaries; the output ends right
   before the match (or right after it with ``no_stop_trim``); the finish reason is
-  ``{"type": "stop", "matched": <the stop string>}`` and a `StopStringHit` tells the scheduler to
-  stop generating; later outputs of that rid are dropped;
+  ``FinishReason.of_stop(<the stop string>)`` and a `StopStringHit` tells the scheduler to stop
+  generating; later outputs of that rid are dropped;
 - a streaming client never receives text that is trimmed later: the longest suffix of the text
   that is a prefix of some stop string is held back until it is decided;
 - a request finished by a stop token id (EOS or ``stop_token_ids``; ``matched`` is an int) does not
@@ -39,6 +39,7 @@ import zmq
 from srt.managers.io_struct import (
     BatchStrOut,
     BatchTokenIDOut,
+    FinishReason,
     StopStringHit,
     detokenizer_input_decoder,
     encode,
@@ -132,7 +133,7 @@ class DetokenizerManager:
     ) -> tuple[BatchStrOut | None, list[StopStringHit]]:
         keep: list[int] = []
         strs: list[str] = []
-        reasons: list[dict[str, Any] | None] = []
+        reasons: list[FinishReason | None] = []
         hits: list[StopStringHit] = []
         for i, rid in enumerate(recv.rids):
             if rid in self.stopped_rids:
@@ -169,7 +170,7 @@ class DetokenizerManager:
 
     def _handle_one(
         self, recv: BatchTokenIDOut, i: int
-    ) -> tuple[str, dict[str, Any] | None, StopStringHit | None]:
+    ) -> tuple[str, FinishReason | None, StopStringHit | None]:
         rid = recv.rids[i]
         reason = recv.finished_reasons[i]
         no_stop_trim = recv.no_stop_trim[i]
@@ -178,7 +179,7 @@ class DetokenizerManager:
         if st is None:
             st = self.states[rid] = DecodeState()
         new_ids = list(recv.output_ids[i])
-        matched = reason.get("matched") if reason is not None and reason.get("type") == "stop" else None
+        matched = reason.matched if reason is not None and reason.type == "stop" else None
         if isinstance(matched, int) and not no_stop_trim and new_ids and new_ids[-1] == matched:
             new_ids = new_ids[:-1]  # the stop token's text is not part of the output
         st.ids.extend(new_ids)
@@ -200,7 +201,7 @@ class DetokenizerManager:
                     if len(self.stopped_rids) > _MAX_STOPPED_RIDS:
                         self.stopped_rids.popitem(last=False)
                 del self.states[rid]
-                return delta, {"type": "stop", "matched": s}, hit
+                return delta, FinishReason.of_stop(s), hit
         if reason is not None:
             del self.states[rid]
             return st.text[st.sent_offset :], reason, None

@@ -11,7 +11,8 @@ list belongs to ``rids[i]``).
                          (the detokenizer forwards non-token messages to the tokenizer manager unchanged)
     detokenizer       --BatchStrOut (+ forwarded messages)--------------------------------------> tokenizer manager
 
-Finish reasons are dicts in SGLang's shape:
+Finish reasons travel as ``FinishReason`` structs, built only through its three constructors;
+``FinishReason.to_dict()`` gives SGLang's ``meta_info["finish_reason"]`` shape:
     {"type": "length", "length": N}
     {"type": "stop", "matched": <token id or stop string>}
     {"type": "abort", "message": "...", "status_code": 4xx/5xx (optional)}
@@ -28,6 +29,36 @@ from srt.sampling.sampling_params import SamplingParams
 
 class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     pass
+
+
+class FinishReason(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Why a request finished. Build it with ``length`` / ``stop`` / ``abort``."""
+
+    type: str  # "length" | "stop" | "abort"
+    length: int | None = None  # length: the number of generated tokens
+    matched: int | str | None = None  # stop: the stop token id or stop string
+    message: str | None = None  # abort: what happened
+    status_code: int | None = None  # abort: the HTTP status it maps to (None: not an HTTP error)
+
+    @classmethod
+    def of_length(cls, length: int) -> FinishReason:
+        return cls(type="length", length=length)
+
+    @classmethod
+    def of_stop(cls, matched: int | str) -> FinishReason:
+        return cls(type="stop", matched=matched)
+
+    @classmethod
+    def of_abort(cls, message: str, status_code: int | None = None) -> FinishReason:
+        return cls(type="abort", message=message, status_code=status_code)
+
+    @property
+    def is_abort(self) -> bool:
+        return self.type == "abort"
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's ``meta_info["finish_reason"]`` dict (unset fields left out)."""
+        return msgspec.to_builtins(self)
 
 
 # ---------------- tokenizer manager -> scheduler ----------------
@@ -69,9 +100,10 @@ class StopStringHit(_Msg):
 # ---------------- scheduler -> detokenizer ----------------
 class BatchTokenIDOut(_Msg):
     rids: list[str]
-    # new token ids produced this step, per request (usually one; more after a retraction replay is 0)
+    # token ids produced since the request's previous output (usually one; none when it finishes
+    # without a new token: aborted, stopped by a stop string, or max_new_tokens=0)
     output_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
+    finished_reasons: list[FinishReason | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -117,7 +149,7 @@ class BatchStrOut(_Msg):
     # never text that a stop string trims later)
     output_strs: list[str]
     output_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
+    finished_reasons: list[FinishReason | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]

@@ -1,6 +1,6 @@
 """One request on the scheduler side: its CPU state, state machine and KV bookkeeping.
 
-Request state machine (``ReqState``)::
+Request state machine (``ReqStatus``)::
 
     WAITING --admitted--> PREFILLING --last chunk done--> DECODING --finish--> FINISHED
        ^                    |   ^ (one more chunk per step)  |
@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt.managers.io_struct import FinishReason
 from srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)  # the slots of a request holding no KV
 
 
-class ReqState(enum.Enum):
+class ReqStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue, holds no KV and no request slot
     PREFILLING = "prefilling"  # admitted; some (maybe not all) of fill_ids have KV
     DECODING = "decoding"  # in the running batch, one token per step
@@ -51,34 +53,19 @@ class ReqState(enum.Enum):
     FINISHED = "finished"  # done; holds nothing
 
 
-_TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
-    ReqState.WAITING: frozenset({ReqState.PREFILLING, ReqState.FINISHED}),
-    ReqState.PREFILLING: frozenset(
-        {ReqState.PREFILLING, ReqState.DECODING, ReqState.RETRACTED, ReqState.FINISHED}
+_TRANSITIONS: dict[ReqStatus, frozenset[ReqStatus]] = {
+    ReqStatus.WAITING: frozenset({ReqStatus.PREFILLING, ReqStatus.FINISHED}),
+    ReqStatus.PREFILLING: frozenset(
+        {ReqStatus.PREFILLING, ReqStatus.DECODING, ReqStatus.RETRACTED, ReqStatus.FINISHED}
     ),
-    ReqState.DECODING: frozenset({ReqState.RETRACTED, ReqState.FINISHED}),
-    ReqState.RETRACTED: frozenset({ReqState.WAITING, ReqState.FINISHED}),
-    ReqState.FINISHED: frozenset(),
+    ReqStatus.DECODING: frozenset({ReqStatus.RETRACTED, ReqStatus.FINISHED}),
+    ReqStatus.RETRACTED: frozenset({ReqStatus.WAITING, ReqStatus.FINISHED}),
+    ReqStatus.FINISHED: frozenset(),
 }
 
 
 class InvalidTransitionError(RuntimeError):
     """A request was moved along an edge the state machine does not have (a scheduler bug)."""
-
-
-def finish_length(length: int) -> dict[str, Any]:
-    return {"type": "length", "length": length}
-
-
-def finish_stop(matched: int | str) -> dict[str, Any]:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_abort(message: str, status_code: int | None = None) -> dict[str, Any]:
-    reason: dict[str, Any] = {"type": "abort", "message": message}
-    if status_code is not None:
-        reason["status_code"] = status_code
-    return reason
 
 
 class Req:
@@ -87,7 +74,8 @@ class Req:
     ``max_new_tokens`` is resolved (never None). ``seed`` is always set (the request's own or
     one drawn at admission). ``stop_ids`` holds the token ids that finish the request once
     ``min_new_tokens`` are generated (``stop_token_ids`` plus the model's EOS unless
-    ``ignore_eos``).
+    ``ignore_eos``). ``state`` is its ``ReqStatus``; ``finished_reason`` its ``FinishReason``
+    once it finished (the first reason recorded wins).
     """
 
     __slots__ = (
@@ -156,6 +144,18 @@ class Req:
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = sampling_params.min_new_tokens
         self.seed = seed
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len if return_logprob else -1
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.stream = stream
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.queue_seq = queue_seq  # arrival order: the fcfs key
+        self._init_sampling(sampling_params, eos_token_ids)
+        self._init_progress()
+
+    def _init_sampling(self, sampling_params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        """The fields derived from the sampling parameters (fixed for the request's life)."""
         stop = set(sampling_params.stop_token_ids or ())
         if not sampling_params.ignore_eos:
             stop.update(eos_token_ids)
@@ -170,24 +170,19 @@ class Req:
         )
         # the per-request fields of every BatchTokenIDOut that never change
         self.out_static = (
-            rid,
+            self.rid,
             len(self.origin_input_ids),
             sampling_params.skip_special_tokens,
             sampling_params.spaces_between_special_tokens,
             sampling_params.no_stop_trim,
             self.stop_strs,
         )
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len if return_logprob else -1
-        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
-        self.stream = stream
-        self.priority = priority
-        self.arrival_time = arrival_time
-        self.queue_seq = queue_seq  # arrival order: the fcfs key
 
-        self.state = ReqState.WAITING
+    def _init_progress(self) -> None:
+        """State, output, KV bookkeeping, accounting and streaming of a new (WAITING) request."""
+        self.state = ReqStatus.WAITING
         self.output_ids: list[int] = []
-        self.finished_reason: dict[str, Any] | None = None
+        self.finished_reason: FinishReason | None = None
 
         # KV bookkeeping (module docstring)
         self.fill_ids: list[int] = []
@@ -245,7 +240,7 @@ class Req:
         )
 
     # ------------------------------------------------------------------ state machine
-    def set_state(self, new: ReqState) -> None:
+    def set_state(self, new: ReqStatus) -> None:
         if new not in _TRANSITIONS[self.state]:
             raise InvalidTransitionError(f"request {self.rid!r}: {self.state.value} -> {new.value}")
         self.state = new
@@ -254,7 +249,7 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def finish(self, reason: dict[str, Any]) -> None:
+    def finish(self, reason: FinishReason) -> None:
         """Record the finish reason (the first one wins); the state moves to FINISHED once the
         scheduler released the request's resources (``mark_released``)."""
         if self.finished_reason is None:
@@ -263,7 +258,7 @@ class Req:
     def mark_released(self) -> None:
         """The request holds no KV and no request slot any more and is done."""
         self.clear_kv_state()
-        self.set_state(ReqState.FINISHED)
+        self.set_state(ReqStatus.FINISHED)
 
     def clear_kv_state(self) -> None:
         self.prefix_indices = EMPTY_SLOTS
@@ -276,11 +271,11 @@ class Req:
     def retract(self) -> None:
         """Back to the waiting queue after its KV was handed to the cache: the kept output is
         recomputed as part of the prompt on re-admission."""
-        self.set_state(ReqState.RETRACTED)
+        self.set_state(ReqStatus.RETRACTED)
         self.clear_kv_state()
         self.retract_count += 1
         self.overtaken = 0
-        self.set_state(ReqState.WAITING)
+        self.set_state(ReqStatus.WAITING)
 
     # ------------------------------------------------------------------ lengths
     @property
@@ -321,9 +316,9 @@ class Req:
         ``min_new_tokens`` are generated -> stop. Length wins when both apply."""
         n = len(self.output_ids)
         if n >= self.max_new_tokens:
-            self.finish(finish_length(n))
+            self.finish(FinishReason.of_length(n))
         elif n >= self.min_new_tokens and token_id in self.stop_ids:
-            self.finish(finish_stop(token_id))
+            self.finish(FinishReason.of_stop(token_id))
 
     def __repr__(self) -> str:
         return (

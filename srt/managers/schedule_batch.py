@@ -1,57 +1,56 @@
-"""Requests and batches on the scheduler side (CPU state), and their KV bookkeeping.
+"""``ScheduleBatch``: the CPU-side batch of one scheduler step, its KV allocation and its
+``ForwardBatch``.
 
 Data path of one scheduler step::
 
-    TokenizedGenerateReqInput --> Req (CPU state of one request; lives until it finishes)
-    waiting queue --PrefillAdder (schedule_policy.py)--> reqs to extend this step
+    TokenizedGenerateReqInput --> Req (req.py; CPU state of one request, lives until it finishes)
+    waiting queue --PrefillAdder (schedule_policy.py), in the prefill part--> reqs to extend this step
     reqs --ScheduleBatch.prepare_extend / prepare_decode--> KV slots allocated, req_to_token rows written
     ScheduleBatch (CPU lists) --get_forward_batch()--> ForwardBatch (tensors) --> ModelRunner
-    ModelRunner --> (LogitsProcessorOutput, SampleOutput) --> new token per Req (scheduler)
+    ModelRunner --> (logits output, sample output) --> new token per Req (scheduler/output.py)
 
-The request side (``Req``, its state machine and KV bookkeeping) is ``req.py``.
+Batches allocate from a ``BatchMemory``: the scheduler's cache part
+(``srt/managers/scheduler/cache.py``) is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from srt.managers.req import EMPTY_SLOTS, Req
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.utils.pages import page_ceil
 
 if TYPE_CHECKING:
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from srt.mem_cache.base_prefix_cache import BasePrefixCache
     from srt.mem_cache.memory_pool import ReqToTokenPool
+    from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
-@dataclass(slots=True)
-class KVContext:
-    """The memory the batches of one scheduler allocate from (shared by every batch)."""
+class BatchMemory(Protocol):
+    """What building a batch needs from the memory of the scheduler: the request rows, the KV
+    allocator and a way to make slots free (evicting cached prefixes)."""
 
-    req_to_token_pool: ReqToTokenPool
-    allocator: TokenToKVPoolAllocator
-    tree_cache: BasePrefixCache
-    page_size: int
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool: ...
+
+    @property
+    def allocator(self) -> TokenToKVPoolAllocator: ...
+
+    @property
+    def page_size(self) -> int: ...
 
     def available(self) -> int:
         """Slots obtainable now: free + evictable."""
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
+        ...
 
     def ensure_free(self, num_slots: int) -> bool:
-        """Evict from the cache until ``num_slots`` slots are free; False if impossible."""
-        free = self.allocator.available_size()
-        if free < num_slots:
-            self.tree_cache.evict(num_slots - free)
-        return self.allocator.available_size() >= num_slots
-
-    def pages_for(self, old_len: int, new_len: int) -> int:
-        """Slots of the fresh pages a sequence needs to grow from old_len to new_len tokens."""
-        p = self.page_size
-        return (-(-new_len // p) - -(-old_len // p)) * p
+        """Evict until ``num_slots`` slots are free; False if impossible."""
+        ...
 
 
 class KVAllocationError(RuntimeError):
@@ -89,7 +88,7 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def prepare_extend(cls, reqs: list[Req], kv: KVContext) -> ScheduleBatch:
+    def prepare_extend(cls, reqs: list[Req], kv: BatchMemory) -> ScheduleBatch:
         """Allocate request rows and KV slots for ``reqs``, whose ``fill_ids`` and
         ``extend_input_len`` the scheduler has set (``fill_ids[:kv_committed_len]`` already
         have KV: the cached prefix, or earlier chunks).
@@ -107,7 +106,8 @@ class ScheduleBatch:
                     pool.write(row, 0, r.prefix_indices)
         prefix_lens = [r.kv_committed_len for r in reqs]
         seq_lens = [len(r.fill_ids) for r in reqs]
-        need = sum(kv.pages_for(p, s) for p, s in zip(prefix_lens, seq_lens))
+        P = kv.page_size
+        need = sum(page_ceil(s, P) - page_ceil(p, P) for p, s in zip(prefix_lens, seq_lens))
         if not kv.ensure_free(need):
             raise KVAllocationError(f"extend needs {need} KV slots, {kv.available()} obtainable")
         last_loc = _last_locs(pool.req_to_token, reqs, prefix_lens) if kv.page_size > 1 else prefix_lens
@@ -143,8 +143,8 @@ class ScheduleBatch:
         return page_size * sum(1 for r in reqs if r.kv_committed_len % page_size == 0)
 
     @classmethod
-    def prepare_decode(cls, reqs: list[Req], kv: KVContext) -> ScheduleBatch:
-        """Allocate one KV slot per decoding request (the scheduler made sure they exist,
+    def prepare_decode(cls, reqs: list[Req], kv: BatchMemory) -> ScheduleBatch:
+        """Allocate one KV slot per decoding request (the decode part made sure they exist,
         retracting if needed) and write it into req_to_token."""
         pool = kv.req_to_token_pool
         need = cls.decode_slots_needed(reqs, kv.page_size)
@@ -271,11 +271,11 @@ class SamplingInfoCache:
 
     def __init__(self) -> None:
         self._reqs: list[Req] | None = None
-        self._info: Any = None
+        self._info: SamplingBatchInfo | None = None
 
     def get(
         self, reqs: list[Req], vocab_size: int, device: str | torch.device, eos_token_ids: list[int] | None
-    ):
+    ) -> SamplingBatchInfo:
         from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
         if self._info is not None and reqs == self._reqs:

@@ -1,9 +1,7 @@
-"""Scheduling policy: pure decisions from CPU state (no model, no tensors, no pools).
+"""Scheduling policy: pure decisions from CPU state (no model, no tensors, no pools; requests
+are seen through the ``WaitingReq`` / ``RunningReq`` protocols). Each piece is unit tested
+without a model:
 
-Pieces (each unit tested without a model):
-
-- ``check_request_fits`` / ``resolve_max_new_tokens``: requests that can never run are rejected
-  at arrival with a message naming the numbers and the flag to change.
 - ``SchedulePolicy.order``: waiting-queue order -- ``fcfs`` (arrival), ``lpm`` (longest cached
   prefix first, with aging so a cold request is never starved by cache-hot ones) and
   ``priority`` (higher ``priority`` first, then arrival).
@@ -30,19 +28,49 @@ Pieces (each unit tested without a model):
 - ``NewTokenRatio``: the estimate of the fraction of max_new_tokens still to be generated;
   decays every decode step from ``init`` to ``min`` and jumps up on retraction.
 - ``retraction_order`` / ``plan_retraction``: which running requests to push back to the
-  waiting queue when decode runs out of KV slots (least work lost first).
+  waiting queue when decode runs out of KV slots (least work lost first); the scheduler's decode
+  part (``srt/managers/scheduler/decode.py``) executes the plan.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from srt.managers.req import Req
+from srt.utils.pages import num_pages, page_ceil, page_floor
+
+
+class WaitingReq(Protocol):
+    """What queue ordering reads of a waiting request (``srt.managers.req.Req`` is one)."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def queue_seq(self) -> int: ...
+    @property
+    def enqueue_step(self) -> int: ...
+
+
+class RunningReq(Protocol):
+    """What retraction reads of a running request (``srt.managers.req.Req`` is one)."""
+
+    @property
+    def output_ids(self) -> Sized: ...
+    @property
+    def all_ids_len(self) -> int: ...
+    @property
+    def queue_seq(self) -> int: ...
+    @property
+    def kv_committed_len(self) -> int: ...
+    @property
+    def prefix_indices(self) -> Sized: ...
+
+
+W = TypeVar("W", bound=WaitingReq)
+R = TypeVar("R", bound=RunningReq)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 
@@ -54,47 +82,6 @@ LPM_STARVATION_STEPS = 64
 LPM_MAX_QUEUE = 128
 # a request that does not fit the KV budget may be overtaken this many times, then it blocks
 MAX_OVERTAKES = 8
-
-
-# ---------------------------------------------------------------------- arrival checks
-def resolve_max_new_tokens(
-    requested: int | None, prompt_len: int, context_len: int, max_total_tokens: int
-) -> int:
-    """``max_new_tokens`` of a request: None means "as many as fit" -- up to the context length
-    and the whole KV pool (never below 0)."""
-    if requested is not None:
-        return requested
-    return max(0, min(context_len, max_total_tokens) - prompt_len)
-
-
-def check_request_fits(
-    prompt_len: int, max_new_tokens: int, context_len: int, max_total_tokens: int, page_size: int = 1
-) -> str | None:
-    """Why a request can never be scheduled, or None if it can.
-
-    ``max_total_tokens`` is the whole KV pool; a sequence occupies whole pages."""
-    if prompt_len == 0:
-        return "The input is empty: give at least one input token."
-    total = prompt_len + max_new_tokens
-    if prompt_len >= context_len:
-        return (
-            f"The input ({prompt_len} tokens) is longer than the model's context length "
-            f"({context_len} tokens). Shorten the input or raise --context-length."
-        )
-    if total > context_len:
-        return (
-            f"Requested token count exceeds the context length of {context_len} tokens: "
-            f"{prompt_len} input tokens + {max_new_tokens} max_new_tokens = {total}. "
-            f"Lower max_new_tokens or raise --context-length."
-        )
-    pages = -(-total // page_size) * page_size
-    if pages > max_total_tokens:
-        return (
-            f"The request needs up to {total} KV cache tokens ({prompt_len} input + {max_new_tokens} "
-            f"max_new_tokens) but the whole KV cache holds {max_total_tokens} tokens. "
-            f"Lower max_new_tokens or raise --max-total-tokens / --mem-fraction-static."
-        )
-    return None
 
 
 # ---------------------------------------------------------------------- queue order
@@ -119,9 +106,7 @@ class SchedulePolicy:
         """Whether ``order`` wants the cached-prefix length of every waiting request."""
         return self.policy == "lpm" and queue_len <= self.lpm_max_queue
 
-    def order(
-        self, queue: Sequence[Req], now_step: int, prefix_lens: Sequence[int] | None = None
-    ) -> list[Req]:
+    def order(self, queue: Sequence[W], now_step: int, prefix_lens: Sequence[int] | None = None) -> list[W]:
         """The queue in admission order (a new list; ``queue`` is not modified).
 
         ``prefix_lens[i]``: cached-prefix length of ``queue[i]`` (lpm only; without it lpm
@@ -129,12 +114,8 @@ class SchedulePolicy:
         if self.policy == "priority":
             return sorted(queue, key=lambda r: (-r.priority, r.queue_seq))
         if self.policy == "lpm" and prefix_lens is not None:
-            return [
-                queue[i]
-                for i in self.lpm_order(
-                    prefix_lens, [now_step - r.enqueue_step for r in queue], [r.queue_seq for r in queue]
-                )
-            ]
+            waited = [now_step - r.enqueue_step for r in queue]
+            return [queue[i] for i in self.lpm_order(prefix_lens, waited, [r.queue_seq for r in queue])]
         return sorted(queue, key=lambda r: r.queue_seq)
 
     def lpm_order(
@@ -210,20 +191,12 @@ class AddDecision:
         return self.result in (AddResult.ADMITTED, AddResult.CHUNKED)
 
 
-def page_ceil(n: int, page_size: int) -> int:
-    return -(-n // page_size) * page_size
-
-
-def page_floor(n: int, page_size: int) -> int:
-    return n // page_size * page_size
-
-
 def decode_reserve(remaining_new_tokens: Sequence[int], new_token_ratio: float) -> int:
     """KV slots to keep for the future decode tokens of the running requests."""
     return sum(math.ceil(n * new_token_ratio) for n in remaining_new_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillAdder:
     """Admission of the requests of one prefill step, in queue order (one ``add`` per request).
 
@@ -351,7 +324,7 @@ DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # min = init * factor (0.7 -> ~0.1)
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps from init down to min
 
 
-@dataclass
+@dataclass(slots=True)
 class NewTokenRatio:
     """Estimated fraction of its remaining max_new_tokens a running request will still generate.
 
@@ -392,37 +365,36 @@ class NewTokenRatio:
 
 
 # ---------------------------------------------------------------------- retraction
-def retraction_key(req: Req) -> tuple[int, int, int]:
+def retraction_key(req: RunningReq) -> tuple[int, int, int]:
     """Least work lost first: fewest generated tokens, then shortest sequence, then the latest
     arrival."""
     return (len(req.output_ids), req.all_ids_len, -req.queue_seq)
 
 
-def retraction_order(reqs: Sequence[Req]) -> list[Req]:
+def retraction_order(reqs: Sequence[R]) -> list[R]:
     return sorted(reqs, key=retraction_key)
 
 
 def decode_slots(kv_lens: Sequence[int], page_size: int, steps: int = 1) -> int:
     """Fresh slots ``steps`` decode steps of sequences with these KV lengths take."""
     p = page_size
-    return sum((-(-(n + steps) // p) - -(-n // p)) * p for n in kv_lens)
+    return sum((num_pages(n + steps, p) - num_pages(n, p)) * p for n in kv_lens)
 
 
-def plan_retraction(reqs: Sequence[Req], available: int, page_size: int, margin_steps: int = 1) -> list[Req]:
-    """Victims, least work lost first, until the others can decode ``margin_steps`` steps.
+def plan_retraction(reqs: Sequence[R], available: int, page_size: int, margin_steps: int = 1) -> list[R]:
+    """Victims (a prefix of ``retraction_order(reqs)``): the fewest after which the others can
+    decode ``margin_steps`` steps. At least one request is always kept.
 
-    ``available``: free + evictable slots now. A victim is assumed to give back at least the
-    slots it owns beyond its cached prefix (its KV goes to the prefix cache, evictable). At
-    least one request is always kept."""
+    ``available``: free + evictable slots now. A victim is assumed to give back the slots it
+    owns beyond its cached prefix (its KV goes to the prefix cache, evictable): a lower bound,
+    since the prefix pages only it locked become evictable too. The plan may therefore name more
+    victims than needed; whoever executes it stops as soon as the real availability suffices."""
     order = retraction_order(reqs)
-    kept = list(order)
-    victims: list[Req] = []
-    avail = available
-    while len(kept) > 1:
-        need = decode_slots([r.kv_committed_len for r in kept], page_size, margin_steps)
-        if need <= avail:
-            break
-        v = kept.pop(0)
-        victims.append(v)
-        avail += page_ceil(v.kv_committed_len, page_size) - len(v.prefix_indices)
-    return victims
+    need = decode_slots([r.kv_committed_len for r in order], page_size, margin_steps)
+    n = 0
+    while len(order) - n > 1 and need > available:
+        v = order[n]
+        need -= decode_slots([v.kv_committed_len], page_size, margin_steps)
+        available += page_ceil(v.kv_committed_len, page_size) - len(v.prefix_indices)
+        n += 1
+    return order[:n]

@@ -2,9 +2,9 @@
 
 `TokenizeBatcher.encode` queues texts and schedules one flush with ``loop.call_soon``: every
 request that reaches the tokenizer in the same event-loop iteration (a burst of HTTP requests, a
-batch from the Engine) is encoded by one ``tokenizer(texts)`` call. Small batches are encoded
-inline (microseconds with a fast tokenizer); large ones in a worker thread so the event loop keeps
-serving streams.
+batch from the Engine) is encoded by one ``tokenizer(texts)`` call. Batches of at most
+``_INLINE_MAX_CHARS`` characters are encoded inline; larger ones in a worker thread so the event
+loop keeps serving streams.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from srt.utils.pages import num_pages, page_floor
+
 IntSeq = Sequence[int] | np.ndarray | torch.Tensor
 
 
@@ -137,9 +139,9 @@ class TokenToKVPoolAllocator:
         last = np.asarray(last_loc, dtype=np.int64).reshape(-1)
         if self.debug:
             self._check_last_loc(p, last)
-        # pages already holding slots (ceil(p/P)) vs pages needed after the extend (ceil(s/P))
-        pages_before = -(-p // P)
-        new_pages = -(-s // P) - pages_before
+        # pages already holding slots vs pages needed after the extend (elementwise)
+        pages_before = num_pages(p, P)
+        new_pages = num_pages(s, P) - pages_before
         fresh = self._take_pages(int(new_pages.sum()))
         if fresh is None:
             return None
@@ -147,7 +149,7 @@ class TokenToKVPoolAllocator:
             return self._to_tensor(np.empty(0, dtype=np.int64))
         # Sequence i takes `part` slots continuing its partial last page (last_loc+1, ...),
         # then the first ext-part slots of its run of fresh pages (consecutive in `flat`).
-        part = np.where(p % P != 0, np.minimum(s, (p // P + 1) * P) - p, 0)
+        part = np.where(p % P != 0, np.minimum(s, page_floor(p, P) + P) - p, 0)
         flat = (fresh[:, None] * P + self._offsets).reshape(-1)
         pieces: list[np.ndarray] = []
         base = 0

@@ -13,7 +13,8 @@ Keys are token-id lists; values are the KV slot indices (int64 tensor) of those 
 With page_size P > 1 the tree stores whole pages only: every key length is a multiple
 of P, and a node's value begins on a page boundary.
 
-Fields of ``Req`` the cache reads and writes (see srt/managers/req.py):
+Fields of a request the cache reads and writes (``PrefixCacheReq``; srt/managers/req.py's
+``Req`` satisfies it, and the cache never imports the managers):
   req.origin_input_ids, req.output_ids  -- token ids
   req.fill_ids       -- the ids whose KV is computed after the current step
                         (prompt chunk so far, or prompt + output for retracted reqs)
@@ -46,14 +47,29 @@ Lifecycle of a request (scheduler side):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from srt.utils.pages import page_ceil, page_floor
 
 
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor  # int64 KV slots of the longest cached prefix (page-aligned length)
-    last_node: Any  # handle to lock with inc_lock_ref while the prefix is in use
+    last_node: Any  # the cache's opaque handle to lock with inc_lock_ref while the prefix is in use
+
+
+class PrefixCacheReq(Protocol):
+    """The request fields of the prefix-cache contract (meanings in the module docstring)."""
+
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]
+    req_pool_idx: int | None
+    prefix_indices: torch.Tensor
+    last_node: Any  # the handle of MatchResult.last_node (None once released)
+    kv_committed_len: int
+    kv_allocated_len: int
 
 
 class BasePrefixCache(ABC):
@@ -75,7 +91,7 @@ class BasePrefixCache(ABC):
         duplicates the caller must free. Slots of the new suffix become owned by the tree."""
 
     @abstractmethod
-    def cache_finished_req(self, req) -> None:
+    def cache_finished_req(self, req: PrefixCacheReq) -> None:
         """A request finished (or is aborted/retracted): hand its KV to the tree (insert of
         ``(origin_input_ids + output_ids)[:kv_committed_len]``, page-aligned), free duplicates,
         the unaligned tail and the slots past kv_committed_len up to kv_allocated_len, unlock
@@ -83,7 +99,7 @@ class BasePrefixCache(ABC):
         req.last_node to None."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req) -> None:
+    def cache_unfinished_req(self, req: PrefixCacheReq) -> None:
         """A chunk of ``req.fill_ids`` was prefilled (KV of all of fill_ids is in the pool):
         insert it (page-aligned) so that other requests can share it at once, free the req's
         slots the tree already had (rewriting req_to_token with the tree's), move the req's
@@ -125,11 +141,11 @@ class BasePrefixCache(ABC):
         """(matched tokens, looked-up tokens) since start, for the cache hit rate."""
         return (0, 0)
 
-    def slots_owned_by_req(self, req) -> int:
+    def slots_owned_by_req(self, req: PrefixCacheReq) -> int:
         """Slots the running ``req`` holds outside the tree, in whole pages (sum this over the
         reqs holding a req_pool_idx for ``check_integrity(owned_by_requests=...)``)."""
         P = self.page_size
-        return -(-req.kv_allocated_len // P) * P - len(req.prefix_indices) // P * P
+        return page_ceil(req.kv_allocated_len, P) - page_floor(len(req.prefix_indices), P)
 
     def total_size(self) -> int:
         """Slots held by the cache (evictable + protected)."""

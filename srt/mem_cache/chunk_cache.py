@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, PrefixCacheReq
+from srt.utils.pages import page_ceil
 
 if TYPE_CHECKING:
-    from srt.managers.req import Req
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -46,7 +46,7 @@ class ChunkCache(BasePrefixCache):
             self.allocator.free(value.clone())
         return 0
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: PrefixCacheReq) -> None:
         """Free every slot of the req (``req_to_token[idx, :kv_allocated_len]``) and its row."""
         if req.req_pool_idx is None:
             raise AssertionError("cache_finished_req: req has no req_pool_idx")
@@ -57,15 +57,14 @@ class ChunkCache(BasePrefixCache):
         req.req_pool_idx = None
         req.last_node = None
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: PrefixCacheReq) -> None:
         """``req.prefix_indices`` = slots of all of ``req.fill_ids`` (still owned by the req)."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         req.prefix_indices = row[: len(req.fill_ids)].clone()
 
-    def slots_owned_by_req(self, req: Req) -> int:
+    def slots_owned_by_req(self, req: PrefixCacheReq) -> int:
         """All of the req's pages are its own (nothing is in a tree)."""
-        P = self.page_size
-        return -(-req.kv_allocated_len // P) * P
+        return page_ceil(req.kv_allocated_len, self.page_size)
 
     def inc_lock_ref(self, node) -> None:
         return None

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import os
 
+from srt.utils.pages import page_floor
+
 REQ_POOL_HEADROOM = 8
 CPU_MAX_RUNNING_REQUESTS = 256
 CUDA_MAX_RUNNING_REQUESTS = 4096
@@ -59,8 +61,7 @@ def profile_max_num_tokens(
     budget = int(available_bytes * mem_fraction_static) - weight_bytes - activation_peak_bytes
     if budget <= 0:
         return 0
-    tokens = budget // bytes_per_token
-    return tokens // page_size * page_size
+    return page_floor(budget // bytes_per_token, page_size)
 
 
 def cpu_process_memory(

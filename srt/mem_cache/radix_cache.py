@@ -1,6 +1,7 @@
 """RadixCache: a radix tree of token-id sequences -> KV slots, with LRU eviction.
 
-The slot-ownership contract and the ``Req`` fields used are in ``base_prefix_cache.py``.
+The slot-ownership contract and the request fields used are in ``base_prefix_cache.py``.
+With ``--disable-radix-cache`` the scheduler uses ``ChunkCache`` instead (no sharing).
 
 Tree shape. Each non-root node holds an edge: ``key`` (token ids, a multiple of page_size P
 long, never empty) and ``value`` (int64 tensor of the KV slots of those tokens, whole pages).
@@ -33,11 +34,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
-from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, PrefixCacheReq
+from srt.utils.pages import page_floor
 
 if TYPE_CHECKING:
-    from srt.managers.req import Req
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -75,7 +75,6 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool: ``req_to_token[req_pool_idx, pos]`` = KV slot of token ``pos``.
         token_to_kv_pool_allocator: where evicted and duplicate slots go back.
         page_size: P; keys and values are stored in whole pages.
-        disable: no sharing at all (behaves exactly like ``ChunkCache``).
 
     Instrumentation: ``evict_heap_pops`` counts heap entries examined by ``evict`` (the
     per-page eviction work, which must not grow with the size of the tree).
@@ -86,7 +85,6 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         page_size: int,
-        disable: bool = False,
     ):
         if page_size != token_to_kv_pool_allocator.page_size:
             raise ValueError("RadixCache page_size differs from the allocator's")
@@ -94,10 +92,6 @@ class RadixCache(BasePrefixCache):
         self.allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.device = token_to_kv_pool_allocator.device
-        self.disable = disable
-        self._nocache = (
-            ChunkCache(req_to_token_pool, token_to_kv_pool_allocator, page_size) if disable else None
-        )
         self._matched_tokens = 0
         self._looked_up_tokens = 0
         self.evict_heap_pops = 0
@@ -124,9 +118,9 @@ class RadixCache(BasePrefixCache):
             if node_key == key[pos : pos + n]:
                 return n
         elif node_key[:n] == key[pos : pos + n]:
-            return n - n % self.page_size
+            return page_floor(n, self.page_size)
         m = next((i for i, (a, b) in enumerate(zip(node_key, key[pos : pos + n])) if a != b), n)
-        return m - m % self.page_size
+        return page_floor(m, self.page_size)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after its first m tokens; return the new upper node.
@@ -185,10 +179,8 @@ class RadixCache(BasePrefixCache):
         Returns ``MatchResult(device_indices [m] int64, last_node)`` with m a multiple of
         page_size; last_node is the root when nothing matches. The caller must keep at least
         one token of a prompt to compute (match ``ids[:-1]``): logits need a forward."""
-        if self._nocache is not None:
-            return self._nocache.match_prefix(key)
         key = key if isinstance(key, list) else list(key)
-        end = len(key) - len(key) % self.page_size
+        end = page_floor(len(key), self.page_size)
         values, node = self._match(key, end)
         value = torch.cat(values) if values else self._empty
         self._looked_up_tokens += len(key)
@@ -225,21 +217,17 @@ class RadixCache(BasePrefixCache):
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert key -> value (see BasePrefixCache.insert); returns the already-cached length."""
-        if self._nocache is not None:
-            return self._nocache.insert(key, value)
         return self._insert(key, value)[0]
 
     # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: PrefixCacheReq) -> None:
         """Insert the req's computed, page-aligned tokens, free its duplicate and tail slots,
         unlock ``req.last_node`` and free its req_to_token row (see BasePrefixCache)."""
-        if self._nocache is not None:
-            return self._nocache.cache_finished_req(req)
         _require(req.req_pool_idx is not None, "cache_finished_req: req has no req_pool_idx")
         P = self.page_size
         committed, allocated = req.kv_committed_len, req.kv_allocated_len
-        tree_len = len(req.prefix_indices) - len(req.prefix_indices) % P
-        aligned = committed - committed % P
+        tree_len = page_floor(len(req.prefix_indices), P)
+        aligned = page_floor(committed, P)
         _require(tree_len <= aligned <= committed <= allocated, "cache_finished_req: inconsistent lengths")
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated]
         token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
@@ -255,16 +243,14 @@ class RadixCache(BasePrefixCache):
         req.req_pool_idx = None
         req.last_node = None
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: PrefixCacheReq) -> None:
         """Insert ``req.fill_ids`` (page-aligned part) so others can share it now; move the
         req's lock to the new last node; rewrite its req_to_token row with the tree's slots;
         set ``req.prefix_indices`` to the slots of all of fill_ids (tree part + tail)."""
-        if self._nocache is not None:
-            return self._nocache.cache_unfinished_req(req)
         P = self.page_size
         n = len(req.fill_ids)
-        aligned = n - n % P
-        tree_len = len(req.prefix_indices) - len(req.prefix_indices) % P
+        aligned = page_floor(n, P)
+        tree_len = page_floor(len(req.prefix_indices), P)
         _require(tree_len <= aligned, "cache_unfinished_req: fill_ids shorter than the prefix")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         new_prefix_len, new_last, values = self._insert(req.fill_ids[:aligned], row[:aligned])
@@ -280,7 +266,7 @@ class RadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         """Protect node and its ancestors from eviction (O(depth))."""
-        if node is None or self._nocache is not None:
+        if node is None:
             return
         while node is not self.root:
             if node.lock_ref == 0:
@@ -291,7 +277,7 @@ class RadixCache(BasePrefixCache):
 
     def dec_lock_ref(self, node: TreeNode | None) -> None:
         """Undo one inc_lock_ref(node) (O(depth))."""
-        if node is None or self._nocache is not None:
+        if node is None:
             return
         deepest = node
         while node is not self.root:
@@ -308,8 +294,6 @@ class RadixCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots (whole leaves, LRU first) unless nothing evictable
         is left; stops as soon as the goal is reached. Returns the number of slots freed."""
-        if self._nocache is not None:
-            return 0
         freed = 0
         to_free: list[torch.Tensor] = []
         while freed < num_tokens and self._heap:
@@ -331,10 +315,10 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ sizes / stats
     def evictable_size(self) -> int:
-        return self._nocache.evictable_size() if self._nocache is not None else self._evictable
+        return self._evictable
 
     def protected_size(self) -> int:
-        return self._nocache.protected_size() if self._nocache is not None else self._protected
+        return self._protected
 
     def total_size(self) -> int:
         """Slots held by the tree (evictable + protected)."""
@@ -342,15 +326,7 @@ class RadixCache(BasePrefixCache):
 
     def hit_stats(self) -> tuple[int, int]:
         """(matched tokens, looked-up tokens) over all match_prefix calls since construction."""
-        if self._nocache is not None:
-            return self._nocache.hit_stats()
         return (self._matched_tokens, self._looked_up_tokens)
-
-    def slots_owned_by_req(self, req: Req) -> int:
-        """Slots the running req holds outside the tree (see BasePrefixCache)."""
-        if self._nocache is not None:
-            return self._nocache.slots_owned_by_req(req)
-        return super().slots_owned_by_req(req)
 
     def _nodes(self) -> list[TreeNode]:
         """Every non-root node (depth-first)."""
@@ -364,8 +340,6 @@ class RadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Free every cached slot and drop the tree. Only valid with no locks held."""
-        if self._nocache is not None:
-            return self._nocache.reset()
         if self._protected:
             raise RuntimeError(f"reset() while {self._protected} cached slots are locked by requests")
         values = [n.value for n in self._nodes()]
@@ -380,8 +354,6 @@ class RadixCache(BasePrefixCache):
         ``owned_by_requests``: slots held by running requests outside the tree, counted in
         whole pages: for each req, ``ceil(kv_allocated_len / P) * P`` minus its tree part
         ``len(prefix_indices) // P * P``. O(tree size + pool size): a debug check."""
-        if self._nocache is not None:
-            return self._nocache.check_integrity(owned_by_requests)
         P = self.page_size
         total = self.allocator.size
         evictable = protected = 0

@@ -17,20 +17,50 @@ decoding ones (every decoding sequence has extend_seq_len == 1).
         tokens of i in input_ids:  [extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i])
         positions of those tokens: extend_prefix_lens[i] .. seq_lens[i] - 1
         seq_lens[i] == extend_prefix_lens[i] + extend_seq_lens[i]
+
+ForwardBatch is the models' input: layers and models read it, so this module imports nothing
+of them. The attention backend the ModelRunner attaches is typed here by what the attention
+layers call on it (``BatchAttention``; every ``srt.layers.attention.base.AttentionBackend``
+satisfies it), and ``AttentionLayer`` is what a backend reads from the calling layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from srt.layers.attention.base import AttentionBackend
     from srt.mem_cache.memory_pool import KVPool, ReqToTokenPool
     from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class AttentionLayer(Protocol):
+    """What an attention backend reads from the calling layer (``RadixAttention`` satisfies it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    layer_id: int
+
+
+class BatchAttention(Protocol):
+    """What the model's attention layers call on ``forward_batch.attn_backend``."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """q ``[T, H*D]``, k/v ``[T, H_kv*D]`` -> ``[T, H*D]`` (see srt/layers/attention/base.py)."""
+        ...
 
 
 class ForwardMode(IntEnum):
@@ -86,7 +116,7 @@ class ForwardBatch:
     # set by the ModelRunner before forward
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: KVPool | None = None
-    attn_backend: AttentionBackend | None = None
+    attn_backend: BatchAttention | None = None
 
     @property
     def num_tokens(self) -> int:

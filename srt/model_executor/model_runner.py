@@ -2,7 +2,8 @@
 
 Start-up (``ModelRunner(server_args)``, server_args already ``resolve()``d):
 
-    ModelConfig.from_server_args -> get_model (weights loaded, eval mode)
+    ModelConfig.from_server_args -> linear backend (--linear-backend, passed to the model)
+    -> get_model (weights loaded, eval mode)
     -> attention backend (by name, lazily imported) -> Sampler
     -> KV pool size: --max-total-tokens, or profiled (srt/mem_cache/pool_size.py):
            one dummy extend of the largest prefill (max_prefill_tokens, or chunked_prefill_size
@@ -27,7 +28,7 @@ from torch import nn
 
 from srt.configs.model_config import ModelConfig
 from srt.layers.attention.registry import create_attention_backend
-from srt.layers.linear import get_linear_backend, set_linear_backend
+from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
@@ -35,7 +36,9 @@ from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
-from srt.server_args import ConfigError, ServerArgs
+from srt.server_args import ServerArgs
+from srt.utils.errors import ConfigError
+from srt.utils.pages import page_ceil, page_floor
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,8 @@ class ModelRunner:
     """Owns the model and everything a forward needs. Attributes the scheduler reads:
     ``model_config``, ``req_to_token_pool``, ``token_to_kv_pool``, ``token_to_kv_pool_allocator``,
     ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
-    Also: ``model``, ``attn_backend``, ``sampler``, ``kv_cache_dtype``, ``load_time_s``,
-    ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled)."""
+    Also: ``model``, ``attn_backend``, ``linear_backend``, ``sampler``, ``kv_cache_dtype``,
+    ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled)."""
 
     def __init__(self, server_args: ServerArgs) -> None:
         self.server_args = server_args
@@ -59,12 +62,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model_config = ModelConfig.from_server_args(server_args)
         self.dtype: torch.dtype = self.model_config.dtype
-        set_linear_backend(server_args.linear_backend)  # resolved (and validated) by ServerArgs.resolve
-        self.linear_backend = get_linear_backend()
+        # resolved (and validated) by ServerArgs.resolve
+        self.linear_backend: LinearBackend = create_linear_backend(server_args.linear_backend)
         kv_name = server_args.kv_cache_dtype
         self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
         self.model: nn.Module = get_model(
-            self.model_config, server_args.load_format, self.device, server_args.random_seed
+            self.model_config,
+            server_args.load_format,
+            self.device,
+            server_args.random_seed,
+            self.linear_backend,
         )
         self.load_time_s = time.perf_counter() - t0
         self.weight_bytes = module_bytes(self.model)
@@ -77,7 +84,7 @@ class ModelRunner:
             self.weight_bytes / (1 << 30),
             str(self.dtype).removeprefix("torch."),
             server_args.attention_backend,
-            self.linear_backend,
+            self.linear_backend.name,
             torch.get_num_threads(),
         )
 
@@ -169,7 +176,7 @@ class ModelRunner:
     def _resolve_max_total_num_tokens(self) -> int:
         a = self.server_args
         if a.max_total_tokens is not None:
-            tokens = a.max_total_tokens // self.page_size * self.page_size
+            tokens = page_floor(a.max_total_tokens, self.page_size)
             if tokens < self.page_size:
                 raise ConfigError(
                     f"--max-total-tokens ({a.max_total_tokens}) must be at least --page-size ({self.page_size})."
@@ -211,7 +218,7 @@ class ModelRunner:
         activations (and one-time kernel workspaces) count."""
         num_tokens = self.max_prefill_tokens
         seq_lens = pool_size.split_into_sequences(num_tokens, self.context_len)
-        pool_tokens = -(-num_tokens // self.page_size) * self.page_size
+        pool_tokens = page_ceil(num_tokens, self.page_size)
         req_pool = ReqToTokenPool(len(seq_lens), max(seq_lens), self.device)
         kv_pool = self._new_kv_pool(pool_tokens)
         for buf in kv_pool.k_buffer + kv_pool.v_buffer:

@@ -1,7 +1,7 @@
 """get_model: build the model for a ModelConfig and fill its weights.
 
     model class (registry, by HF architecture) -> parameters allocated uninitialized on the
-    target device -> weights streamed in:
+    target device, every projection on the given linear backend -> weights streamed in:
         safetensors: safetensors_weights_iterator(model dir)   (stored dtype, cast on copy)
         gguf:        gguf_weights_iterator(file, hf_config)    (dequantized float32)
         dummy:       init_dummy_weights(model, seed)           (seeded random, nothing read)
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
+from srt.layers.linear_backend import LinearBackend
 from srt.model_loader.weight_utils import (
     init_dummy_weights,
     release_free_memory,
@@ -27,7 +28,7 @@ from srt.model_loader.weight_utils import (
     weight_bytes,
 )
 from srt.models.registry import get_model_class
-from srt.server_args import ConfigError
+from srt.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,13 @@ def get_model(
     load_format: str | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    linear_backend: LinearBackend | None = None,
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
     ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
-    (``auto`` means the config's). ``seed`` only matters for dummy weights."""
+    (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
+    runs the model's matmuls (``F.linear`` when None)."""
     fmt = model_config.load_format if load_format in (None, "auto") else load_format
     if fmt not in LOAD_FORMATS:
         raise ConfigError(f"unknown load format {fmt!r}")
@@ -52,7 +55,7 @@ def get_model(
     model_cls = get_model_class(model_config.architecture)
     t0 = time.perf_counter()
     with torch.device(device):
-        model = model_cls(model_config.hf_config, model_config.dtype)
+        model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
     if fmt == "dummy":
         init_dummy_weights(model, seed)
     elif fmt == "gguf":

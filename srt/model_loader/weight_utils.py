@@ -1,4 +1,7 @@
-"""Weight iterators (safetensors, dummy) and the checked copy every ``load_weights`` uses.
+"""Weight iterators (safetensors, dummy) and loading helpers.
+
+The checked copy every ``load_weights`` uses lives with the layers
+(``srt.layers.parameter.copy_weight``), so that models need nothing from the loader.
 
 Every iterator yields ``(hf_name, tensor)`` one tensor at a time and keeps no reference to
 what it yielded, so loading never holds more than the model's parameters plus one
@@ -25,6 +28,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from srt.utils.errors import WeightLoadError
+
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -39,10 +44,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint does not match the model (missing, unexpected or misshaped weights)."""
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -93,16 +94,6 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
                 f.seek(base + begin)
                 _readinto_exact(f, buf)
                 yield name, buf.view(dtype).reshape(info["shape"])
-
-
-def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """``param.copy_(loaded)`` (dtype/device converted) after checking the shapes agree."""
-    if param.shape != loaded.shape:
-        raise WeightLoadError(
-            f"weight {name}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}"
-        )
-    with torch.no_grad():
-        param.copy_(loaded)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -156,7 +147,6 @@ def weight_bytes(model: nn.Module) -> int:
 
 __all__ = [
     "WeightLoadError",
-    "copy_weight",
     "init_dummy_weights",
     "release_free_memory",
     "safetensors_files",

@@ -25,11 +25,13 @@ from torch import nn
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
+from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.parameter import copy_weight
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
-from srt.model_loader.weight_utils import WeightLoadError, copy_weight
+from srt.utils.errors import WeightLoadError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -51,10 +53,19 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        linear_backend: LinearBackend | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+        self.gate_up_proj = MergedColumnLinear(
+            hidden_size, [intermediate_size] * 2, bias, dtype, linear_backend
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, linear_backend)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +80,7 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         options: AttentionOptions,
         dtype: torch.dtype,
+        linear_backend: LinearBackend | None = None,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -76,9 +88,9 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias, dtype
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias, dtype, linear_backend
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, options.o_bias, dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, options.o_bias, dtype, linear_backend)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
@@ -112,11 +124,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         options: AttentionOptions,
         dtype: torch.dtype,
+        linear_backend: LinearBackend | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, dtype, linear_backend)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, linear_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -139,12 +152,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        options: AttentionOptions,
+        dtype: torch.dtype,
+        linear_backend: LinearBackend | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, options, dtype)
+            LlamaDecoderLayer(config, i, self.rotary_emb, options, dtype, linear_backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -176,19 +195,27 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T], forward_batch) -> LogitsProcessorOutput``."""
+    """``forward(input_ids [T], positions [T], forward_batch) -> LogitsProcessorOutput``.
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> None:
+    ``linear_backend`` runs every projection and the LM head (``F.linear`` when None; the
+    ModelRunner passes the one ``--linear-backend`` names)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        linear_backend: LinearBackend | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, self.attention_options(config), dtype)
+        self.model = LlamaModel(config, self.attention_options(config), dtype, linear_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens
         else:
             self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, linear_backend)
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -249,7 +276,12 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral = Llama layout; the sliding window is not implemented (full attention)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        linear_backend: LinearBackend | None = None,
+    ) -> None:
         window = getattr(config, "sliding_window", None)
         if window:
             logger.warning(
@@ -258,7 +290,4 @@ class MistralForCausalLM(LlamaForCausalLM):
                 window,
                 window,
             )
-        super().__init__(config, dtype)
-
-
-EntryClass = [LlamaForCausalLM, MistralForCausalLM]
+        super().__init__(config, dtype, linear_backend)

@@ -23,6 +23,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if getattr(config, "use_sliding_window", False):
             logger.warning("Qwen2: use_sliding_window is ignored (full attention in every layer).")
         return AttentionOptions(qkv_bias=True, o_bias=False)
-
-
-EntryClass = [Qwen2ForCausalLM]

@@ -19,6 +19,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
-
-
-EntryClass = [Qwen3ForCausalLM]

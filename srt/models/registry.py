@@ -1,10 +1,25 @@
-"""Model classes by HF ``architectures`` name, imported lazily (only the one in use is loaded)."""
+"""Model classes by HF ``architectures`` name, imported lazily (only the one in use is loaded).
+
+Every model class is built as ``Class(hf_config, dtype, linear_backend)`` and offers
+``forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput`` and
+``load_weights(iterable of (hf_name, tensor))``. To add an architecture: a module under
+``srt/models/`` and one entry in ``_MODELS``.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import nn
+
+from srt.utils.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from srt.layers.linear_backend import LinearBackend
 
 # HF architectures name -> (module under srt.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -15,15 +30,19 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture has no srt implementation."""
+class ModelClass(Protocol):
+    """The constructor every registered model class has."""
+
+    def __call__(
+        self, config: PretrainedConfig, dtype: torch.dtype, linear_backend: LinearBackend | None = None
+    ) -> nn.Module: ...
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> ModelClass:
     """The srt model class for an HF ``architectures`` entry."""
     entry = _MODELS.get(architecture)
     if entry is None:

@@ -1,6 +1,17 @@
-"""Typed errors of the serving layer.
+"""Every error type srt raises across a module boundary, in one small module that any part of
+srt may import (it imports nothing).
 
-Every error a request can meet carries the HTTP status it maps to, so that the Engine raises a
+Configuration and loading (raised before or while the processes start; all ``ValueError``s):
+
+    ConfigError                 a flag or ServerArgs value is invalid; the message says what to change
+    ModelNotFoundError          --model-path (or the default model package) is missing
+    UnsupportedModelError       the checkpoint's architecture has no srt implementation
+    UnknownAttentionBackendError an attention backend name that is not registered
+    DtypeError                  an unknown dtype name
+    WeightLoadError             a checkpoint does not match the model
+    GGUFError                   a GGUF file srt cannot load
+
+Serving: every error a request can meet carries the HTTP status it maps to, so that the Engine raises a
 typed exception and the HTTP server answers with OpenAI's error body without guessing:
 
     RequestError        400  the request is invalid (bad sampling parameter, prompt too long ...)
@@ -11,6 +22,34 @@ typed exception and the HTTP server answers with OpenAI's error body without gue
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says what to change."""
+
+
+class ModelNotFoundError(ConfigError):
+    """The model (or the default model package) is not where ``--model-path`` says."""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture has no srt implementation."""
+
+
+class UnknownAttentionBackendError(ValueError):
+    """An attention backend name that is not registered."""
+
+
+class DtypeError(ValueError):
+    """An unknown dtype name was requested."""
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model (missing, unexpected or misshaped weights)."""
+
+
+class GGUFError(ValueError):
+    """The GGUF file is not one srt can load (bad header, unsupported architecture or tensor)."""
 
 
 class SrtError(Exception):

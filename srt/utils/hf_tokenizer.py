@@ -10,16 +10,25 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from typing import Protocol
 
-from srt.server_args import ServerArgs
+from srt.utils.model_path import resolve_model_path
 
 
-def tokenizer_source(server_args: ServerArgs) -> str:
+class TokenizerPaths(Protocol):
+    """The two ``ServerArgs`` fields that say where the tokenizer is (ServerArgs satisfies it)."""
+
+    @property
+    def tokenizer_path(self) -> str | None: ...
+
+    @property
+    def model_path(self) -> str | None: ...
+
+
+def tokenizer_source(server_args: TokenizerPaths) -> str:
     """The path the tokenizer comes from: --tokenizer-path, else the (resolved) model path."""
     if server_args.tokenizer_path:
         return os.path.abspath(os.path.expanduser(server_args.tokenizer_path))
-    from srt.configs.model_config import resolve_model_path
-
     return resolve_model_path(server_args.model_path)
 
 

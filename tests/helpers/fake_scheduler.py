@@ -18,6 +18,7 @@ import zmq
 from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -42,7 +43,7 @@ READY = {
 class _Running(msgspec.Struct):
     req: TokenizedGenerateReqInput
     produced: int = 0
-    reason: dict[str, Any] | None = None
+    reason: FinishReason | None = None
     new: list[int] = []
 
 
@@ -69,9 +70,9 @@ def run_fake_scheduler_process(server_args: Any, port_args: Any, pipe_writer: An
                         r = running.pop(rid, None)
                         if r is not None:
                             r.reason = (
-                                {"type": "abort", "message": msg.message}
+                                FinishReason.of_abort(msg.message)
                                 if isinstance(msg, AbortReq)
-                                else {"type": "stop", "matched": msg.matched}
+                                else FinishReason.of_stop(msg.matched)
                             )
                             r.new = []
                             finished.append(r)
@@ -104,9 +105,9 @@ def run_fake_scheduler_process(server_args: Any, port_args: Any, pipe_writer: An
                 r.produced += 1
                 r.new = [tok]
                 if sp.stop_token_ids and tok in sp.stop_token_ids:
-                    r.reason = {"type": "stop", "matched": tok}
+                    r.reason = FinishReason.of_stop(tok)
             if r.reason is None and sp.max_new_tokens is not None and r.produced >= sp.max_new_tokens:
-                r.reason = {"type": "length", "length": r.produced}
+                r.reason = FinishReason.of_length(r.produced)
             if r.reason is not None:
                 running.pop(rid)
                 finished.append(r)

@@ -1,7 +1,8 @@
 """A fake model runner that checks the scheduler's KV bookkeeping, for fast scheduler tests.
 
-``KVEchoRunner`` has the attributes the scheduler reads from a ``ModelRunner`` (real
-``ReqToTokenPool`` and ``TokenToKVPoolAllocator``, debug mode on) but no model. Its "KV cache"
+``KVEchoRunner`` satisfies the scheduler's ``SchedulerModelRunner`` protocol
+(srt/managers/scheduler/runner_protocol.py) with real ``ReqToTokenPool`` and
+``TokenToKVPoolAllocator`` (debug mode on) but no model. Its "KV cache"
 stores, per slot, the token id and position written there. Every forward:
 
 1. writes ``input_ids``/``positions`` of the batch at ``out_cache_loc`` (what attention does);
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -87,6 +87,23 @@ def reference_generate(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class FakeModelConfig:
+    """The model-config fields the scheduler reads."""
+
+    vocab_size: int
+    eos_token_ids: list[int]
+    context_len: int
+
+
+@dataclass(slots=True)
+class FakeLogitsOutput:
+    """The logits-output fields the scheduler reads (prompt logprobs; no logits)."""
+
+    input_token_logprobs: list[list[float | None]] | None = None
+    input_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
+
+
 @dataclass
 class KVEchoRunner:
     max_total_tokens: int = 4096
@@ -100,7 +117,7 @@ class KVEchoRunner:
 
     def __post_init__(self) -> None:
         assert self.context_len <= MAX_CONTEXT
-        self.model_config = SimpleNamespace(
+        self.model_config = FakeModelConfig(
             vocab_size=VOCAB, eos_token_ids=[EOS], context_len=self.context_len
         )
         self.max_total_num_tokens = self.max_total_tokens
@@ -112,7 +129,7 @@ class KVEchoRunner:
         self.kv_token = torch.full((n,), -1, dtype=torch.int64)
         self.kv_pos = torch.full((n,), -1, dtype=torch.int64)
 
-    def forward_batch_generation(self, fb: ForwardBatch):
+    def forward_batch_generation(self, fb: ForwardBatch) -> tuple[FakeLogitsOutput, SampleOutput]:
         self.num_forwards += 1
         self.modes.append(fb.forward_mode.name)
         assert fb.sampling_info is not None and fb.sampling_info.batch_size == fb.batch_size
@@ -134,9 +151,7 @@ class KVEchoRunner:
             h = int((self.kv_token[slots] * _WEIGHTS[:n]).sum()) % _PRIME
             next_ids.append(_token_of_hash(h, self.eos_every))
             lps.append(-float(n % 7) - 0.5)
-        logits_output = SimpleNamespace(
-            next_token_logits=None, input_token_logprobs=None, input_top_logprobs=None
-        )
+        logits_output = FakeLogitsOutput()
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None:
             logits_output.input_token_logprobs = self._prompt_logprobs(fb)
         out = SampleOutput(next_token_ids=torch.tensor(next_ids, dtype=torch.int64))

@@ -24,9 +24,9 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     encode,
 )
-from srt.managers.req import ReqState
+from srt.managers.req import ReqStatus
 from srt.managers.scheduler import Scheduler
-from srt.managers.scheduler_process import event_loop
+from srt.managers.scheduler.process import event_loop
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.helpers.scheduler_fakes import KVEchoRunner, reference_generate
@@ -74,7 +74,7 @@ class Collector:
                 self.tokens.setdefault(rid, []).extend(ids)
                 assert n == len(self.tokens[rid]), "completion_tokens must count every token sent"
                 if fr is not None:
-                    self.finish[rid] = fr
+                    self.finish[rid] = fr.to_dict()
 
 
 def step(s: Scheduler, c: Collector, n: int = 1) -> None:
@@ -99,7 +99,7 @@ def test_abort_waiting(radix):
     s.handle_message(gen("run", prompt(1, 20)))
     s.handle_message(gen("wait", prompt(2, 20)))
     step(s, c, 2)
-    assert s.reqs_by_rid["wait"].state == ReqState.WAITING
+    assert s.reqs_by_rid["wait"].state == ReqStatus.WAITING
     s.handle_message(AbortReq(rid="wait", message="client went away", status_code=499))
     step(s, c)
     assert c.finish["wait"] == {"type": "abort", "message": "client went away", "status_code": 499}
@@ -116,7 +116,7 @@ def test_abort_between_chunks(radix, page):
     s.handle_message(gen("long", prompt(3, 150)))
     step(s, c, 2)
     req = s.reqs_by_rid["long"]
-    assert req is s.chunked_req and req.state == ReqState.PREFILLING and req.kv_committed_len == 64
+    assert req is s.chunked_req and req.state == ReqStatus.PREFILLING and req.kv_committed_len == 64
     s.handle_message(AbortReq(rid="long"))
     assert s.chunked_req is None and s.req_to_token_pool.available_size() == s.req_to_token_pool.size
     s.tree_cache.check_integrity(0)
@@ -137,7 +137,7 @@ def test_abort_running(radix):
     s.handle_message(gen("a", prompt(4, 30), max_new=50))
     s.handle_message(gen("b", prompt(5, 30), max_new=20))
     step(s, c, 6)
-    assert s.reqs_by_rid["a"].state == ReqState.DECODING
+    assert s.reqs_by_rid["a"].state == ReqStatus.DECODING
     sent = list(c.tokens["a"])
     assert 0 < len(sent) < 50
     s.handle_message(AbortReq(rid="a", message="stop now"))
@@ -252,8 +252,8 @@ def test_event_loop_serves_over_zmq_and_blocks_when_idle():
     push = ctx.socket(zmq.PUSH)
     push.connect(in_addr)
     thread = threading.Thread(target=event_loop, args=(s, recv, send), daemon=True)
-    thread.start()
     try:
+        thread.start()
         from srt.managers.io_struct import detokenizer_input_decoder
 
         push.send(encode(gen("z", prompt(12, 25), max_new=6)))
@@ -280,7 +280,11 @@ def test_event_loop_serves_over_zmq_and_blocks_when_idle():
     finally:
         for sock in (push, sink):
             sock.close(linger=0)
-        # the loop thread is a daemon blocked in poll on its own sockets; it ends with the process
+        # the loop thread is a daemon blocked in poll on its own sockets; it ends with the process.
+        # If it is not running, nothing would ever close them and the context's finalizer would
+        # block the test run in zmq_ctx_term: close everything here instead.
+        if not thread.is_alive():
+            ctx.destroy(linger=0)
 
 
 def test_zero_and_unbounded_max_new_tokens():

@@ -102,7 +102,7 @@ def drive(sched: Scheduler, items: list[Item], max_steps: int = 20_000) -> dict[
                 assert rid not in finished, f"output for {rid} after its finish reason"
                 tokens[rid].extend(ids)
                 if fr is not None:
-                    finished[rid] = fr
+                    finished[rid] = fr.to_dict()
         step += 1
         assert step < max_steps, "the scheduler made no progress"
     assert set(finished) == set(tokens), "every request reports a finish reason"
@@ -235,7 +235,7 @@ def test_output_logprobs_and_metadata_fake_model():
         ctx.append(t)
     assert lps == pytest.approx(expect) and [x[0][0] for x in tops] == ids
     assert firsts[0] is not None and firsts[0] >= 0 and all(f is None for f in firsts[1:])
-    assert outs[-1].finished_reasons[0] == {"type": "length", "length": 5}
+    assert outs[-1].finished_reasons[0].to_dict() == {"type": "length", "length": 5}
     assert outs[-1].completion_tokens == [5]
     check_clean(sched)
 

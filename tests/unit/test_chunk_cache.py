@@ -12,7 +12,6 @@ import torch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.memory_pool import ReqToTokenPool
-from srt.mem_cache.radix_cache import RadixCache
 
 
 @dataclass
@@ -30,7 +29,7 @@ class FakeReq:
 def make(P: int, pages: int = 32, disable_radix: bool = False):
     alloc = TokenToKVPoolAllocator(pages * P, P, debug=True)
     pool = ReqToTokenPool(8, 64 * P, "cpu")
-    cache = RadixCache(pool, alloc, P, disable=True) if disable_radix else ChunkCache(pool, alloc, P)
+    cache = ChunkCache(pool, alloc, P)  # --disable-radix-cache and the plain ChunkCache are one path
     return cache, alloc, pool
 
 

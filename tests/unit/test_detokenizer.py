@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from srt.managers.detokenizer_manager import DetokenizerManager
-from srt.managers.io_struct import BatchTokenIDOut
+from srt.managers.io_struct import BatchTokenIDOut, FinishReason
 
 
 class ByteTokenizer:
@@ -52,19 +52,20 @@ def step(rid: str, ids: list[int], *, stop=(), reason=None, no_stop_trim=False, 
 
 
 def run(mgr: DetokenizerManager, rid: str, tokens: list[int], **kw):
-    """Feed tokens one per step (the last with finish reason length); return (deltas, reason, hits)."""
+    """Feed tokens one per step (the last with finish reason length); return (deltas, reason, hits),
+    the reason as SGLang's dict."""
     deltas, hits, reason = [], [], None
     for k, t in enumerate(tokens):
         last = k == len(tokens) - 1
         out, h = mgr.handle_batch_token_id_out(
-            step(rid, [t], reason={"type": "length", "length": len(tokens)} if last else None, **kw)
+            step(rid, [t], reason=FinishReason.of_length(len(tokens)) if last else None, **kw)
         )
         hits += h
         if out is not None:
             assert out.rids == [rid]
             deltas.append(out.output_strs[0])
             if out.finished_reasons[0] is not None:
-                reason = out.finished_reasons[0]
+                reason = out.finished_reasons[0].to_dict()
                 break
     return deltas, reason, hits
 
@@ -98,7 +99,7 @@ def test_stop_string_spanning_tokens_is_trimmed_and_reported():
     # tokens the scheduler produced before it saw the hit are dropped, and so is its finish
     out, _ = mgr.handle_batch_token_id_out(step("r", [2]))
     assert out is None
-    out, _ = mgr.handle_batch_token_id_out(step("r", [3], reason={"type": "abort", "message": "x"}))
+    out, _ = mgr.handle_batch_token_id_out(step("r", [3], reason=FinishReason.of_abort("x")))
     assert out is None and "r" not in mgr.stopped_rids
 
 
@@ -120,13 +121,11 @@ def test_stop_token_id_text_is_not_included():
     tok = ByteTokenizer([b"a", b"b", b"."])
     mgr = DetokenizerManager(tok)
     out, _ = mgr.handle_batch_token_id_out(step("r", [0, 1]))
-    out, _ = mgr.handle_batch_token_id_out(step("r", [2], reason={"type": "stop", "matched": 2}))
+    out, _ = mgr.handle_batch_token_id_out(step("r", [2], reason=FinishReason.of_stop(2)))
     assert out.output_strs == [""] and out.output_ids == [[2]]
-    assert out.finished_reasons == [{"type": "stop", "matched": 2}]
+    assert [r.to_dict() for r in out.finished_reasons] == [{"type": "stop", "matched": 2}]
     mgr.handle_batch_token_id_out(step("k", [0]))
-    out, _ = mgr.handle_batch_token_id_out(
-        step("k", [2], reason={"type": "stop", "matched": 2}, no_stop_trim=True)
-    )
+    out, _ = mgr.handle_batch_token_id_out(step("k", [2], reason=FinishReason.of_stop(2), no_stop_trim=True))
     assert out.output_strs == ["."]
 
 

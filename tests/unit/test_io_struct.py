@@ -42,7 +42,7 @@ SAMPLES: list[io._Msg] = [
     io.BatchTokenIDOut(
         rids=["a", "b"],
         output_ids=[[5, 6], []],
-        finished_reasons=[None, {"type": "stop", "matched": 2}],
+        finished_reasons=[None, io.FinishReason.of_stop(2)],
         prompt_tokens=[3, 4],
         completion_tokens=[2, 9],
         cached_tokens=[0, 4],
@@ -70,7 +70,7 @@ SAMPLES: list[io._Msg] = [
         rids=["a"],
         output_strs=["🎉 ok"],
         output_ids=[[5]],
-        finished_reasons=[{"type": "abort", "message": "boom", "status_code": 500}],
+        finished_reasons=[io.FinishReason.of_abort("boom", 500)],
         prompt_tokens=[3],
         completion_tokens=[1],
         cached_tokens=[0],
@@ -141,3 +141,47 @@ def test_stop_string_given_as_string_becomes_a_list_after_decode():
     msg = io.TokenizedGenerateReqInput(rid="r", input_ids=[1], sampling_params=SamplingParams(stop="END"))
     back = io.scheduler_input_decoder.decode(io.encode(msg))
     assert back.sampling_params.stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    "reason, sglang_dict",
+    [
+        (io.FinishReason.of_length(7), {"type": "length", "length": 7}),
+        (io.FinishReason.of_stop(2), {"type": "stop", "matched": 2}),
+        (io.FinishReason.of_stop("\n\n"), {"type": "stop", "matched": "\n\n"}),
+        (io.FinishReason.of_abort("gone"), {"type": "abort", "message": "gone"}),
+        (
+            io.FinishReason.of_abort("too long", 400),
+            {"type": "abort", "message": "too long", "status_code": 400},
+        ),
+    ],
+    ids=lambda v: v.type if isinstance(v, io.FinishReason) else "",
+)
+def test_finish_reason_round_trips_in_batch_outputs(reason, sglang_dict):
+    token_out = io.BatchTokenIDOut(
+        rids=["a", "b"],
+        output_ids=[[1], [2]],
+        finished_reasons=[reason, None],
+        prompt_tokens=[1, 1],
+        completion_tokens=[1, 1],
+        cached_tokens=[0, 0],
+        skip_special_tokens=[True, True],
+        spaces_between_special_tokens=[True, True],
+        no_stop_trim=[False, False],
+        stop_strs=[[], []],
+    )
+    str_out = io.BatchStrOut(
+        rids=["a"],
+        output_strs=["x"],
+        output_ids=[[1]],
+        finished_reasons=[reason],
+        prompt_tokens=[1],
+        completion_tokens=[1],
+        cached_tokens=[0],
+    )
+    back = io.detokenizer_input_decoder.decode(io.encode(token_out))
+    assert back.finished_reasons == [reason, None] and type(back.finished_reasons[0]) is io.FinishReason
+    back = io.tokenizer_input_decoder.decode(io.encode(str_out))
+    assert back.finished_reasons == [reason]
+    assert back.finished_reasons[0].to_dict() == sglang_dict
+    assert back.finished_reasons[0].is_abort == (sglang_dict["type"] == "abort")

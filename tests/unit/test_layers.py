@@ -13,16 +13,18 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-import srt.layers.linear as linear_mod
-from srt.layers import logits_processor as logits_processor_module
+import srt.layers.linear_backend as linear_mod
+from srt.configs.backends import resolve_linear_backend
+from srt.configs.device import onednn_linear_available
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
+from srt.layers.linear_backend import create_linear_backend
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope, rope_parameters
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt.model_loader.weight_utils import WeightLoadError
+from srt.utils.errors import WeightLoadError
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -175,15 +177,8 @@ def test_linear_has_no_grad_and_no_bias_by_default():
     assert layer.bias is None and not layer.weight.requires_grad
 
 
-@pytest.fixture
-def restore_linear_backend():
-    before = linear_mod.get_linear_backend()
-    yield
-    linear_mod.set_linear_backend(before)
-
-
-@pytest.mark.skipif(not linear_mod.onednn_linear_available(), reason="oneDNN linear not usable here")
-def test_onednn_linear_backend_matches_f_linear(restore_linear_backend, monkeypatch):
+@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN linear not usable here")
+def test_onednn_linear_backend_matches_f_linear(monkeypatch):
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(
@@ -191,36 +186,36 @@ def test_onednn_linear_backend_matches_f_linear(restore_linear_backend, monkeypa
     )
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
-    linear_mod.set_linear_backend("onednn")
-    assert linear_mod.get_linear_backend() == "onednn"
+    backend = create_linear_backend("onednn")
+    assert backend.name == "onednn"
     for shape in [(7, 24), (2, 3, 24), (1, 24)]:
         x = torch.randn(*shape, generator=gen)
         for bias in (None, b):
-            got = linear_mod.linear(x, w, bias)
+            got = backend.apply(x, w, bias)
             assert got.shape == (*shape[:-1], 40)
             torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
     assert len(calls) == 6
     calls.clear()
-    linear_mod.set_linear_backend("torch")
+    backend = create_linear_backend("torch")
     x = torch.randn(7, 24, generator=gen)
-    assert torch.equal(linear_mod.linear(x, w, b), F.linear(x, w, b)) and not calls
+    assert torch.equal(backend.apply(x, w, b), F.linear(x, w, b)) and not calls
     x64 = x.double()  # other dtypes always take F.linear
-    linear_mod.set_linear_backend("onednn")
-    assert torch.equal(linear_mod.linear(x64, w.double()), F.linear(x64, w.double())) and not calls
+    backend = create_linear_backend("onednn")
+    assert torch.equal(backend.apply(x64, w.double()), F.linear(x64, w.double())) and not calls
 
 
 def test_resolve_linear_backend():
-    ok = linear_mod.onednn_linear_available()
-    assert linear_mod.resolve_linear_backend("auto", "cpu", "float32") == ("onednn" if ok else "torch")
-    assert linear_mod.resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
-    assert linear_mod.resolve_linear_backend("auto", "cuda", "float32") == "torch"
-    assert linear_mod.resolve_linear_backend("torch", "cpu", "float32") == "torch"
+    ok = onednn_linear_available()
+    assert resolve_linear_backend("auto", "cpu", "float32") == ("onednn" if ok else "torch")
+    assert resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
+    assert resolve_linear_backend("auto", "cuda", "float32") == "torch"
+    assert resolve_linear_backend("torch", "cpu", "float32") == "torch"
     with pytest.raises(ValueError, match="--linear-backend"):
-        linear_mod.resolve_linear_backend("onednn", "cuda", "bfloat16")
+        resolve_linear_backend("onednn", "cuda", "bfloat16")
     with pytest.raises(ValueError, match="unknown linear backend"):
-        linear_mod.resolve_linear_backend("mkl", "cpu", "float32")
+        resolve_linear_backend("mkl", "cpu", "float32")
     with pytest.raises(ValueError):
-        linear_mod.set_linear_backend("auto")
+        create_linear_backend("auto")
 
 
 # ---------------------------------------------------------------- radix attention
@@ -292,9 +287,8 @@ def test_logits_processor_does_not_compute_full_logits(monkeypatch):
         shapes.append(tuple(x.shape))
         return real_linear(x, w, b)
 
+    # the processor's default backend (TORCH_LINEAR) calls F.linear
     monkeypatch.setattr(F, "linear", spy)
-    # the processor's matmul helper (oneDNN on CPU float32, else F.linear)
-    monkeypatch.setattr(logits_processor_module, "linear", spy)
     fb = _batch(ForwardMode.EXTEND, [0, 0], [30, 20])
     lp(torch.randn(50, HIDDEN), head, fb)
     assert shapes == [(2, HIDDEN)]

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import srt.layers.linear as linear_mod
+from srt.configs.device import onednn_linear_available
 from srt.configs.model_config import ModelConfig, resolve_model_path
+from srt.layers.linear_backend import create_linear_backend
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
 from tests.helpers.tiny_models import TINY_KINDS, assert_same_params, extend_batch, save_tiny_model
@@ -25,17 +26,6 @@ from tests.helpers.tiny_models import TINY_KINDS, assert_same_params, extend_bat
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ATOL = 1e-4  # F.linear on both sides: the same MKL kernels, only op order differs
 ONEDNN_ATOL = 5e-4  # srt's oneDNN matmul against transformers' MKL one (measured ~1.5e-4)
-
-
-@pytest.fixture(autouse=True)
-def _linear_backend():
-    """These comparisons run srt's models with ``F.linear`` (the default of a process that has
-    no ModelRunner), whatever an earlier test in this process set; the oneDNN path has its own
-    test below."""
-    before = linear_mod.get_linear_backend()
-    linear_mod.set_linear_backend("torch")
-    yield
-    linear_mod.set_linear_backend(before)
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -219,7 +209,7 @@ def test_gguf_prompt_logits_match_transformers(gguf_pair):
     torch.testing.assert_close(_full_logits(model, ids), ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(not linear_mod.onednn_linear_available(), reason="oneDNN linear not usable here")
+@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN linear not usable here")
 @torch.inference_mode()
 def test_gguf_prompt_logits_onednn_backend_close_to_transformers(gguf_pair):
     """``--linear-backend onednn`` (the CPU default): same logits up to float32 reordering."""
@@ -227,10 +217,11 @@ def test_gguf_prompt_logits_onednn_backend_close_to_transformers(gguf_pair):
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646] + _prompt(60, 49152, seed=5)
     ref = hf(torch.tensor([ids])).logits[0].float()
     with_torch = _full_logits(model, ids)
-    linear_mod.set_linear_backend("onednn")
+    onednn = create_linear_backend("onednn")
+    model = get_model(ModelConfig(resolve_model_path(None)), linear_backend=onednn)
     fb = extend_batch([ids])
     hidden = model.model(fb.input_ids, fb.positions, fb)
-    got = linear_mod.linear(hidden, model.lm_head.weight).float()
+    got = onednn.apply(hidden, model.lm_head.weight).float()
     assert not torch.equal(got, with_torch)  # the oneDNN path really ran
     torch.testing.assert_close(got, ref, atol=ONEDNN_ATOL, rtol=0)
     assert got.argmax(-1).eq(ref.argmax(-1)).float().mean() > 0.95

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
+from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.mem_cache.radix_cache import RadixCache
 
@@ -307,7 +308,7 @@ def test_reset_hit_stats_pretty_print_and_disable():
     assert cache.match_prefix([1, 2, 3]).device_indices.numel() == 0
     cache.check_integrity()
 
-    off = RadixCache(cache.req_to_token_pool, alloc, 1, disable=True)
+    off = ChunkCache(cache.req_to_token_pool, alloc, 1)  # the cache of --disable-radix-cache
     r = admit(off, [1, 2, 3, 4])
     assert r.prefix_indices.numel() == 0
     r.output_ids = [5]

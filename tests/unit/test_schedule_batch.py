@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.managers.req import InvalidTransitionError, Req, ReqState
-from srt.managers.schedule_batch import KVContext, ScheduleBatch
+from srt.managers.io_struct import FinishReason
+from srt.managers.req import InvalidTransitionError, Req, ReqStatus
+from srt.managers.schedule_batch import ScheduleBatch
+from srt.managers.scheduler.cache import CacheManager
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.mem_cache.radix_cache import RadixCache
@@ -26,30 +28,30 @@ def make_req(rid: str, ids: list[int], max_new: int = 10, **params) -> Req:
 # ---------------------------------------------------------------------- state machine
 def test_state_machine_happy_path_and_retraction():
     r = make_req("a", [5, 6, 7])
-    assert r.state == ReqState.WAITING
-    r.set_state(ReqState.PREFILLING)
-    r.set_state(ReqState.PREFILLING)  # next chunk
-    r.set_state(ReqState.DECODING)
+    assert r.state == ReqStatus.WAITING
+    r.set_state(ReqStatus.PREFILLING)
+    r.set_state(ReqStatus.PREFILLING)  # next chunk
+    r.set_state(ReqStatus.DECODING)
     r.output_ids = [9, 9]
     r.kv_committed_len = 4
     r.retract()
-    assert r.state == ReqState.WAITING and r.retract_count == 1
+    assert r.state == ReqStatus.WAITING and r.retract_count == 1
     assert r.output_ids == [9, 9], "a retracted request keeps its output"
     assert r.kv_committed_len == 0 and r.req_pool_idx is None and r.last_node is None
-    r.set_state(ReqState.PREFILLING)
-    r.finish({"type": "abort", "message": "x"})
+    r.set_state(ReqStatus.PREFILLING)
+    r.finish(FinishReason.of_abort("x"))
     r.mark_released()
-    assert r.state == ReqState.FINISHED and r.finished
+    assert r.state == ReqStatus.FINISHED and r.finished
 
 
 @pytest.mark.parametrize(
     "path",
     [
-        [ReqState.DECODING],
-        [ReqState.RETRACTED],
-        [ReqState.PREFILLING, ReqState.WAITING],
-        [ReqState.FINISHED, ReqState.WAITING],
-        [ReqState.PREFILLING, ReqState.DECODING, ReqState.PREFILLING],
+        [ReqStatus.DECODING],
+        [ReqStatus.RETRACTED],
+        [ReqStatus.PREFILLING, ReqStatus.WAITING],
+        [ReqStatus.FINISHED, ReqStatus.WAITING],
+        [ReqStatus.PREFILLING, ReqStatus.DECODING, ReqStatus.PREFILLING],
     ],
 )
 def test_invalid_transitions_raise(path):
@@ -60,6 +62,11 @@ def test_invalid_transitions_raise(path):
 
 
 # ---------------------------------------------------------------------- finish rules
+def reason(req: Req) -> dict | None:
+    """The request's finish reason in its wire dict shape (None while it runs)."""
+    return None if req.finished_reason is None else req.finished_reason.to_dict()
+
+
 def feed(req: Req, tokens: list[int]) -> int:
     """Append tokens until the request finishes; return how many were taken."""
     for i, t in enumerate(tokens):
@@ -72,41 +79,41 @@ def feed(req: Req, tokens: list[int]) -> int:
 def test_finish_by_length():
     r = make_req("a", [1], max_new=3)
     assert feed(r, [10, 11, 12, 13]) == 3
-    assert r.finished_reason == {"type": "length", "length": 3}
+    assert reason(r) == {"type": "length", "length": 3}
 
 
 def test_finish_by_eos_unless_ignore_eos():
     r = make_req("a", [1])
     assert feed(r, [10, EOS, 11]) == 2
-    assert r.finished_reason == {"type": "stop", "matched": EOS}
+    assert reason(r) == {"type": "stop", "matched": EOS}
     r = make_req("b", [1], max_new=4, ignore_eos=True)
     assert feed(r, [10, EOS, 11, 12, 13]) == 4
-    assert r.finished_reason["type"] == "length"
+    assert reason(r)["type"] == "length"
 
 
 def test_stop_token_ids_apply_even_with_ignore_eos():
     r = make_req("a", [1], stop_token_ids=[42], ignore_eos=True)
     assert feed(r, [10, EOS, 42, 11]) == 3
-    assert r.finished_reason == {"type": "stop", "matched": 42}
+    assert reason(r) == {"type": "stop", "matched": 42}
 
 
 def test_min_new_tokens_defers_stop_tokens():
     r = make_req("a", [1], max_new=10, min_new_tokens=3, stop_token_ids=[42])
     assert feed(r, [EOS, 42, 11, EOS, 12]) == 4
-    assert r.finished_reason == {"type": "stop", "matched": EOS}
+    assert reason(r) == {"type": "stop", "matched": EOS}
 
 
 def test_length_wins_over_a_stop_token_on_the_last_position():
     r = make_req("a", [1], max_new=2)
     assert feed(r, [10, EOS]) == 2
-    assert r.finished_reason == {"type": "length", "length": 2}
+    assert reason(r) == {"type": "length", "length": 2}
 
 
 def test_first_finish_reason_wins():
     r = make_req("a", [1])
-    r.finish({"type": "abort", "message": "m"})
+    r.finish(FinishReason.of_abort("m"))
     r.append_token(EOS)
-    assert r.finished_reason["type"] == "abort"
+    assert reason(r)["type"] == "abort"
 
 
 # ---------------------------------------------------------------------- prefix keys
@@ -124,13 +131,13 @@ def test_prefix_match_key_keeps_the_last_token_and_pending_logprob_positions():
 
 
 # ---------------------------------------------------------------------- batches
-def make_kv(P: int = 1, size: int = 256) -> KVContext:
+def make_kv(P: int = 1, size: int = 256) -> CacheManager:
     pool = ReqToTokenPool(8, 512, "cpu")
     alloc = TokenToKVPoolAllocator(size, P, "cpu", debug=True)
-    return KVContext(pool, alloc, RadixCache(pool, alloc, P), P)
+    return CacheManager(pool, alloc, RadixCache(pool, alloc, P), P)
 
 
-def admit(req: Req, kv: KVContext, extend: int | None = None) -> None:
+def admit(req: Req, kv: CacheManager, extend: int | None = None) -> None:
     """What the scheduler does on admission: match, lock, set fill_ids."""
     m = kv.tree_cache.match_prefix(req.prefix_match_key())
     req.prefix_indices, req.last_node = m.device_indices, m.last_node
@@ -140,7 +147,7 @@ def admit(req: Req, kv: KVContext, extend: int | None = None) -> None:
     n = len(full) if extend is None else req.kv_committed_len + extend
     req.fill_ids = full[:n]
     req.extend_input_len = n - req.kv_committed_len
-    req.set_state(ReqState.PREFILLING)
+    req.set_state(ReqStatus.PREFILLING)
 
 
 @pytest.mark.parametrize("P", [1, 4])
@@ -175,7 +182,7 @@ def test_prepare_extend_then_decode_writes_req_to_token(P):
         r.kv_committed_len = len(r.fill_ids)
         r.output_ids.append(999)
         kv.tree_cache.cache_unfinished_req(r)
-        r.set_state(ReqState.DECODING)
+        r.set_state(ReqStatus.DECODING)
     dec = ScheduleBatch.prepare_decode([a, b], kv)
     assert dec.forward_mode == ForwardMode.DECODE
     assert dec.input_ids == [999, 999] and dec.prefix_lens == [20, 7] and dec.extend_lens == [1, 1]
@@ -213,7 +220,7 @@ def test_mixed_batch_puts_extends_first():
     d.kv_committed_len = 3
     d.output_ids.append(50)
     kv.tree_cache.cache_unfinished_req(d)
-    d.set_state(ReqState.DECODING)
+    d.set_state(ReqStatus.DECODING)
     e = make_req("e", [9, 8, 7, 6])
     admit(e, kv)
     batch = ScheduleBatch.prepare_extend([e], kv)

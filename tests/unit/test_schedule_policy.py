@@ -8,21 +8,20 @@ import random
 import pytest
 
 from srt.managers.req import Req
+from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
 from srt.managers.schedule_policy import (
     AddResult,
     InBatchPrefixFilter,
     NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
-    check_request_fits,
     decode_reserve,
     decode_slots,
-    page_ceil,
     plan_retraction,
-    resolve_max_new_tokens,
     retraction_order,
 )
 from srt.sampling.sampling_params import SamplingParams
+from srt.utils.pages import page_ceil
 
 
 def make_req(i: int, prompt_len: int = 10, out_len: int = 0, max_new: int = 100, **kw) -> Req:

@@ -10,7 +10,13 @@ import sys
 import pytest
 
 from srt.managers.generate_input import GenerateReqInput
-from srt.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput, scheduler_input_decoder
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FinishReason,
+    TokenizedGenerateReqInput,
+    scheduler_input_decoder,
+)
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
@@ -54,16 +60,14 @@ def make_tm():
             "max_running_requests": 8,
         }
         tm = TokenizerManager(args, PortArgs.init_new(), info, CharTokenizer())
-        tm._send_sock.close(linger=0)
-        tm._send_sock = CaptureSocket()
+        tm.ipc.send_sock.close(linger=0)
+        tm.ipc.send_sock = CaptureSocket()
         made.append(tm)
         return tm
 
     yield make
     for tm in made:
-        tm._recv_sock.close(linger=0)
-        tm._actx.term()
-        tm._sctx.term()
+        tm.ipc.close_sockets()
 
 
 def run(coro):
@@ -112,7 +116,7 @@ def test_validation_happens_before_anything_is_sent(make_tm):
             await tm.prepare(GenerateReqInput(text=""))
 
     run(go())
-    assert tm._send_sock.sent == []
+    assert tm.ipc.send_sock.sent == []
 
 
 def test_n_copies_share_a_prefill_and_get_distinct_seeds(make_tm):
@@ -163,7 +167,7 @@ def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm)
         tm._handle_batch_str_out(out("s", "He", [5]))
         tm._handle_batch_str_out(out("s", "llo", [6], completion=2))  # before the consumer runs: merged
         c1 = await first
-        tm._handle_batch_str_out(out("s", "!", [7], {"type": "length", "length": 3}, completion=3))
+        tm._handle_batch_str_out(out("s", "!", [7], FinishReason.of_length(3), completion=3))
         c2 = await agen.__anext__()
         with pytest.raises(StopAsyncIteration):
             await agen.__anext__()
@@ -172,7 +176,7 @@ def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm)
         fut = asyncio.ensure_future(agen2.__anext__())
         await asyncio.sleep(0)
         tm._handle_batch_str_out(out("n", "a", [1]))
-        tm._handle_batch_str_out(out("n", "b", [2], {"type": "stop", "matched": "c"}, completion=2))
+        tm._handle_batch_str_out(out("n", "b", [2], FinishReason.of_stop("c"), completion=2))
         return c1, c2, await fut
 
     c1, c2, final = run(go())
@@ -201,7 +205,7 @@ def test_leaving_a_stream_early_aborts_the_request(make_tm):
         await agen.aclose()  # the client went away
 
     run(go())
-    sent = tm._send_sock.sent
+    sent = tm.ipc.send_sock.sent
     assert isinstance(sent[0], TokenizedGenerateReqInput)
     assert isinstance(sent[-1], AbortReq) and sent[-1].rid == "gone"
     assert tm.rid_to_state == {}
@@ -218,7 +222,7 @@ def test_queue_limit_raises_429_with_retry_after(make_tm):
         with pytest.raises(QueueFullError) as e:
             await tm.prepare(GenerateReqInput(text="abc"))
         assert e.value.status_code == 429 and e.value.retry_after >= 1
-        tm._handle_batch_str_out(out("w0", "x", [1], {"type": "length", "length": 1}))  # frees a slot
+        tm._handle_batch_str_out(out("w0", "x", [1], FinishReason.of_length(1)))  # frees a slot
         await tasks[0]
         await tm.prepare(GenerateReqInput(text="abc"))
         tasks[1].cancel()

@@ -1,15 +1,19 @@
-"""Helpers shared by the OpenAI-compatible routes: error bodies, usage, finish reasons, SSE."""
+"""Helpers shared by the OpenAI-compatible routes: error bodies, usage, finish reasons, and the
+response `Envelope` (streamed chunks are payload dicts; `srt.entrypoints.http.sse` frames them)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi.responses import Response
 
 from srt.utils.errors import QueueFullError, RequestAbortedError, SrtError
+
+if TYPE_CHECKING:
+    from srt.entrypoints.openai.protocol import StreamOptions
 
 _TYPES = {
     400: "invalid_request_error",
@@ -55,15 +59,21 @@ def srt_error_response(e: SrtError) -> Response:
     return error_response(e.message, e.status_code, e.param, e.code, e.error_type, headers)
 
 
-def abort_error(finish_reason: dict[str, Any] | None) -> SrtError | None:
+# A finish reason here is the output dict's ``meta_info["finish_reason"]``: None while running,
+# else SGLang's dict (`srt.managers.io_struct.FinishReason.to_dict()`). The OpenAI layer reads the
+# same output dicts the Engine returns, so it takes that shape and nothing else.
+FinishReasonDict = dict[str, Any]
+
+
+def abort_error(finish_reason: FinishReasonDict | None) -> SrtError | None:
     """The error to report for an output aborted with an HTTP status (None for other finishes)."""
-    if not finish_reason or finish_reason.get("type") != "abort":
+    if finish_reason is None or finish_reason["type"] != "abort":
         return None
     status = int(finish_reason.get("status_code") or 500)
     return RequestAbortedError(str(finish_reason.get("message") or "request aborted"), status)
 
 
-def raise_abort_error(finish_reason: dict[str, Any] | None) -> None:
+def raise_abort_error(finish_reason: FinishReasonDict | None) -> None:
     """Raise the error of an output aborted with an HTTP status other than 499 (the client went
     away: nothing to report to it)."""
     err = abort_error(finish_reason)
@@ -71,15 +81,16 @@ def raise_abort_error(finish_reason: dict[str, Any] | None) -> None:
         raise err
 
 
-def openai_finish_reason(finish_reason: dict[str, Any] | None) -> str | None:
+def openai_finish_reason(finish_reason: FinishReasonDict | None) -> str | None:
+    """OpenAI's ``finish_reason``: ``"length"``, ``"stop"``, ``"abort"``, or None while running."""
     if finish_reason is None:
         return None
-    t = finish_reason.get("type")
-    return {"length": "length", "stop": "stop"}.get(t, "abort")
+    return {"length": "length", "stop": "stop"}.get(finish_reason["type"], "abort")
 
 
-def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
-    if finish_reason is not None and finish_reason.get("type") == "stop":
+def matched_stop(finish_reason: FinishReasonDict | None) -> int | str | None:
+    """The stop token id or stop string that finished the output (None otherwise)."""
+    if finish_reason is not None and finish_reason["type"] == "stop":
         return finish_reason.get("matched")
     return None
 
@@ -102,20 +113,13 @@ def usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
-def sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
-def stream_error(e: SrtError) -> bytes:
-    """The SSE event of an error met mid-stream (OpenAI's error object)."""
-    return sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}})
+def stream_error_payload(e: SrtError) -> dict[str, Any]:
+    """The SSE payload of an error met mid-stream (OpenAI's error object)."""
+    return {"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.code}}
 
 
 class Envelope:
@@ -141,16 +145,44 @@ class Envelope:
             out["usage"] = usage_
         return out
 
-    def event(self, choices: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> bytes:
-        """One SSE chunk; ``meta`` given -> with that output's running usage."""
+    def chunk(self, choices: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk; ``meta`` given -> with that output's running usage."""
         u = (
             None
             if meta is None
             else usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
         )
-        return sse(self.body(choices, u))
+        return self.body(choices, u)
 
-    def usage_event(self, last_meta: dict[int, dict[str, Any]], n: int) -> bytes:
+    def usage_chunk(self, last_meta: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:
         """The final ``include_usage`` chunk: empty choices, the usage of every choice's last output."""
         outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
-        return sse(self.body([], usage_of(outs, n)))
+        return self.body([], usage_of(outs, n))
+
+
+class ChunkStream:
+    """What one OpenAI streaming response keeps: its `Envelope`, the ``stream_options`` flags and
+    each choice's latest ``meta_info`` (for the final usage chunk)."""
+
+    def __init__(self, env: Envelope, stream_options: StreamOptions | None, n: int) -> None:
+        self.env = env
+        self.n = n
+        self.include_usage = stream_options is not None and stream_options.include_usage
+        self.continuous = stream_options is not None and stream_options.continuous_usage_stats
+        self.last_meta: dict[int, dict[str, Any]] = {}
+
+    def see(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Record output chunk ``out``; returns its meta_info. Raises the error of an output
+        aborted with a status."""
+        meta = out["meta_info"]
+        self.last_meta[out["index"]] = meta
+        raise_abort_error(meta["finish_reason"])
+        return meta
+
+    def chunk(self, choices: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+        """One chunk of ``choices`` (with the running usage under ``continuous_usage_stats``)."""
+        return self.env.chunk(choices, meta if self.continuous else None)
+
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        """The chunks after the last output: the usage chunk with ``include_usage``."""
+        return [self.env.usage_chunk(self.last_meta, self.n)] if self.include_usage else []

@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import (
-    SSE_DONE,
+    ChunkStream,
     Envelope,
     matched_stop,
     openai_finish_reason,
     raise_abort_error,
-    stream_error,
+    stream_error_payload,
     token_text,
     usage_of,
 )
@@ -30,7 +31,7 @@ from srt.entrypoints.openai.protocol import (
     sampling_params_from_request,
 )
 from srt.managers.generate_input import GenerateReqInput
-from srt.utils.errors import RequestError, SrtError
+from srt.utils.errors import RequestError
 
 
 def _token_entry(tokenizer: Any, lp: float, tid: int) -> dict[str, Any]:
@@ -114,43 +115,41 @@ class OpenAIServingChat:
             choices, usage_of(outputs, req.n)
         )
 
-    async def stream(
+    def stream(
         self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
-        env = Envelope("chatcmpl", "chat.completion.chunk", self.tm.model_name)
-        started: set[int] = set()
-        last_meta: dict[int, dict[str, Any]] = {}
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+        """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
+        return sse_stream(self.stream_chunks(req, chunks), stream_error_payload)
 
-        try:
-            async for out in chunks:
-                idx = out["index"]
-                meta = out["meta_info"]
-                last_meta[idx] = meta
-                raise_abort_error(meta["finish_reason"])
-                if idx not in started:
-                    started.add(idx)
-                    delta = {"role": "assistant", "content": ""}
-                    yield env.event([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
-                finish = openai_finish_reason(meta["finish_reason"])
-                if not out["text"] and finish is None and not (req.logprobs and out["output_ids"]):
-                    continue  # nothing to show yet (e.g. text held back by a possible stop string)
-                choice: dict[str, Any] = {
-                    "index": idx,
-                    "delta": {"content": out["text"]} if out["text"] or finish is None else {},
-                    "logprobs": chat_logprobs(self.tm.tokenizer, meta, req.top_logprobs is not None)
-                    if req.logprobs
-                    else None,
-                    "finish_reason": finish,
-                }
-                if finish is not None:
-                    choice["matched_stop"] = matched_stop(meta["finish_reason"])
-                yield env.event([choice], meta if continuous else None)
-        except SrtError as e:
-            yield stream_error(e)
-            yield SSE_DONE
-            return
-        if include_usage:
-            yield env.usage_event(last_meta, req.n)
-        yield SSE_DONE
+    async def stream_chunks(
+        self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` payloads of ``chunks`` (raises the error of an output
+        aborted with a status)."""
+        cs = ChunkStream(
+            Envelope("chatcmpl", "chat.completion.chunk", self.tm.model_name), req.stream_options, req.n
+        )
+        started: set[int] = set()
+        async for out in chunks:
+            idx = out["index"]
+            meta = cs.see(out)
+            if idx not in started:
+                started.add(idx)
+                delta = {"role": "assistant", "content": ""}
+                yield cs.env.chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}])
+            finish = openai_finish_reason(meta["finish_reason"])
+            if not out["text"] and finish is None and not (req.logprobs and out["output_ids"]):
+                continue  # nothing to show yet (e.g. text held back by a possible stop string)
+            choice: dict[str, Any] = {
+                "index": idx,
+                "delta": {"content": out["text"]} if out["text"] or finish is None else {},
+                "logprobs": chat_logprobs(self.tm.tokenizer, meta, req.top_logprobs is not None)
+                if req.logprobs
+                else None,
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["matched_stop"] = matched_stop(meta["finish_reason"])
+            yield cs.chunk([choice], meta)
+        for c in cs.closing_chunks():
+            yield c

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import (
-    SSE_DONE,
+    ChunkStream,
     Envelope,
     matched_stop,
     openai_finish_reason,
     raise_abort_error,
-    stream_error,
+    stream_error_payload,
     token_text,
     usage_of,
 )
@@ -27,7 +28,7 @@ from srt.entrypoints.openai.protocol import (
     sampling_params_from_request,
 )
 from srt.managers.generate_input import GenerateReqInput
-from srt.utils.errors import RequestError, SrtError
+from srt.utils.errors import RequestError
 
 
 class CompletionLogprobs:
@@ -130,29 +131,23 @@ class OpenAIServingCompletion:
         choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
         return Envelope("cmpl", "text_completion", self.tm.model_name).body(choices, usage_of(outputs, req.n))
 
-    async def stream(
-        self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]
-    ) -> AsyncIterator[bytes]:
+    def stream(self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
-        env = Envelope("cmpl", "text_completion", self.tm.model_name)
+        return sse_stream(self.stream_chunks(req, chunks), stream_error_payload)
+
+    async def stream_chunks(
+        self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ``text_completion`` chunk payloads of ``chunks`` (raises the error of an output
+        aborted with a status)."""
+        cs = ChunkStream(Envelope("cmpl", "text_completion", self.tm.model_name), req.stream_options, req.n)
         builders: dict[int, CompletionLogprobs | None] = {}
-        last_meta: dict[int, dict[str, Any]] = {}
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-        try:
-            async for out in chunks:
-                idx = out["index"]
-                first = idx not in builders
-                if first:
-                    builders[idx] = self._logprob_builder(req)
-                last_meta[idx] = out["meta_info"]
-                raise_abort_error(out["meta_info"]["finish_reason"])
-                choice = self._choice(req, out, builders[idx], first)
-                yield env.event([choice], out["meta_info"] if continuous else None)
-        except SrtError as e:
-            yield stream_error(e)
-            yield SSE_DONE
-            return
-        if include_usage:
-            yield env.usage_event(last_meta, req.n)
-        yield SSE_DONE
+        async for out in chunks:
+            idx = out["index"]
+            first = idx not in builders
+            if first:
+                builders[idx] = self._logprob_builder(req)
+            meta = cs.see(out)
+            yield cs.chunk([self._choice(req, out, builders[idx], first)], meta)
+        for c in cs.closing_chunks():
+            yield c

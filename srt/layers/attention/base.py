@@ -19,28 +19,39 @@ attending, so every query attends to its whole sequence (cached prefix + new tok
 causally) through the pool.
 
 The layer object supplies ``num_heads``, ``num_kv_heads``, ``head_dim``, ``scaling`` and
-``layer_id`` (see ``srt/layers/radix_attention.py``).
+``layer_id`` (``AttentionLayer``; see ``srt/layers/radix_attention.py``).
+
+A backend is built as ``Class(model_runner)`` (``create_attention_backend``) and may read only
+what ``AttentionBackendContext`` names from the runner.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_executor.forward_batch import AttentionLayer, ForwardBatch
+
+__all__ = ["AttentionBackend", "AttentionBackendContext", "AttentionLayer"]
 
 
-class AttentionLayer(Protocol):
-    """What a backend reads from the calling layer (``RadixAttention`` satisfies it)."""
+class AttentionBackendContext(Protocol):
+    """What a backend may read from the ModelRunner that builds it (``ModelRunner`` satisfies it):
+    the device, the model's compute dtype, the KV cache dtype and the KV page size."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
-    layer_id: int
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype: ...
+
+    @property
+    def page_size(self) -> int: ...
 
 
 class AttentionBackend(ABC):

@@ -1,50 +1,42 @@
 """Attention backends by name, imported lazily.
 
 ``create_attention_backend(name, model_runner)`` imports the backend's module only when that
-backend is asked for, so a CPU install never imports flashinfer (or any GPU-only package).
+backend is asked for, so a CPU install never imports flashinfer (or any GPU-only package). The
+name -> module table is configuration (``srt.configs.backends.ATTENTION_BACKENDS``), read by
+``ServerArgs.resolve`` to pick only backends that exist here.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from srt.layers.attention.base import AttentionBackend
-
-# name -> "module:ClassName"; the class is constructed as Class(model_runner)
-_BACKENDS: dict[str, str] = {
-    "torch_native": "srt.layers.attention.torch_native:TorchNativeAttnBackend",
-    "flashinfer": "srt.layers.attention.flashinfer_backend:FlashInferAttnBackend",
-}
-
-
-class UnknownAttentionBackendError(ValueError):
-    pass
+from srt.configs.backends import ATTENTION_BACKENDS
+from srt.layers.attention.base import AttentionBackend, AttentionBackendContext
+from srt.utils.errors import UnknownAttentionBackendError
 
 
 def available_attention_backends() -> list[str]:
     """Registered names (whether each one can be imported on this install is not checked)."""
-    return sorted(_BACKENDS)
+    return sorted(ATTENTION_BACKENDS)
 
 
-def create_attention_backend(name: str, model_runner) -> AttentionBackend:
+def create_attention_backend(name: str, model_runner: AttentionBackendContext) -> AttentionBackend:
     """Build the backend registered as ``name`` for ``model_runner``.
 
     Raises ``UnknownAttentionBackendError`` for an unregistered name and ``ImportError`` (saying
-    what to install) when the backend's module or its dependencies are missing.
-    """
-    target = _BACKENDS.get(name)
-    if target is None:
+    what to use instead) when the backend's module or its dependencies are missing."""
+    spec = ATTENTION_BACKENDS.get(name)
+    if spec is None:
         raise UnknownAttentionBackendError(
             f"unknown attention backend {name!r}; choose one of {available_attention_backends()}"
         )
-    module_name, class_name = target.split(":")
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(spec.module)
     except ImportError as e:
         raise ImportError(
             f"attention backend {name!r} is not available on this install ({e}); "
             "use --attention-backend torch_native"
         ) from e
-    return getattr(module, class_name)(model_runner)
+    backend_cls: Callable[[AttentionBackendContext], AttentionBackend] = getattr(module, spec.class_name)
+    return backend_cls(model_runner)

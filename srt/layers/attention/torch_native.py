@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from srt.layers.attention.base import AttentionBackend, AttentionLayer
+from srt.layers.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayer
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
@@ -92,7 +92,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     """See the module docstring. Needs nothing from ``model_runner`` (taken for the registry's
     uniform constructor; may be None): every index tensor lives on ``req_to_token``'s device."""
 
-    def __init__(self, model_runner=None) -> None:
+    def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
         self.forward_metadata: TorchNativeMetadata | None = None
         # gather destinations for K and V, reused across layers and batches (see _gather)
         self._workspace: list[torch.Tensor | None] = [None, None]

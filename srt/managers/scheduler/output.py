@@ -1,11 +1,11 @@
-"""Turning one forward's results into request state and the step's ``BatchTokenIDOut``.
+"""The output part: one forward's results -> request state, and the step's ``BatchTokenIDOut``.
 
 ``process_batch_result`` (per step, O(1) Python work per request):
 
     extend row i (i < num_extend_reqs):  kv_committed_len = prefix + extend
-        more prompt left  -> cache_unfinished_req (the chunk becomes shareable); stays PREFILLING
+        more prompt left  -> cache_unfinished (the chunk becomes shareable); stays PREFILLING
         prompt complete   -> append the sampled token; finished -> released,
-                             else cache_unfinished_req and DECODING (joins the running batch)
+                             else cache_unfinished and DECODING (joins the running batch)
     decode row i:                        kv_committed_len += 1, append the sampled token;
                                          finished -> released
 
@@ -17,51 +17,78 @@ logprobs when asked for (prompt logprobs once, with the first output).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from srt.managers.io_struct import BatchTokenIDOut
-from srt.managers.req import Req, ReqState, finish_length
-from srt.managers.schedule_batch import ScheduleBatch
-from srt.mem_cache.base_prefix_cache import BasePrefixCache
+from srt.managers.io_struct import BatchTokenIDOut, FinishReason
+from srt.managers.req import Req, ReqStatus
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import ScheduleBatch
+    from srt.managers.scheduler.cache import CacheManager
+    from srt.managers.scheduler.runner_protocol import LogitsResult, SampleResult
+
+# per extend row: (prompt logprobs, their top logprobs)
+InputLogprobs = tuple[list[float | None], list[list[tuple[int, float]] | None]]
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What processing one forward's results changed for the scheduler.
+
+    ``new_decoding``: the extend requests that completed their prompt and keep decoding (to
+    join the running batch, in batch order); ``num_generated``: tokens sampled;
+    ``decode_finished``: some decode row (a running request) finished and was released."""
+
+    new_decoding: list[Req]
+    num_generated: int
+    decode_finished: bool
 
 
 def process_batch_result(
     batch: ScheduleBatch,
-    logits_output: Any,
-    sample_output: Any,
-    tree_cache: BasePrefixCache,
+    logits_output: LogitsResult,
+    sample_output: SampleResult,
+    cache: CacheManager,
+    release: Callable[[Req], None],
+) -> BatchResult:
+    """Apply one forward's results to ``batch.reqs`` (see the module docstring); finished
+    requests are handed to ``release``."""
+    next_ids: list[int] = sample_output.next_token_ids.tolist()
+    token_lps = sample_output.next_token_logprobs
+    lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
+    tops = sample_output.top_logprobs if lps is not None else None
+    input_lp = _input_logprobs_per_req(batch, logits_output) if lps is not None else None
+    new_decoding, generated = _process_extend_rows(batch, next_ids, lps, tops, input_lp, cache, release)
+    decode_finished = _process_decode_rows(batch, next_ids, lps, tops, release)
+    generated += len(batch.reqs) - batch.num_extend_reqs
+    return BatchResult(new_decoding, generated, decode_finished)
+
+
+def _process_extend_rows(
+    batch: ScheduleBatch,
+    next_ids: list[int],
+    lps: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+    input_lp: list[InputLogprobs | None] | None,
+    cache: CacheManager,
     release: Callable[[Req], None],
 ) -> tuple[list[Req], int]:
-    """Apply one forward's results to ``batch.reqs``.
-
-    Returns ``(new_decoding, num_generated)``: the extend requests that completed their prompt
-    and keep decoding (to be merged into the running batch, in batch order) and how many
-    tokens were generated. Finished requests are handed to ``release``.
-    """
-    next_ids: list[int] = sample_output.next_token_ids.tolist()
-    want_lp = sample_output.next_token_logprobs is not None
-    lps: list[float] | None = sample_output.next_token_logprobs.tolist() if want_lp else None
-    tops = sample_output.top_logprobs if want_lp else None
-    reqs = batch.reqs
-    n_ext = batch.num_extend_reqs
+    """Rows ``[0, num_extend_reqs)``; returns (the requests that start decoding, tokens sampled)."""
     new_decoding: list[Req] = []
     generated = 0
-
-    input_lp = _input_logprobs_per_req(batch, logits_output) if want_lp else None
-
-    for i in range(n_ext):
-        req = reqs[i]
+    for i in range(batch.num_extend_reqs):
+        req = batch.reqs[i]
         end = batch.prefix_lens[i] + batch.extend_lens[i]
         req.kv_committed_len = end
-        if input_lp is not None and input_lp[i] is not None:
-            vals, top_vals = input_lp[i]
-            req.input_token_logprobs.extend(vals)
-            req.input_top_logprobs.extend(top_vals)
+        if input_lp is not None and (lp := input_lp[i]) is not None:
+            req.input_token_logprobs.extend(lp[0])
+            req.input_top_logprobs.extend(lp[1])
         if end < req.all_ids_len:  # a non-final chunk
-            tree_cache.cache_unfinished_req(req)
+            cache.cache_unfinished(req)
             continue
         if req.remaining_new_tokens == 0:  # max_new_tokens == 0: prompt (logprobs) only
-            req.finish(finish_length(len(req.output_ids)))
+            req.finish(FinishReason.of_length(len(req.output_ids)))
         else:
             req.append_token(next_ids[i])
             generated += 1
@@ -70,11 +97,24 @@ def process_batch_result(
         if req.finished_reason is not None:
             release(req)
         else:
-            tree_cache.cache_unfinished_req(req)
-            req.set_state(ReqState.DECODING)
+            cache.cache_unfinished(req)
+            req.set_state(ReqStatus.DECODING)
             new_decoding.append(req)
+    return new_decoding, generated
 
-    for i in range(n_ext, len(reqs)):  # the hot loop: O(1) per decoding request
+
+def _process_decode_rows(
+    batch: ScheduleBatch,
+    next_ids: list[int],
+    lps: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+    release: Callable[[Req], None],
+) -> bool:
+    """Rows ``[num_extend_reqs, bs)`` (the hot loop: O(1) per decoding request); returns
+    whether one of them finished."""
+    reqs = batch.reqs
+    finished = False
+    for i in range(batch.num_extend_reqs, len(reqs)):
         req = reqs[i]
         t = next_ids[i]
         req.kv_committed_len += 1
@@ -86,8 +126,8 @@ def process_batch_result(
             req.check_finished(t)
             if req.finished_reason is not None:
                 release(req)
-    generated += len(reqs) - n_ext
-    return new_decoding, generated
+                finished = True
+    return finished
 
 
 def _record_logprob(req: Req, lp: float, top: list[tuple[int, float]]) -> None:
@@ -97,19 +137,19 @@ def _record_logprob(req: Req, lp: float, top: list[tuple[int, float]]) -> None:
 
 
 def _input_logprobs_per_req(
-    batch: ScheduleBatch, logits_output: Any
-) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]] | None] | None:
+    batch: ScheduleBatch, logits_output: LogitsResult
+) -> list[InputLogprobs | None] | None:
     """Prompt logprobs of this step's extend rows (None where not asked for).
 
     ``logits_output.input_token_logprobs[i]`` scores the prompt tokens of row i from its
     logprob start (or where the previous chunk stopped) up to the first token of the next
     chunk; concatenated over the chunks they give one entry per prompt position from
     ``logprob_start_len`` (None for position 0). See srt/layers/logits_processor.py."""
-    vals = getattr(logits_output, "input_token_logprobs", None)
+    vals = logits_output.input_token_logprobs
     if vals is None:
         return None
-    tops = getattr(logits_output, "input_top_logprobs", None)
-    out: list[Any] = [None] * len(batch.reqs)
+    tops = logits_output.input_top_logprobs
+    out: list[InputLogprobs | None] = [None] * len(batch.reqs)
     for i in range(batch.num_extend_reqs):
         req = batch.reqs[i]
         if req.wants_input_logprobs:

@@ -1,10 +1,13 @@
-"""Scheduler counters and its log lines (logger ``srt.scheduler``), in SGLang's shape::
+"""The metrics part: scheduler counters and its log lines (logger ``srt.scheduler``), in
+SGLang's shape::
 
     Prefill batch. #new-seq: 3, #new-token: 812, #cached-token: 400, token usage: 0.12, #running-req: 5, #queue-req: 2
     Decode batch. #running-req: 8, #token: 2310, token usage: 0.18, gen throughput (token/s): 95.31, #queue-req: 0
+    Retract requests. #retracted: 2, #running-req: 6, #queue-req: 4, new_token_ratio: 0.80
 
 A prefill line per prefill (or mixed) step; a decode line at most once per
-``--decode-log-interval`` decode steps.
+``--decode-log-interval`` decode steps; a retract line per step that retracted. The other parts
+count into one shared ``SchedulerMetrics``; ``snapshot()`` feeds ``get_internal_state``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("srt.scheduler")
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerMetrics:
     decode_log_interval: int = 40
     # totals since start
@@ -102,3 +105,12 @@ class SchedulerMetrics:
                 self._last_throughput,
                 queue,
             )
+
+    def log_retract(self, retracted: int, running: int, queue: int, new_token_ratio: float) -> None:
+        logger.info(
+            "Retract requests. #retracted: %d, #running-req: %d, #queue-req: %d, new_token_ratio: %.2f",
+            retracted,
+            running,
+            queue,
+            new_token_ratio,
+        )

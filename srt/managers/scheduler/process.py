@@ -1,4 +1,5 @@
-"""The scheduler as a process: its ZMQ event loop and the process entry point.
+"""The scheduler as a process: its ZMQ event loop and the process entry point (this module
+imports the scheduler; the scheduler never imports it).
 
     tokenizer manager / detokenizer --PUSH--> [PULL scheduler_input_ipc_name] Scheduler
     Scheduler [PUSH --> detokenizer_ipc_name] --> detokenizer
@@ -12,15 +13,18 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from srt.managers.io_struct import encode, scheduler_input_decoder
+from srt.managers.scheduler.scheduler import Scheduler
+from srt.utils.zmq import get_zmq_socket
 
 if TYPE_CHECKING:
-    from srt.managers.scheduler import Scheduler
+    from multiprocessing.connection import Connection
+
     from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
@@ -53,16 +57,13 @@ def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.S
                 send_socket.send(encode(out))
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection) -> None:
     """Entry of the scheduler process (``server_args`` resolved).
 
     Sends ``{"status": "ready", **SchedulerReady fields}`` through ``pipe_writer`` once the model
     and pools exist and the sockets are bound (PULL at ``scheduler_input_ipc_name``, PUSH to
     ``detokenizer_ipc_name``), then serves. A failure before that is reported as
     ``{"status": "error", "message": traceback}``; any failure exits the process non-zero."""
-    from srt.managers.scheduler import Scheduler
-    from srt.utils.zmq import get_zmq_socket
-
     ready_sent = False
     try:
         scheduler = Scheduler(server_args)

@@ -1,0 +1,113 @@
+"""SGLang's native routes: POST /generate, GET /health, /health_generate, /get_model_info,
+/get_server_info.
+
+/generate returns the output dict (SGLang's shape, `srt.managers.req_output`) of a single prompt,
+or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks, an error mid-stream as
+``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``. /health never needs the
+API key and turns 503 once a child process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from srt.entrypoints.http.deps import Ctx
+from srt.entrypoints.http.serving import collect, parse_body, serve
+from srt.entrypoints.http.sse import sse_stream
+from srt.entrypoints.openai.common import error_response, json_response, raise_abort_error
+from srt.entrypoints.openai.protocol import GenerateRequest
+from srt.managers.generate_input import GenerateReqInput
+from srt.utils.errors import SrtError
+
+router = APIRouter()
+
+_HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def _generate_body(obj: GenerateReqInput, outs: list[dict[str, Any]]) -> Any:
+    """The /generate body: raises the error of an output aborted with a status other than 499."""
+    for o in outs:
+        raise_abort_error(o["meta_info"]["finish_reason"])
+    return outs if obj.is_batch or len(outs) > 1 else outs[0]
+
+
+def _native_error_payload(e: SrtError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.error_type, "code": e.code}}
+
+
+def _generate_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    return sse_stream(chunks, _native_error_payload)
+
+
+@router.post("/generate")
+async def generate(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, GenerateRequest)
+    obj = GenerateReqInput(**req.model_dump())
+    return await serve(request, ctx.tm, obj, partial(_generate_body, obj), _generate_stream)
+
+
+@router.get("/health")
+async def health(ctx: Ctx) -> Response:
+    tm = ctx.tm
+    if tm.is_healthy:
+        return Response(status_code=200)
+    return error_response(tm.dead.message if tm.dead else "unhealthy", 503)
+
+
+@router.get("/health_generate")
+async def health_generate(ctx: Ctx) -> Response:
+    """200 after a real one-token generation, else 503 with why."""
+    tm = ctx.tm
+    token = 0
+    if tm.tokenizer is not None and tm.tokenizer.bos_token_id is not None:
+        token = tm.tokenizer.bos_token_id
+    obj = GenerateReqInput(input_ids=[token], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    try:
+        outs = await asyncio.wait_for(collect(tm.generate(obj)), _HEALTH_GENERATE_TIMEOUT_S)
+    except (SrtError, asyncio.TimeoutError) as e:
+        return error_response(f"health generation failed: {e!r}", 503)
+    reason = outs[0]["meta_info"]["finish_reason"]
+    if reason["type"] == "abort":
+        return error_response(f"health generation aborted: {reason}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(ctx: Ctx) -> Response:
+    tm = ctx.tm
+    return json_response(
+        {
+            "model_path": tm.server_args.model_path,
+            "tokenizer_path": tm.server_args.tokenizer_path,
+            "served_model_name": tm.model_name,
+            "is_generation": True,
+            "context_len": tm.context_len,
+        }
+    )
+
+
+@router.get("/get_server_info")
+async def get_server_info(ctx: Ctx) -> Response:
+    """Resolved server args, the scheduler's capacity, its live state and the process ids."""
+    tm = ctx.tm
+    try:
+        state = await tm.get_internal_state()
+    except asyncio.TimeoutError:
+        state = {}
+    pids = tm.launcher.child_pids if tm.launcher is not None else {}
+    return json_response(
+        {
+            **dataclasses.asdict(tm.server_args),
+            **tm.scheduler_info,
+            "internal_states": [state],
+            "process_pids": {"main": os.getpid(), **pids},
+        }
+    )

@@ -1,0 +1,73 @@
+"""OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Each request body is validated strictly (`serving.parse_body`), its ``model`` checked against the
+served names (404 ``model_not_found`` otherwise), turned into a `GenerateReqInput` by the OpenAI
+serving object and run by `serving.serve` (SSE with ``"stream": true``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from srt.entrypoints.http.deps import Ctx, ServerContext
+from srt.entrypoints.http.serving import parse_body, serve
+from srt.entrypoints.openai.common import error_response, json_response
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+router = APIRouter()
+
+_Serving = OpenAIServingCompletion | OpenAIServingChat
+
+
+def _model_not_found(ctx: ServerContext, model: str | None) -> Response | None:
+    """The 404 response when ``model`` is given and not served, else None."""
+    if model is None or model in ctx.model_names:
+        return None
+    return error_response(
+        f"the model {model!r} does not exist; this server serves {ctx.tm.model_name!r}",
+        404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+async def _serve_openai(
+    request: Request, ctx: ServerContext, req: CompletionRequest | ChatCompletionRequest, serving: _Serving
+) -> Response:
+    if (not_found := _model_not_found(ctx, req.model)) is not None:
+        return not_found
+    obj = serving.build_input(req)
+    return await serve(
+        request, ctx.tm, obj, partial(serving.build_response, req), partial(serving.stream, req)
+    )
+
+
+@router.post("/v1/completions")
+async def v1_completions(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, CompletionRequest)
+    return await _serve_openai(request, ctx, req, ctx.completions)
+
+
+@router.post("/v1/chat/completions")
+async def v1_chat_completions(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, ChatCompletionRequest)
+    return await _serve_openai(request, ctx, req, ctx.chat)
+
+
+@router.get("/v1/models")
+async def v1_models(ctx: Ctx) -> Response:
+    tm = ctx.tm
+    card = {
+        "id": tm.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "srt",
+        "root": tm.server_args.model_path or tm.model_name,
+        "max_model_len": tm.context_len,
+    }
+    return json_response({"object": "list", "data": [card]})

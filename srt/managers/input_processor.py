@@ -1,0 +1,185 @@
+"""Input normalization and validation: a `GenerateReqInput` -> a `PreparedRequest` (nothing sent).
+
+    GenerateReqInput --expand()--> SingleInput per prompt
+        --parse_sampling_params--> verified SamplingParams (one message per bad value)
+        --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
+        --check_prompt-----------> vocabulary, the fit rule (`srt.managers.request_fit`), logprob_start_len
+        --fan-out----------------> TokenizedGenerateReqInput per output (+ the n > 1 warm-up)
+
+Every error is raised here, before the scheduler sees anything: `RequestError` (HTTP 400) or
+its subclass `ContextLengthError` (the message gives the numbers). Admission control
+(``--max-queued-requests``) is the registry's (`srt.managers.req_state.ReqRegistry.admit`).
+
+``n > 1``: unless the radix cache is disabled, the prompt is first sent as a prefill-only request
+(rid ``f"{rid}-prefill"``, ``max_new_tokens=0``) so that the n copies (rids ``f"{rid}-{i}"``,
+seeds ``seed + i``) share its KV through the radix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from srt.managers.generate_input import GenerateReqInput, SingleInput, parse_sampling_params
+from srt.managers.io_struct import TokenizedGenerateReqInput
+from srt.managers.request_fit import request_fit_error, resolve_max_new_tokens
+from srt.managers.tokenize_batcher import TokenizeBatcher
+from srt.sampling.sampling_params import SamplingParams
+from srt.utils.errors import ContextLengthError, RequestError
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request, ready for `TokenizerManager.run` (nothing sent yet)."""
+
+    reqs: list[tuple[TokenizedGenerateReqInput, str]]  # (request, parent rid) per output index
+    warmups: list[TokenizedGenerateReqInput]  # prefill-only requests to send first (n > 1)
+    stream: bool
+    is_batch: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """What the scheduler reported that bounds a request (from its ready message)."""
+
+    context_len: int
+    max_total_num_tokens: int  # the whole KV pool in tokens (0: not reported)
+    page_size: int
+    vocab_size: int | None  # input ids must be below it (None: unknown)
+
+    @classmethod
+    def from_scheduler_info(cls, info: dict[str, Any], tokenizer: Any) -> InputLimits:
+        """Limits of ``info`` (the scheduler's ready message); the vocabulary bound is the
+        smaller of the model's and the tokenizer's (when there is one)."""
+        known = [int(v) for v in (info.get("vocab_size"), len(tokenizer) if tokenizer else None) if v]
+        return cls(
+            context_len=int(info["context_len"]),
+            max_total_num_tokens=int(info.get("max_total_num_tokens") or 0),
+            page_size=int(info.get("page_size") or 1),
+            vocab_size=min(known) if known else None,
+        )
+
+    @property
+    def pool(self) -> int:
+        """The KV pool bound for the fit rule (unbounded when not reported)."""
+        return self.max_total_num_tokens or sys.maxsize
+
+
+class InputProcessor:
+    """Turns a `GenerateReqInput` into a `PreparedRequest` (see the module docstring)."""
+
+    def __init__(self, limits: InputLimits, tokenizer: Any, share_prefill: bool) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.share_prefill = share_prefill  # n > 1 sends a warm-up prefill (radix cache enabled)
+        self._batcher: TokenizeBatcher | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind the tokenize batcher to the serving event loop."""
+        if self.tokenizer is not None:
+            self._batcher = TokenizeBatcher(self.tokenizer, loop)
+
+    async def prepare(self, obj: GenerateReqInput, in_use: Callable[[str], bool]) -> PreparedRequest:
+        """Validate and tokenize ``obj`` (``in_use(rid)``: the rid belongs to a request in flight).
+        Raises `RequestError` / `ContextLengthError`."""
+        singles = obj.expand()
+        names = obj.param_names
+        params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
+        ids_list = await self._tokenize(singles, obj.add_special_tokens)
+        reqs: list[tuple[TokenizedGenerateReqInput, str]] = []
+        warmups: list[TokenizedGenerateReqInput] = []
+        seen: set[str] = set()
+        now = time.time()
+        for s, sp, ids in zip(singles, params, ids_list):
+            if "max_new_tokens" not in s.sampling_params and sp.max_new_tokens is not None:
+                # the default (128) never makes a request fail: cap it to what the context leaves
+                room = min(self.limits.context_len, self.limits.pool) - len(ids)
+                sp.max_new_tokens = max(min(sp.max_new_tokens, room), 1)
+            self.check_prompt(s, sp.max_new_tokens, ids, names)
+            if in_use(s.rid) or s.rid in seen:
+                raise RequestError(f"rid {s.rid!r} is already in use", param="rid")
+            seen.add(s.rid)
+            self._fan_out(s, sp, ids, obj.stream, now, reqs, warmups)
+        return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch)
+
+    async def _tokenize(self, singles: list[SingleInput], add_special_tokens: bool) -> list[list[int]]:
+        texts = [s.text for s in singles if s.text is not None]
+        encoded: list[list[int]] = []
+        if texts:
+            if self._batcher is None:
+                raise RequestError("the server runs with --skip-tokenizer-init: send input_ids, not text")
+            encoded = await self._batcher.encode(texts, add_special_tokens)
+        it = iter(encoded)
+        return [list(s.input_ids) if s.input_ids is not None else next(it) for s in singles]
+
+    def check_prompt(
+        self, s: SingleInput, max_new: int | None, ids: list[int], names: dict[str, str]
+    ) -> None:
+        """Token ids inside the vocabulary, the fit rule (empty prompt, context length, KV pool;
+        ``max_new=None`` means "as many as fit"), and ``logprob_start_len`` inside the prompt."""
+        n = len(ids)
+        vocab = self.limits.vocab_size
+        if ids and vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            raise RequestError(f"input token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        lim = self.limits
+        m = resolve_max_new_tokens(max_new, n, lim.context_len, lim.pool)
+        mnt_name = names.get("max_new_tokens", "max_new_tokens")
+        err = request_fit_error(n, m, lim.context_len, lim.pool, lim.page_size, mnt_name)
+        if err is not None:
+            if err.context_length:
+                raise ContextLengthError(err.message, param=err.param)
+            raise RequestError(err.message, param="prompt")
+        if s.return_logprob and s.logprob_start_len >= n:
+            raise RequestError(
+                f"logprob_start_len ({s.logprob_start_len}) must be < the prompt length ({n})",
+                "logprob_start_len",
+            )
+
+    def _fan_out(
+        self,
+        s: SingleInput,
+        sp: SamplingParams,
+        ids: list[int],
+        stream: bool,
+        now: float,
+        reqs: list[tuple[TokenizedGenerateReqInput, str]],
+        warmups: list[TokenizedGenerateReqInput],
+    ) -> None:
+        """Append the request(s) of one prompt: itself when ``n == 1``, else its n copies (and
+        the warm-up prefill they share)."""
+        base = TokenizedGenerateReqInput(
+            rid=s.rid,
+            input_ids=ids,
+            sampling_params=sp,
+            return_logprob=s.return_logprob,
+            logprob_start_len=s.logprob_start_len if s.return_logprob else -1,
+            top_logprobs_num=s.top_logprobs_num,
+            stream=stream,
+            arrival_time=now,
+        )
+        if sp.n == 1:
+            reqs.append((base, s.rid))
+            return
+        if self.share_prefill:
+            warm_sp = msgspec.structs.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0)
+            warmups.append(
+                msgspec.structs.replace(
+                    base,
+                    rid=f"{s.rid}-prefill",
+                    sampling_params=warm_sp,
+                    return_logprob=False,
+                    logprob_start_len=-1,
+                    top_logprobs_num=0,
+                )
+            )
+        for j in range(sp.n):
+            seed = None if sp.seed is None else (sp.seed + j) % (2**63)
+            copy_sp = msgspec.structs.replace(sp, n=1, seed=seed)
+            reqs.append((msgspec.structs.replace(base, rid=f"{s.rid}-{j}", sampling_params=copy_sp), s.rid))

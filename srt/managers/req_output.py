@@ -1,0 +1,75 @@
+"""Response assembly: the SGLang-shaped output dicts built from a `ReqState`.
+
+Output dict (what ``TokenizerManager.run``, ``Engine.generate`` and ``POST /generate`` return)::
+
+    {"index": k, "text": str, "output_ids": list[int],
+     "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+                   "e2e_latency", ["output_token_logprobs", "output_top_logprobs",
+                   "input_token_logprobs", "input_top_logprobs"]}}
+
+``finish_reason`` is None while the request runs, else SGLang's dict
+(``FinishReason.to_dict()``: ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": ...}``,
+``{"type": "abort", "message": ..., ["status_code": ...]}``). Logprob entries are
+``(logprob, token_id, None)`` tuples (the None is the token text slot). Streaming chunks hold the
+*new* text / ids / logprobs since the previous chunk; meta_info counts are cumulative.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from srt.managers.req_state import ReqState
+
+
+def final_output(st: ReqState) -> dict[str, Any]:
+    """The whole result of ``st`` (non-streaming)."""
+    return _output(st, st.text(), st.output_ids, 0, include_input=True)
+
+
+def stream_chunk(st: ReqState) -> dict[str, Any] | None:
+    """What arrived for ``st`` since its previous chunk (advances the streaming cursors);
+    None when nothing did and it is not finished."""
+    if not st.has_new_output and not st.finished:
+        return None
+    text = "".join(st.text_parts[st.sent_parts :])
+    start = st.sent_ids
+    ids = st.output_ids[start:]
+    include_input = not st.sent_input_logprobs and bool(st.in_logprobs)
+    out = _output(st, text, ids, start, include_input=include_input)
+    st.sent_parts = len(st.text_parts)
+    st.sent_ids = len(st.output_ids)
+    st.sent_input_logprobs = st.sent_input_logprobs or include_input
+    return out
+
+
+def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: bool) -> dict[str, Any]:
+    """The output dict of ``ids`` (output positions ``start ...``) and ``text``."""
+    meta: dict[str, Any] = {
+        "id": st.rid,
+        "finish_reason": None if st.finish_reason is None else st.finish_reason.to_dict(),
+        "prompt_tokens": st.prompt_tokens or len(st.req.input_ids),
+        "completion_tokens": st.completion_tokens,
+        "cached_tokens": st.cached_tokens,
+        "e2e_latency": time.perf_counter() - st.created,
+    }
+    if st.req.return_logprob:
+        _add_logprobs(st, meta, ids, start, include_input)
+    return {"index": st.index, "text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def _add_logprobs(
+    st: ReqState, meta: dict[str, Any], ids: list[int], start: int, include_input: bool
+) -> None:
+    req = st.req
+    end = start + len(ids)
+    meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(st.out_logprobs[start:end], ids)]
+    if req.top_logprobs_num > 0:
+        meta["output_top_logprobs"] = [[(lp, tid, None) for tid, lp in top] for top in st.out_top[start:end]]
+    if req.logprob_start_len >= 0 and include_input:
+        prompt = req.input_ids[req.logprob_start_len :]
+        meta["input_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(st.in_logprobs, prompt)]
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                None if top is None else [(lp, tid, None) for tid, lp in top] for top in st.in_top
+            ]
