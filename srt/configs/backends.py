@@ -39,12 +39,14 @@ ATTENTION_BACKENDS: dict[str, AttentionBackendSpec] = {
     "torch_native": AttentionBackendSpec(
         "srt.layers.attention.torch_native", "TorchNativeAttnBackend", ("cpu", "cuda")
     ),
+    # decode through the native paged kernel of srt/kernels/cpu (torch-native's path without it)
+    "fused_cpu": AttentionBackendSpec("srt.layers.attention.fused_cpu", "FusedCPUAttnBackend", ("cpu",)),
     "flashinfer": AttentionBackendSpec(
         "srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend", ("cuda",), ("flashinfer",)
     ),
 }
 # what ``auto`` tries, best first; the last entry must be usable everywhere
-AUTO_ATTENTION_ORDER: tuple[str, ...] = ("flashinfer", "torch_native")
+AUTO_ATTENTION_ORDER: tuple[str, ...] = ("flashinfer", "fused_cpu", "torch_native")
 
 LINEAR_BACKENDS: tuple[str, ...] = ("auto", "onednn", "torch")
 

@@ -38,9 +38,10 @@ def test_cuda_with_flashinfer_installed_but_no_backend_module_selects_torch_nati
     assert select_attention_backend("cuda", installed("flashinfer")) == "torch_native"
 
 
-def test_selection_without_flashinfer_or_on_cpu_is_torch_native():
+def test_selection_without_flashinfer_is_torch_native_on_cuda_and_fused_cpu_on_cpu():
     assert select_attention_backend("cuda", installed()) == "torch_native"
-    assert select_attention_backend("cpu", installed("flashinfer", FLASHINFER_MODULE)) == "torch_native"
+    # fused_cpu runs torch-native's decode path itself when its native kernel is not built
+    assert select_attention_backend("cpu", installed("flashinfer", FLASHINFER_MODULE)) == "fused_cpu"
 
 
 def test_selection_picks_flashinfer_once_its_module_exists():
@@ -59,7 +60,10 @@ def test_explicit_backend_that_cannot_run_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown attention backend"):
         resolve_attention_backend("triton", "cuda", installed())
     assert resolve_attention_backend("torch_native", "cuda", installed()) == "torch_native"
-    assert resolve_attention_backend(None, "cpu", installed()) == "torch_native"
+    assert resolve_attention_backend(None, "cpu", installed()) == "fused_cpu"
+    assert resolve_attention_backend("torch_native", "cpu", installed()) == "torch_native"
+    with pytest.raises(ConfigError, match="runs on cpu"):
+        resolve_attention_backend("fused_cpu", "cuda", installed())
 
 
 @pytest.fixture
@@ -91,5 +95,5 @@ def test_cli_choices_are_the_registered_backends():
     from srt.layers.attention.registry import available_attention_backends
 
     field = ServerArgs.__dataclass_fields__["attention_backend"]
-    assert field.metadata["choices"] == ["torch_native", "flashinfer"]
+    assert field.metadata["choices"] == ["torch_native", "fused_cpu", "flashinfer"]
     assert sorted(field.metadata["choices"]) == available_attention_backends()

@@ -1,0 +1,1 @@
+"""Native kernels (C++ extensions) with pure-torch references and fallbacks."""

@@ -1,0 +1,129 @@
+"""CPU kernels: the one entry point srt calls, the native op when it is built, the reference otherwise.
+
+    paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)
+
+runs ``torch.ops.srt_cpu.paged_decode_attention`` (decode_attention.cpp) when the extension is
+loaded, else ``reference.paged_decode_attention_ref``; both have the same contract (see
+``paged_decode_attention``). Loading happens on first use, or explicitly with ``load()``; it
+never raises and never compiles unless asked (``load(build_if_missing=True)``): a server process
+loads the library ``python -m srt.kernels.cpu.build`` left in its cache folder (see build.py).
+``SRT_DISABLE_NATIVE_KERNELS=1`` forces the fallback. ``kernel_status()`` is one line for the log
+naming what is in use and why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from srt.kernels.cpu.reference import paged_decode_attention_ref
+
+__all__ = ["kernel_status", "load", "native_available", "paged_decode_attention"]
+
+DISABLE_ENV = "SRT_DISABLE_NATIVE_KERNELS"
+
+
+@dataclass(slots=True, frozen=True)
+class KernelState:
+    native: bool
+    status: str  # one line: "native: ..." or "fallback: ... (why)"
+
+
+_state: KernelState | None = None  # the last load() result (the library, once loaded, stays loaded)
+
+
+def _op_registered() -> bool:
+    try:
+        torch.ops.srt_cpu.paged_decode_attention  # noqa: B018 - raises if not registered
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _native(where: str) -> KernelState:
+    isa = torch.ops.srt_cpu.cpu_isa()
+    return KernelState(True, f"native: torch.ops.srt_cpu.paged_decode_attention ({isa}; {where})")
+
+
+def _fallback(why: str) -> KernelState:
+    return KernelState(False, f"fallback: pure-torch reference ({why})")
+
+
+def _try_load(build_if_missing: bool) -> KernelState:
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return _fallback(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}")
+    if _op_registered():
+        return _native("already loaded")
+    verb = "load"
+    try:
+        from srt.kernels.cpu import build as _build  # here, not at import: `python -m ...build` stays clean
+
+        path = _build.prebuilt_library()
+        if path is not None:
+            torch.ops.load_library(str(path))
+            return _native(str(path))
+        if not build_if_missing:
+            return _fallback(
+                f"not built for these sources and torch {torch.__version__}: "
+                f"run `python -m srt.kernels.cpu.build` (looked in {_build.build_directory()})"
+            )
+        verb = "build"
+        return _native(f"built {_build.build()}")
+    except Exception as e:  # noqa: BLE001 - any load/build failure means the fallback
+        return _fallback(f"{verb} failed: {_build_error(e)}")
+
+
+def _build_error(e: Exception) -> str:
+    from srt.kernels.cpu.build import summarize_error
+
+    return summarize_error(e)
+
+
+def load(build_if_missing: bool = False) -> bool:
+    """(Re)try to make the native op available; True when it is. Never raises."""
+    global _state
+    _state = _try_load(build_if_missing)
+    return _state.native
+
+
+def _current() -> KernelState:
+    if _state is None:
+        load()
+    assert _state is not None
+    return _state
+
+
+def native_available() -> bool:
+    return _current().native
+
+
+def kernel_status() -> str:
+    """One line naming the implementation in use and why (build or load error included)."""
+    return _current().status
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence, K/V read through the page table.
+
+    q [bs, H, D] float32; k_buffer, v_buffer [S, H_kv, D] float32/float16/bfloat16 (the pool's
+    per-layer buffers, as they are); req_to_token [R, max_ctx] int64/int32; req_pool_indices [bs],
+    seq_lens [bs] int64/int32 (CPU tensors) -> out [bs, H, D] float32, where
+
+        out[i, h] = softmax_t(scale * q[i, h] . K[slot(i, t), h // G]) @ V[slot(i, t), h // G]
+        slot(i, t) = req_to_token[req_pool_indices[i], t],  t < seq_lens[i],  G = H // H_kv.
+    """
+    if _current().native:
+        return torch.ops.srt_cpu.paged_decode_attention(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale
+        )
+    return paged_decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)

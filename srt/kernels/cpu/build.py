@@ -1,0 +1,123 @@
+"""Build (or find) srt's CPU extension ``srt_cpu_kernels``: ``python -m srt.kernels.cpu.build``.
+
+The shared library goes to a cache folder keyed by everything that changes the binary::
+
+    $XDG_CACHE_HOME (default ~/.cache) / srt / kernels / <torch version>-<hash>/srt_cpu_kernels.so
+    hash = sha256(sources, compiler flags, Python ABI tag, machine)[:16]
+
+so a prebuilt library is found without a compiler (``prebuilt_library``) and a stale one is never
+picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, -O3, OpenMP
+for ``at::parallel_for``; no -march: the AVX2 / AVX-512 paths carry their own target attributes and
+are chosen at run time). Running the module never fails: it prints what happened and exits 0, so
+``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+NAME = "srt_cpu_kernels"
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("decode_attention.cpp",)  # compiled
+HEADERS = ("decode_attention_kernel.h", "vec.h")  # hashed with the sources
+# tuples: cpp_extension.load appends to the lists it is given, which would change the hash
+EXTRA_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+EXTRA_LDFLAGS = ("-fopenmp",)
+
+
+def build_directory() -> Path:
+    """The cache folder for this source, these flags, this torch and this Python."""
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode())
+        h.update((SOURCE_DIR / name).read_bytes())
+    tag = [*EXTRA_CFLAGS, *EXTRA_LDFLAGS, sysconfig.get_config_var("SOABI") or "", platform.machine()]
+    h.update("\0".join(tag).encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "srt" / "kernels" / f"{torch.__version__}-{h.hexdigest()[:16]}"
+
+
+def library_path() -> Path:
+    return build_directory() / f"{NAME}.so"
+
+
+def prebuilt_library() -> Path | None:
+    """The built library for the current sources, or None (never compiles)."""
+    path = library_path()
+    return path if path.is_file() else None
+
+
+def missing_tools() -> str | None:
+    """Why a build cannot start (no C++ compiler, no ninja), or None."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not on PATH)"
+    try:
+        from torch.utils.cpp_extension import verify_ninja_availability
+
+        verify_ninja_availability()
+    except (RuntimeError, OSError) as e:
+        return f"ninja unavailable ({e})"
+    return None
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (if needed) and load the library into this process; returns its path.
+
+    Raises RuntimeError (or OSError) when the tools are missing or the build fails; the message
+    carries the compiler's output."""
+    from torch.utils.cpp_extension import load
+
+    why = missing_tools()
+    if why is not None:
+        raise RuntimeError(why)
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(
+        name=NAME,
+        sources=[str(SOURCE_DIR / s) for s in SOURCES],
+        extra_cflags=list(EXTRA_CFLAGS),
+        extra_ldflags=list(EXTRA_LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return library_path()
+
+
+def summarize_error(err: BaseException, limit: int = 400) -> str:
+    """One line for a log: the compiler's first error lines when there are any."""
+    text = str(err)
+    errors = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()]
+    line = " | ".join(errors[:3]) if errors else " ".join(text.split())
+    line = f"{type(err).__name__}: {line}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = "-v" in argv or "--verbose" in argv
+    start = time.perf_counter()
+    try:
+        path = build(verbose=verbose)
+    except Exception as e:  # noqa: BLE001 - setup must go on; the reason is printed
+        print(
+            f"srt.kernels.cpu: native kernels NOT built ({summarize_error(e)}); srt will use the pure-torch fallback"
+        )
+        return 0
+    isa = torch.ops.srt_cpu.cpu_isa()
+    print(f"srt.kernels.cpu: built {path} in {time.perf_counter() - start:.1f} s (cpu isa: {isa})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

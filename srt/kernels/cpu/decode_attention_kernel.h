@@ -1,0 +1,280 @@
+// The per-ISA body of the paged decode-attention kernel. No include guard: decode_attention.cpp
+// includes this file once per instruction set, with
+//   SRT_ISA_NS      the namespace of this copy (scalar, avx2, avx512)
+//   SRT_ISA_VEC     its vector struct from vec.h (VecScalar, VecAvx2, VecAvx512)
+//   SRT_ISA_TARGET  the function attribute every function here carries (empty for scalar)
+//
+// attend<KT>() runs one work item: NH consecutive KV heads (each with its G = H / H_kv query
+// heads) over one range of one sequence's tokens, with an online softmax. Tokens go in blocks of
+// kBlock; a block's K/V rows for all NH heads are adjacent in memory (one range per slot), and
+// for each head in turn (float16 / bfloat16 elements are converted to float32 as they load):
+//   s[g][j]  = q_g . K_j           3 queries x TQ tokens at a time, one accumulator per (query,
+//                                  token), reduced together at the end (no per-dot horizontal
+//                                  sum); each K row comes from memory once
+//   m_g'     = max(m_g, max_j s[g][j]);  acc_g, l_g *= e^(m_g - m_g')
+//   p[g][j]  = e^(s[g][j] - m_g');  l_g += sum_j p[g][j]
+//   acc_g   += sum_j p[g][j] V_j   up to 4 query heads x DC column chunks of acc in registers
+//                                  across the block (GT * DC ~ 8 independent FMA chains)
+// A short last block is padded to kBlock with copies of its first row's pointers and p = 0, so
+// every inner loop has a fixed trip count. The K and V ranges of the next block (the page table
+// gives their slots ahead) are prefetched a few lines at a time between tiles (Prefetcher).
+// Output: unnormalized acc [NH][G][D] with its running max m [NH][G] and sum l [NH][G]; the
+// caller divides, or combines a sequence's splits.
+
+namespace srt_cpu {
+namespace SRT_ISA_NS {
+
+using Vec = SRT_ISA_VEC;
+using reg = Vec::reg;
+constexpr int W = Vec::W;
+static_assert(kBlock % W == 0 && kBlock % Vec::TQ == 0, "a block must be a whole number of tiles");
+
+// Software prefetch of the next block's K/V, spread over the current block's work: pump() is
+// called between tiles and passes and issues a few cache lines each time, so the memory system
+// streams while the core computes (one burst per block would stall the core on full miss
+// buffers, and for slots on random pages the hardware prefetcher cannot help).
+struct Prefetcher {
+  const char* start[2 * kBlock];  // the next block's per-slot K and V ranges
+  int n = 0;
+  int64_t bytes = 0;   // bytes per range
+  int r = 0;           // next range to prefetch ...
+  int64_t off = 0;     // ... from this offset
+  int64_t per = 1;     // lines per pump()
+  int64_t calls = 0;   // pump() calls in the current block (sizes `per` for the next one)
+
+  SRT_ISA_TARGET __attribute__((always_inline)) inline void issue(int64_t lines) {
+    for (int64_t i = 0; i < lines && r < n; ++i) {
+      __builtin_prefetch(start[r] + off, 0, 3);
+      off += 64;
+      if (off >= bytes) {
+        off = 0;
+        ++r;
+      }
+    }
+  }
+  SRT_ISA_TARGET __attribute__((always_inline)) inline void pump() {
+    ++calls;
+    issue(per);
+  }
+  // Finish the current ranges, then queue the next block's (n ranges); `per` spreads them over
+  // as many pump() calls as the block just done made.
+  SRT_ISA_TARGET inline void restart(int new_n, int64_t estimated_calls) {
+    issue(INT64_MAX);
+    const int64_t lines = new_n * ((bytes + 63) / 64);
+    const int64_t c = calls > 0 ? calls : estimated_calls;
+    per = (lines + c - 1) / c;
+    n = new_n;
+    r = 0;
+    off = 0;
+    calls = 0;
+  }
+};
+
+// W elements of a K/V row -> float32 lanes (float16 / bfloat16 converted in registers)
+template <class KT>
+SRT_ISA_TARGET __attribute__((always_inline)) inline reg load_kv(const KT* p) {
+  if constexpr (std::is_same_v<KT, float>) {
+    return Vec::load(p);
+  } else if constexpr (std::is_same_v<KT, c10::Half>) {
+    return Vec::load_f16(reinterpret_cast<const uint16_t*>(p));
+  } else {
+    return Vec::load_bf16(reinterpret_cast<const uint16_t*>(p));
+  }
+}
+
+// out[t] = q . kr[t], t < W: one query, W tokens
+template <class KT>
+SRT_ISA_TARGET inline void scores_tile(const float* q, const KT* const* kr, int64_t D, float* out) {
+  reg acc[W];
+  for (int t = 0; t < W; ++t) acc[t] = Vec::zero();
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    const reg qv = Vec::load(q + d);
+    for (int t = 0; t < W; ++t) acc[t] = Vec::fmadd(qv, load_kv(kr[t] + d), acc[t]);
+  }
+  Vec::store(out, Vec::reduce_tile(acc));
+  for (int64_t e = d; e < D; ++e) {
+    for (int t = 0; t < W; ++t) out[t] += q[e] * static_cast<float>(kr[t][e]);
+  }
+}
+
+// out[g * kBlock + t] = q_g . kr[t], g < GQ, t < TQ: GQ queries share each K load
+template <int GQ, class KT>
+SRT_ISA_TARGET inline void scores_tile_multi(const float* q, const KT* const* kr, int64_t D, float* out) {
+  constexpr int TQ = Vec::TQ;
+  reg acc[GQ][TQ];
+  for (int g = 0; g < GQ; ++g) {
+    for (int t = 0; t < TQ; ++t) acc[g][t] = Vec::zero();
+  }
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    reg qv[GQ];
+    for (int g = 0; g < GQ; ++g) qv[g] = Vec::load(q + g * D + d);
+    for (int t = 0; t < TQ; ++t) {
+      const reg kv = load_kv(kr[t] + d);
+      for (int g = 0; g < GQ; ++g) acc[g][t] = Vec::fmadd(qv[g], kv, acc[g][t]);
+    }
+  }
+  for (int g = 0; g < GQ; ++g) Vec::reduce_store_tq(acc[g], out + g * kBlock);
+  for (int64_t e = d; e < D; ++e) {
+    for (int g = 0; g < GQ; ++g) {
+      for (int t = 0; t < TQ; ++t) out[g * kBlock + t] += q[g * D + e] * static_cast<float>(kr[t][e]);
+    }
+  }
+}
+
+// s[g][j] = q_g . kr[j] for one KV head's G queries over a block: queries in groups of 3 (2)
+// sharing each K load, a lone query with W-token tiles.
+template <class KT>
+SRT_ISA_TARGET inline void scores_block(const float* q, const KT* const* kr, int64_t G, int64_t D, float* s,
+                                        Prefetcher& pf) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) {
+    for (int j = 0; j < kBlock; j += Vec::TQ) {
+      scores_tile_multi<3>(q + g * D, kr + j, D, s + g * kBlock + j);
+      pf.pump();
+    }
+  }
+  if (G - g == 2) {
+    for (int j = 0; j < kBlock; j += Vec::TQ) {
+      scores_tile_multi<2>(q + g * D, kr + j, D, s + g * kBlock + j);
+      pf.pump();
+    }
+  } else if (G - g == 1) {
+    for (int j = 0; j < kBlock; j += W) {
+      scores_tile(q + g * D, kr + j, D, s + g * kBlock + j);
+      pf.pump();
+    }
+  }
+}
+
+// acc [D] *= alpha
+SRT_ISA_TARGET inline void scale_row(float* acc, float alpha, int64_t D) {
+  const reg a = Vec::set1(alpha);
+  int64_t d = 0;
+  for (; d + W <= D; d += W) Vec::store(acc + d, Vec::mul(Vec::load(acc + d), a));
+  for (; d < D; ++d) acc[d] *= alpha;
+}
+
+// Online-softmax step of one query head over one block: s [kBlock] scores in (-inf past the
+// block's tokens), probabilities out.
+SRT_ISA_TARGET inline void softmax_block(float* s, float* acc, float& m, float& l, int64_t D) {
+  reg mx = Vec::load(s);
+  for (int j = W; j < kBlock; j += W) mx = Vec::max(mx, Vec::load(s + j));
+  const float bm = Vec::hmax(mx);
+  if (bm > m) {
+    if (l != 0.f) {  // l == 0: nothing accumulated yet, acc is still zero
+      const float alpha = std::exp(m - bm);
+      scale_row(acc, alpha, D);
+      l *= alpha;
+    }
+    m = bm;
+  }
+  const reg mv = Vec::set1(m);
+  reg sum = Vec::zero();
+  for (int j = 0; j < kBlock; j += W) {
+    const reg p = Vec::exp(Vec::sub(Vec::load(s + j), mv));
+    Vec::store(s + j, p);
+    sum = Vec::add(sum, p);
+  }
+  l += Vec::hsum(sum);
+}
+
+// acc[g][d] += sum_j p[g][j] vr[j][d] for g < GT, columns d0 .. : DC column chunks per pass,
+// then narrower passes for the rest, then a scalar tail.
+template <int GT, int DC, class KT>
+SRT_ISA_TARGET __attribute__((always_inline)) inline void accumulate_v(float* acc, const float* p,
+                                                                       const KT* const* vr, int64_t D,
+                                                                       int64_t d, Prefetcher& pf) {
+  for (; d + DC * W <= D; d += DC * W) {
+    reg r[GT][DC];
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < DC; ++c) r[g][c] = Vec::load(acc + g * D + d + c * W);
+    }
+    for (int j = 0; j < kBlock; ++j) {
+      for (int c = 0; c < DC; ++c) {
+        const reg v = load_kv(vr[j] + d + c * W);
+        for (int g = 0; g < GT; ++g) r[g][c] = Vec::fmadd(Vec::set1(p[g * kBlock + j]), v, r[g][c]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      for (int c = 0; c < DC; ++c) Vec::store(acc + g * D + d + c * W, r[g][c]);
+    }
+    pf.pump();
+  }
+  if constexpr (DC > 1) {
+    accumulate_v<GT, DC / 2, KT>(acc, p, vr, D, d, pf);
+  } else {
+    for (; d < D; ++d) {
+      for (int g = 0; g < GT; ++g) {
+        float r = acc[g * D + d];
+        for (int j = 0; j < kBlock; ++j) r += p[g * kBlock + j] * static_cast<float>(vr[j][d]);
+        acc[g * D + d] = r;
+      }
+    }
+  }
+}
+
+// All G query heads, in tiles of up to 4 heads.
+template <class KT>
+SRT_ISA_TARGET inline void accumulate_v_heads(float* acc, const float* p, const KT* const* vr, int64_t G,
+                                              int64_t D, Prefetcher& pf) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) accumulate_v<4, 2, KT>(acc + g * D, p + g * kBlock, vr, D, 0, pf);
+  switch (G - g) {
+    case 3: accumulate_v<3, 2, KT>(acc + g * D, p + g * kBlock, vr, D, 0, pf); break;
+    case 2: accumulate_v<2, 4, KT>(acc + g * D, p + g * kBlock, vr, D, 0, pf); break;
+    case 1: accumulate_v<1, 8, KT>(acc + g * D, p + g * kBlock, vr, D, 0, pf); break;
+    default: break;
+  }
+}
+
+template <class KT>
+SRT_ISA_TARGET void attend(const AttendArgs& a) {
+  const KT* k = static_cast<const KT*>(a.k);
+  const KT* v = static_cast<const KT*>(a.v);
+  const int64_t D = a.D, G = a.G, n = a.n, NH = a.NH;
+  const int64_t* slots = a.slots;
+  const KT* kb[kBlock];  // the block's slots, at the item's first head
+  const KT* vb[kBlock];
+  const KT* kr[kBlock];  // one head's rows
+  const KT* vr[kBlock];
+  Prefetcher pf;
+  // one slot's K (or V) rows for the item's heads: one range
+  pf.bytes = ((NH - 1) * std::max(a.k_head_stride, a.v_head_stride) + D) * static_cast<int64_t>(sizeof(KT));
+  for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, n - t0));
+    for (int j = 0; j < nb; ++j) {
+      kb[j] = k + slots[t0 + j] * a.k_stride;
+      vb[j] = v + slots[t0 + j] * a.v_stride;
+    }
+    const int nn = static_cast<int>(std::clamp<int64_t>(n - t0 - kBlock, 0, kBlock));  // next block's tokens
+    for (int j = 0; j < nn; ++j) {
+      pf.start[j] = reinterpret_cast<const char*>(k + slots[t0 + kBlock + j] * a.k_stride);
+      pf.start[nn + j] = reinterpret_cast<const char*>(v + slots[t0 + kBlock + j] * a.v_stride);
+    }
+    pf.restart(2 * nn, 8 * NH);
+    for (int64_t h = 0; h < NH; ++h) {
+      for (int j = 0; j < nb; ++j) {
+        kr[j] = kb[j] + h * a.k_head_stride;
+        vr[j] = vb[j] + h * a.v_head_stride;
+      }
+      for (int j = nb; j < kBlock; ++j) {
+        kr[j] = kr[0];
+        vr[j] = vr[0];
+      }
+      const float* q = a.q + h * G * D;
+      float* acc = a.acc + h * G * D;
+      scores_block(q, kr, G, D, a.s, pf);
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = a.s + g * kBlock;
+        for (int j = nb; j < kBlock; ++j) s[j] = -INFINITY;
+        softmax_block(s, acc + g * D, a.m[h * G + g], a.l[h * G + g], D);
+      }
+      accumulate_v_heads(acc, a.s, vr, G, D, pf);
+    }
+  }
+}
+
+}  // namespace SRT_ISA_NS
+}  // namespace srt_cpu

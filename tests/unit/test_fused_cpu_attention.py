@@ -1,0 +1,76 @@
+"""FusedCPUAttnBackend (native paged decode kernel) against the naive reference and against
+TorchNativeAttnBackend, its oracle and fallback, on the random paged layouts of
+test_torch_native_attention (shuffled pages, NaN in every slot the backend must not read)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from srt.kernels import cpu as cpu_kernels
+from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
+from srt.layers.attention.registry import create_attention_backend
+from srt.model_executor.forward_batch import ForwardMode
+from tests.unit.test_torch_native_attention import Case, make_case, reference, run_backend
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    return True
+
+
+def run_fused(case: Case) -> torch.Tensor:
+    backend = FusedCPUAttnBackend(None)
+    case.fb.attn_backend = backend
+    backend.init_forward_metadata(case.fb)
+    return backend.forward(case.q, case.k, case.v, case.layer, case.fb)
+
+
+CASES = [
+    (ForwardMode.DECODE, [1, 30, 0, 17, 64, 300], [1] * 6),
+    (ForwardMode.DECODE, [12, 12, 12], [1, 1, 1]),
+    (ForwardMode.MIXED, [0, 20, 8, 31, 0], [13, 5, 1, 1, 1]),
+    (ForwardMode.EXTEND, [5, 0, 40], [9, 12, 1]),
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode,prefixes,extends", CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (8, 8), (8, 1)])
+def test_fused_matches_reference_and_torch_native(
+    native, page_size, mode, prefixes, extends, heads, kv_heads
+):
+    make = lambda: make_case(mode, prefixes, extends, page_size, heads=heads, kv_heads=kv_heads, seed=11)  # noqa: E731
+    case = make()
+    out = run_fused(case)
+    assert out.shape == case.q.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(case), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, run_backend(make()), rtol=1e-5, atol=1e-5)
+    # the new tokens' K/V went into the pool at out_cache_loc, as with the torch-native backend
+    kv = case.layer.num_kv_heads, case.layer.head_dim
+    pool, loc = case.fb.token_to_kv_pool, case.fb.out_cache_loc
+    torch.testing.assert_close(pool.k_buffer[case.layer.layer_id][loc], case.k.view(-1, *kv))
+
+
+def test_fallback_is_exactly_torch_native(monkeypatch, caplog):
+    """Without the native op the backend runs torch-native's decode path, bit for bit, and says so."""
+    monkeypatch.setattr(cpu_kernels, "native_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "kernel_status", lambda: "fallback: pure-torch reference (test)")
+    with caplog.at_level(logging.INFO, logger="srt.attention"):
+        backend = FusedCPUAttnBackend(None)
+    assert not backend.native
+    assert any("fallback" in r.getMessage() for r in caplog.records)
+    for mode, prefixes, extends in CASES[:3]:
+        case, twin = (make_case(mode, prefixes, extends, 16, seed=3) for _ in range(2))
+        case.fb.attn_backend = backend
+        backend.init_forward_metadata(case.fb)
+        out = backend.forward(case.q, case.k, case.v, case.layer, case.fb)
+        assert torch.equal(out, run_backend(twin))
+
+
+def test_registry_builds_fused_cpu():
+    assert isinstance(create_attention_backend("fused_cpu", None), FusedCPUAttnBackend)
