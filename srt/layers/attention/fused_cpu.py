@@ -35,7 +35,14 @@ class FusedCPUAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
         super().__init__(model_runner)
         self.native = cpu_kernels.native_available()
-        logger.info("fused_cpu attention, decode path: %s", cpu_kernels.kernel_status())
+        if self.native:
+            logger.info("fused_cpu attention: decode through %s", cpu_kernels.kernel_status())
+        else:
+            logger.warning(
+                "fused_cpu attention: decode through torch_native's gather path, the native kernel "
+                "is unavailable (%s)",
+                cpu_kernels.kernel_status(),
+            )
         self._req_to_token: torch.Tensor | None = None
         self._decode_rows: torch.Tensor | None = None
         self._decode_lens: torch.Tensor | None = None
