@@ -14,12 +14,20 @@ Protocol (default model unless ``--model-path``; float32 on CPU; fixed seeds):
   3. prefill: one EXTEND forward of a 512-token sequence, median of ``--repeats``.
 Timed region = ``ModelRunner.forward`` (metadata, model, logits; no sampling).
 
+Per-op profile (``--profile``; one extra run of each measured forward after the timed ones):
+the wall time inside each kind of module, through forward hooks (one thread of control, so
+wall time is the op's time): ``attention`` (RadixAttention: KV write + attention backend),
+``linear`` (every ``Linear``: q/k/v, o, gate/up, down), ``lm_head`` (the LogitsProcessor: last-row
+gather + LM head matmul), ``other`` = the forward minus those (embedding, norms, rope,
+activation, metadata, Python).
+
     python benchmarks/bench_forward.py [--batch-sizes 1,16,64,256] [--context 256] [--json]
-        [--attention-backend torch_native|fused_cpu] [--kv-cache-dtype float16]
+        [--attention-backend torch_native|fused_cpu] [--kv-cache-dtype float16] [--profile]
 
 With ``--json`` the last output line is one JSON object: ``load_s``, ``peak_rss_gib``,
 ``decode_ms`` ({"1": .., "16": .., ...}), ``prefill512_ms`` and the extras ``load_rss_gib``,
-``decode_attn_ms``, ``threads``, ``linear_backend``.
+``decode_attn_ms``, ``threads``, ``linear_backend``, and with ``--profile`` ``profile`` ({"prefill512":
+{op: ms}, "decode_1": {op: ms}, ...}).
 """
 
 from __future__ import annotations
@@ -31,7 +39,11 @@ import statistics
 import time
 
 import torch
+from torch import nn
 
+from srt.layers.linear import Linear
+from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.radix_attention import RadixAttention
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -52,6 +64,55 @@ def _median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+PROFILED_KINDS: tuple[tuple[str, type[nn.Module]], ...] = (
+    ("attention", RadixAttention),
+    ("linear", Linear),
+    ("lm_head", LogitsProcessor),
+)
+
+
+def profile_ops(model: nn.Module, fn, runs: int = 3) -> dict[str, float]:
+    """Median over ``runs`` calls of ``fn()`` with hooks on the modules of PROFILED_KINDS: ms
+    per kind, ``other`` (the rest of the call) and ``total``."""
+    samples = [_profile_once(model, fn) for _ in range(runs)]
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def _profile_once(model: nn.Module, fn) -> dict[str, float]:
+    spent = {kind: 0.0 for kind, _ in PROFILED_KINDS}
+    starts: dict[int, float] = {}
+    handles = []
+    for module in model.modules():
+        kind = next((k for k, cls in PROFILED_KINDS if isinstance(module, cls)), None)
+        if kind is None:
+            continue
+
+        def pre(mod, _args, _key=id(module)):
+            starts[_key] = time.perf_counter()
+
+        def post(mod, _args, _out, _key=id(module), _kind=kind):
+            spent[_kind] += time.perf_counter() - starts.pop(_key)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        t0 = time.perf_counter()
+        fn()
+        total = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    out = {kind: v * 1e3 for kind, v in spent.items()}
+    out["other"] = max(0.0, total * 1e3 - sum(out.values()))
+    out["total"] = total * 1e3
+    return out
+
+
+def format_profile(name: str, prof: dict[str, float]) -> str:
+    total = prof["total"] or 1.0
+    parts = "  ".join(f"{k} {v:7.1f} ms ({100 * v / total:4.1f}%)" for k, v in prof.items() if k != "total")
+    return f"  profile {name:>12}: {parts}"
 
 
 def _fill_context(runner: ModelRunner, num_seqs: int, context: int, seed: int) -> list[int]:
@@ -124,6 +185,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-op time (attention, linear, lm_head, other)")
     args = ap.parse_args()
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     max_bs = max(batch_sizes)
@@ -164,6 +226,10 @@ def main() -> None:
 
     prefill_ms = _median_ms(prefill, max(1, args.repeats // 2))
     print(f"prefill {PREFILL_LEN}: {prefill_ms:.1f} ms")
+    profiles: dict[str, dict[str, float]] = {}
+    if args.profile:
+        profiles[f"prefill{PREFILL_LEN}"] = profile_ops(runner.model, prefill)
+        print(format_profile(f"prefill{PREFILL_LEN}", profiles[f"prefill{PREFILL_LEN}"]))
     runner.token_to_kv_pool_allocator.free(prefill_loc)
     runner.req_to_token_pool.free(prefill_rows)
 
@@ -174,11 +240,14 @@ def main() -> None:
         fb = _decode_batch(runner, rows[:bs], ctx)
         decode_ms[str(bs)] = _median_ms(lambda fb=fb: runner.forward(fb), args.repeats)
         attn_ms[str(bs)] = _attention_only_ms(runner, fb, args.repeats)
-        runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
         print(
             f"decode bs={bs:4d} ctx={ctx}: {decode_ms[str(bs)]:8.1f} ms/step "
             f"(attention {attn_ms[str(bs)]:7.1f} ms, {1e3 * bs / decode_ms[str(bs)]:8.1f} tok/s)"
         )
+        if args.profile:
+            profiles[f"decode_{bs}"] = profile_ops(runner.model, lambda fb=fb: runner.forward(fb))
+            print(format_profile(f"decode_{bs}", profiles[f"decode_{bs}"]))
+        runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
 
     result = {
         "load_s": round(load_s, 3),
@@ -190,6 +259,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "linear_backend": runner.linear_backend.name,
     }
+    if profiles:
+        result["profile"] = {name: {k: round(v, 3) for k, v in p.items()} for name, p in profiles.items()}
     if args.json:
         print(json.dumps(result))
 

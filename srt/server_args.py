@@ -28,6 +28,7 @@ from srt.configs.backends import (
     resolve_attention_backend,
     resolve_linear_backend,
 )
+from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
 
 
@@ -90,7 +91,24 @@ class ServerArgs:
         "setup; torch_native's path when it is not built); torch_native is the reference.",
         list(ATTENTION_BACKENDS),
     )
-    num_threads: int | None = _f(None, "torch intra-op threads on CPU (default: torch's choice).")
+    num_threads: int | None = _f(
+        None,
+        "torch intra-op threads on CPU (default: one per CPU of --cpu-omp-threads-bind; with nobind, "
+        "torch's choice). With auto binding, N picks the first N CPUs; with a CPU list it must equal "
+        "the list's length.",
+    )
+    cpu_omp_threads_bind: str = _f(
+        "auto",
+        "CPUs of the scheduler's compute (OpenMP) threads, one thread pinned per CPU: auto = every CPU "
+        "this process may run on (on CPU devices; nobind on CUDA), a list like 0-3 or 0,2,4-7, or "
+        "nobind (threads not pinned).",
+    )
+    aux_process_nice: int = _f(
+        10,
+        "Nice increment of the detokenizer process (and of launch_server's main process) when the "
+        "compute CPUs cover every CPU; 0 disables. When CPUs are left outside --cpu-omp-threads-bind, "
+        "those processes are pinned to them instead.",
+    )
     linear_backend: str = _f(
         "auto",
         "Matmul of the linear layers and LM head. auto = onednn on CPU float32 when oneDNN passes a "
@@ -148,6 +166,11 @@ class ServerArgs:
             a.linear_backend = resolve_linear_backend(a.linear_backend, a.device, a.dtype)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        a.cpu_omp_threads_bind, a.num_threads = resolve_omp_bind(
+            a.cpu_omp_threads_bind, a.num_threads, a.device
+        )
+        if not 0 <= a.aux_process_nice <= MAX_NICE:
+            raise ConfigError(f"--aux-process-nice must be in [0, {MAX_NICE}], got {a.aux_process_nice}.")
         if a.tp_size != 1:
             raise ConfigError("--tp-size > 1 is not supported yet; use --tp-size 1.")
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):

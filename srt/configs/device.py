@@ -152,7 +152,8 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
 
 @functools.cache
 def onednn_linear_available() -> bool:
-    """oneDNN's linear is present here and matches ``F.linear`` up to rounding (probed once)."""
+    """oneDNN's linear is present here and matches ``F.linear`` up to rounding, with the weight
+    as it is and prepacked (probed once)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -160,7 +161,12 @@ def onednn_linear_available() -> bool:
         x = torch.randn(5, 64, generator=gen)
         w = torch.randn(24, 64, generator=gen)
         b = torch.randn(24, generator=gen)
-        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return got.shape == (5, 24) and torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        want = F.linear(x, w, b)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        for weight in (w, packed):
+            got = torch.ops.mkldnn._linear_pointwise(x, weight, b, "none", [], "")
+            if got.shape != (5, 24) or not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
+                return False
+        return torch.equal(packed.to_dense(), w)
     except Exception:  # noqa: BLE001 - any failure means "use F.linear"
         return False

@@ -49,7 +49,7 @@ def launch_server(server_args: ServerArgs, scheduler_entry: Callable[..., None] 
     Raises `LaunchError` when a child fails at start-up."""
     previous = signal.signal(signal.SIGTERM, _raise_system_exit)  # clean up if killed during launch
     try:
-        tm, _ = launch_subprocesses(server_args, scheduler_entry=scheduler_entry)
+        tm, _ = launch_subprocesses(server_args, scheduler_entry=scheduler_entry, owns_process=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
     server = uvicorn.Server(_uvicorn_config(tm))

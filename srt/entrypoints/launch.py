@@ -10,7 +10,10 @@
 3. waits for both ready messages (pipe *and* liveness polled: a child that fails or dies at
    start-up raises `LaunchError` carrying the child's traceback, never a hang);
 4. builds the `TokenizerManager` and starts a monitor thread: if a child exits later, the
-   tokenizer manager fails every in-flight request and the ``on_child_death`` hooks run.
+   tokenizer manager fails every in-flight request and the ``on_child_death`` hooks run;
+5. with ``owns_process`` (launch_server, not an `Engine` inside a user's program), steps this
+   process aside from the scheduler's compute CPUs like the detokenizer (`confine_aux_process`),
+   after the children are started so that they do not inherit it.
 
 It returns ``(tokenizer_manager, scheduler_info)``; ``tokenizer_manager.launcher`` is the
 `Launcher` whose `shutdown()` stops the children and removes the ipc directory.
@@ -30,6 +33,7 @@ from typing import Any
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
+from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.errors import LaunchError
 from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
 from srt.utils.logging_utils import configure_logging
@@ -77,13 +81,14 @@ class Launcher:
 
 
 def launch_subprocesses(
-    server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None
+    server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None, owns_process: bool = False
 ) -> tuple[TokenizerManager, dict[str, Any]]:
     """Start the scheduler and the detokenizer; return ``(tokenizer_manager, scheduler_info)``.
 
     ``scheduler_entry`` replaces ``run_scheduler_process`` (tests use fakes); it is called in the
-    child as ``entry(server_args, port_args, pipe_writer)``. Raises `LaunchError` when a child fails
-    to start (after stopping everything it started).
+    child as ``entry(server_args, port_args, pipe_writer)``. ``owns_process``: this process is
+    srt's own (launch_server), so it is confined as an auxiliary process. Raises `LaunchError`
+    when a child fails to start (after stopping everything it started).
     """
     configure_logging(server_args.log_level, "main")
     server_args = server_args.resolve()
@@ -117,6 +122,8 @@ def launch_subprocesses(
         launcher.shutdown()  # stop the surviving child too
 
     sup.start_monitor(on_death)
+    if owns_process:
+        confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "main")
     logger.info(
         "ready: context length %s, KV pool %s tokens, max running requests %s",
         scheduler_info.get("context_len"),

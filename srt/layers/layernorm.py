@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.kernels.cpu import elementwise
 from srt.layers.parameter import empty_param
 
 
@@ -34,7 +35,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (in place; the caller owns ``residual``), then
-        ``(norm(residual), residual)``."""
+        ``(norm(residual), residual)``; one native pass for float32 CPU rows."""
+        if elementwise.supports(x, residual, self.weight.view(1, -1)):
+            return elementwise.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual.add_(x)
         return self.forward(residual), residual
 

@@ -10,7 +10,9 @@ stacks e.g. gate/up along the output dimension. Checkpoints store the parts sepa
 Parameters are created uninitialized (``empty_param``) with ``requires_grad=False``.
 
 Every layer runs its matmul through the ``LinearBackend`` it was built with (``linear_backend``;
-``TORCH_LINEAR``, i.e. ``F.linear``, when none is given). The ModelRunner builds the backend
+``TORCH_LINEAR``, i.e. ``F.linear``, when none is given). Once its weights are loaded the
+loader calls ``prepare_weights()``, which lets the backend make a prepacked copy of the weight
+(``packed_weight``, a non-persistent buffer; see ``LinearBackend.pack_weight``). The ModelRunner builds the backend
 named by ``--linear-backend`` and passes it down through the model's constructor; see
 ``srt/layers/linear_backend.py``.
 """
@@ -42,9 +44,15 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.linear_backend = linear_backend or TORCH_LINEAR
+        self.packed_weight: torch.Tensor | None
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_backend.apply(x, self.weight, self.bias)
+        return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)
+
+    def prepare_weights(self) -> None:
+        """Let the backend prepack the loaded weight (once, after loading; again after a reload)."""
+        self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
 
     def extra_repr(self) -> str:
         return (

@@ -18,6 +18,20 @@ that owns its own weight layout and ``apply``.
   outside autograd, ``F.linear`` for everything else. Its float32 accumulation order differs
   from MKL's, so logits move by about 1e-4 against a reference computed with MKL; greedy tokens
   stay equal except at near-ties. docs/benchmarks.md has the measured speed-up.
+
+Weights may be prepacked once, after loading: ``pack_weight(weight)`` returns a second form
+of the weight for the backend's own use (or None), which the layer keeps beside its plain weight
+and passes back to ``apply`` as ``packed``. The ``onednn`` backend:
+
+* small batches (at most ``SMALL_BATCH_ROWS`` input rows, i.e. decode with a few sequences):
+  ``torch.ops.srt_cpu.small_batch_linear`` on the plain weight when srt's native kernels are
+  loaded, a weight-streaming kernel that reads each weight once (a matrix-vector product is bound
+  by memory bandwidth, where oneDNN's blocked GEMM falls short);
+* everything else: oneDNN's matmul on the prepacked weight (``torch.ops.mkldnn._reorder_linear_weight``,
+  an opaque ``torch._mkldnn`` tensor; the reorder oneDNN would otherwise redo on every call).
+
+So the ``onednn`` backend keeps the float32 linear weights twice (plain and packed): the memory
+accounting counts both. docs/benchmarks.md has the measured speed-ups.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from srt.configs.device import onednn_linear_available
+from srt.kernels import cpu as cpu_kernels
 
 
 class LinearBackend(ABC):
@@ -36,8 +51,20 @@ class LinearBackend(ABC):
     name: str
 
     @abstractmethod
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``."""
+    def apply(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``; ``packed`` is
+        what ``pack_weight(weight)`` returned, if anything."""
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A prepacked copy of a loaded ``weight [out, in]`` for ``apply`` (called once per weight
+        after loading), or None: the default has no packed form."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -48,27 +75,57 @@ class TorchLinear(LinearBackend):
 
     name = "torch"
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
 
+# the batch size oneDNN is told to expect when it picks a packed layout (any batch size works
+# with the result; this one suits decode batches)
+PACK_BATCH_HINT = 32
+# inputs with at most this many rows take the native small-batch kernel (it beats oneDNN's
+# packed GEMM up to here on the CPUs measured; docs/benchmarks.md)
+SMALL_BATCH_ROWS = 4
+
+
 class OneDNNLinear(LinearBackend):
-    """oneDNN's linear for CPU float32 inputs outside autograd, ``F.linear`` otherwise."""
+    """See the module docstring: the native small-batch kernel for a few rows, oneDNN's matmul
+    on the prepacked weight otherwise (CPU float32 outside autograd), ``F.linear`` for the rest."""
 
     name = "onednn"
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not (
             x.dtype == torch.float32
             and x.device.type == "cpu"
             and weight.dtype == torch.float32
             and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
-            x2 = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
-            return out.view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
+            return F.linear(x, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= SMALL_BATCH_ROWS and weight.is_contiguous() and cpu_kernels.native_available():
+            out = torch.ops.srt_cpu.small_batch_linear(x2, weight, bias)
+        else:
+            w = packed if packed is not None else weight
+            out = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
 
 
 TORCH_LINEAR = TorchLinear()

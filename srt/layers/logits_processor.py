@@ -20,6 +20,9 @@ Concatenating the lists of consecutive chunks (each giving the next chunk's firs
 yields one entry per prompt position from ``s``. The caller must keep a reused prefix at
 most ``max(s - 1, 0)`` tokens long, or the positions up to the prefix have no logits here.
 
+The LM head weight is the model's (``lm_head.weight``, the embedding when tied), plus the
+backend's prepacked copy of it once ``prepare_weights(weight)`` ran (``head_packed``).
+
 ``input_top_logprobs`` (when ``top_logprobs_nums[i] > 0``) is aligned with
 ``input_token_logprobs``: ``(token_id, logprob)`` pairs, best first. Logits for these rows are
 computed in chunks of ``LOGPROB_CHUNK_ROWS``, never as one ``[T, vocab]``, through the model's
@@ -74,6 +77,12 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.linear_backend = linear_backend or TORCH_LINEAR
+        self.head_packed: torch.Tensor | None  # the backend's prepacked LM head, if any
+        self.register_buffer("head_packed", None, persistent=False)
+
+    def prepare_weights(self, lm_head_weight: torch.Tensor) -> None:
+        """Keep the backend's prepacked copy of the loaded LM head weight, if it makes one."""
+        self.head_packed = self.linear_backend.pack_weight(lm_head_weight.data)
 
     def forward(
         self,
@@ -90,7 +99,7 @@ class LogitsProcessor(nn.Module):
         else:
             last_index = fb.extend_start_loc + fb.extend_seq_lens - 1
             last = hidden_states.index_select(0, last_index)
-        next_token_logits = self.linear_backend.apply(last, weight).float()
+        next_token_logits = self.linear_backend.apply(last, weight, None, self.head_packed).float()
         out = LogitsProcessorOutput(next_token_logits)
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
             self._prompt_logprobs(hidden_states, weight, fb, out)
@@ -158,7 +167,8 @@ class LogitsProcessor(nn.Module):
         top_lp: list[list[float]] = []
         for c0 in range(0, len(plan.rows), LOGPROB_CHUNK_ROWS):
             sel = rows[c0 : c0 + LOGPROB_CHUNK_ROWS]
-            logits = self.linear_backend.apply(hidden_states.index_select(0, sel), weight).float()
+            picked = hidden_states.index_select(0, sel)
+            logits = self.linear_backend.apply(picked, weight, None, self.head_packed).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             del logits
             tgt = targets[c0 : c0 + LOGPROB_CHUNK_ROWS]

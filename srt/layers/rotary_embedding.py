@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from srt.kernels.cpu import elementwise
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -94,8 +96,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64; q ``[T, H*D]`` (or ``[T, H, D]``), k ``[T, H_kv*D]`` ->
-        rotated (q, k), new contiguous tensors of the input shapes and dtype."""
+        rotated (q, k) of the input shapes and dtype: for 2-D float32 CPU inputs the inputs
+        themselves, rotated in place by the native op; otherwise new contiguous tensors."""
         num_tokens = positions.shape[0]
+        if q.dim() == 2 and elementwise.supports(q, k, self.cos_sin_cache):
+            elementwise.rotary_neox_(q, k, positions, self.cos_sin_cache, self.head_dim)
+            return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         if cos_sin.dtype != q.dtype:
             cos_sin = cos_sin.to(q.dtype)

@@ -45,6 +45,7 @@ from srt.managers.io_struct import (
     encode,
 )
 from srt.server_args import PortArgs, ServerArgs
+from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.hf_tokenizer import load_tokenizer, special_token_ids, tokenizer_source
 from srt.utils.zmq import get_zmq_socket
 
@@ -236,7 +237,9 @@ def _held_back(text: str, sent: int, stops: list[str]) -> int:
 def run_detokenizer_process(
     server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any, tokenizer_path: str | None = None
 ) -> None:
-    """Process entry: load the tokenizer, report ready, then serve forever (blocking recv)."""
+    """Process entry: step aside from the compute CPUs (`confine_aux_process`: pinned to the spare
+    CPUs, or niced), load the tokenizer, report ready, then serve forever (blocking recv)."""
+    confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "detokenizer")
     tokenizer = None
     if not server_args.skip_tokenizer_init:
         tokenizer = load_tokenizer(tokenizer_path or tokenizer_source(server_args))

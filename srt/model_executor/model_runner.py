@@ -36,6 +36,7 @@ from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
+from srt.model_loader.weight_utils import weight_bytes
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError
 from srt.utils.pages import page_ceil, page_floor
@@ -74,7 +75,7 @@ class ModelRunner:
             self.linear_backend,
         )
         self.load_time_s = time.perf_counter() - t0
-        self.weight_bytes = module_bytes(self.model)
+        self.weight_bytes = weight_bytes(self.model)
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
@@ -258,17 +259,3 @@ class ModelRunner:
         meter.start()
         self._run_model(fb)
         return meter.peak_growth()
-
-
-def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once (tied weights)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total

@@ -5,7 +5,7 @@
         safetensors: safetensors_weights_iterator(model dir)   (stored dtype, cast on copy)
         gguf:        gguf_weights_iterator(file, hf_config)    (dequantized float32)
         dummy:       init_dummy_weights(model, seed)           (seeded random, nothing read)
-    -> eval mode, no gradients.
+    -> eval mode, no gradients -> weights prepacked for the linear backend (``prepare_weights``).
 
 Peak memory is the parameters plus one checkpoint tensor (and its dequantization
 temporaries); no state dict is ever materialized.
@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
+from srt.layers.linear import Linear
 from srt.layers.linear_backend import LinearBackend
+from srt.layers.logits_processor import LogitsProcessor
 from srt.model_loader.weight_utils import (
     init_dummy_weights,
     release_free_memory,
@@ -31,6 +33,18 @@ from srt.models.registry import get_model_class
 from srt.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+
+def prepare_weights(model: nn.Module) -> None:
+    """Let every linear layer, and the LM head's ``logits_processor``, prepack its loaded weight
+    for its backend (a no-op for backends without a packed form)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.prepare_weights()
+    logits = getattr(model, "logits_processor", None)
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(logits, LogitsProcessor) and lm_head is not None:
+        logits.prepare_weights(lm_head.weight)
 
 
 def get_model(
@@ -64,9 +78,10 @@ def get_model(
         model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config))
     else:
         model.load_weights(safetensors_weights_iterator(model_config.model_path))
-    release_free_memory()
     model.eval()
     model.requires_grad_(False)
+    prepare_weights(model)
+    release_free_memory()
     logger.info(
         "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB",
         model_config.architecture,

@@ -134,14 +134,20 @@ def release_free_memory() -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (shared tensors counted once)."""
+    """Bytes of a module's parameters and buffers, each storage counted once (tied weights);
+    a prepacked (``torch._mkldnn``) weight counts its elements."""
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
+        if t.is_mkldnn:  # opaque, no storage to share
+            key, nbytes = id(t), t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        seen.add(key)
+        total += nbytes
     return total
 
 

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import (
 import srt.layers.linear_backend as linear_mod
 from srt.configs.backends import resolve_linear_backend
 from srt.configs.device import onednn_linear_available
+from srt.kernels import cpu as cpu_kernels
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
@@ -188,7 +189,7 @@ def test_onednn_linear_backend_matches_f_linear(monkeypatch):
     w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
     backend = create_linear_backend("onednn")
     assert backend.name == "onednn"
-    for shape in [(7, 24), (2, 3, 24), (1, 24)]:
+    for shape in [(7, 24), (2, 3, 24), (5, 24)]:  # more rows than the small-batch kernel takes
         x = torch.randn(*shape, generator=gen)
         for bias in (None, b):
             got = backend.apply(x, w, bias)
@@ -202,6 +203,67 @@ def test_onednn_linear_backend_matches_f_linear(monkeypatch):
     x64 = x.double()  # other dtypes always take F.linear
     backend = create_linear_backend("onednn")
     assert torch.equal(backend.apply(x64, w.double()), F.linear(x64, w.double())) and not calls
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN linear not usable here")
+@pytest.mark.parametrize("native", [True, False])
+def test_onednn_prepacked_and_small_batch_paths_match_f_linear(monkeypatch, native):
+    """After ``prepare_weights`` the layer keeps its plain weight and a packed copy; every batch
+    size (the small-batch kernel at <= SMALL_BATCH_ROWS rows, oneDNN on the packed copy above,
+    or oneDNN only without native kernels) gives F.linear's result, and autograd still works."""
+    if native and not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    if not native:
+        monkeypatch.setattr(linear_mod.cpu_kernels, "native_available", lambda: False)
+    small, packed_calls = [], []
+    real_small = torch.ops.srt_cpu.small_batch_linear if native else None
+    real_dnn = torch.ops.mkldnn._linear_pointwise
+    if native:
+        monkeypatch.setattr(
+            linear_mod.torch.ops.srt_cpu, "small_batch_linear", lambda *a: small.append(1) or real_small(*a)
+        )
+    monkeypatch.setattr(
+        linear_mod.torch.ops.mkldnn,
+        "_linear_pointwise",
+        lambda x, w, *a: packed_calls.append(w.is_mkldnn) or real_dnn(x, w, *a),
+    )
+    gen = torch.Generator().manual_seed(4)
+    backend = create_linear_backend("onednn")
+    layer = QKVLinear(48, 8, 4, 2, bias=True, linear_backend=backend)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+    assert torch.equal(layer.packed_weight.to_dense(), plain) and torch.equal(layer.weight, plain)
+    with torch.inference_mode():
+        for m in (1, 3, 4, 5, 32, 100):
+            x = torch.randn(m, 48, generator=gen)
+            torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), atol=1e-5, rtol=1e-5)
+    assert len(small) == (3 if native else 0)
+    assert packed_calls == [True] * (3 if native else 6)
+    x = torch.randn(3, 48, generator=gen, requires_grad=True)
+    y = backend.apply(x, layer.weight, None, layer.packed_weight)  # autograd: F.linear
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, plain.sum(0).expand(3, 48), atol=1e-5, rtol=1e-5)
+    assert create_linear_backend("torch").pack_weight(plain) is None
+
+
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 960), (2, 37, 5), (3, 1536, 64), (4, 8, 3), (7, 100, 33), (0, 16, 4)]
+)
+def test_small_batch_linear_kernel_matches_f_linear(m, k, n):
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k + 5, generator=gen)[:, 2 : k + 2]  # strided rows
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    for bias in (None, b):
+        got = torch.ops.srt_cpu.small_batch_linear(x, w, bias)
+        torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.srt_cpu.small_batch_linear(x, torch.randn(n, k + 1))
 
 
 def test_resolve_linear_backend():

@@ -11,7 +11,8 @@ import torch
 from srt.layers.attention.torch_native import TorchNativeAttnBackend
 from srt.mem_cache import pool_size
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt.model_executor.model_runner import ModelRunner, module_bytes
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_loader.weight_utils import weight_bytes
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ConfigError, ServerArgs
@@ -79,7 +80,7 @@ def test_max_total_tokens_override_and_attributes(tiny_path, caplog):
     assert runner.max_running_requests == 7
     assert runner.page_size == 16 and runner.device == torch.device("cpu") and runner.dtype == torch.float32
     assert isinstance(runner.attn_backend, TorchNativeAttnBackend)
-    assert runner.weight_bytes == module_bytes(runner.model) > 0
+    assert runner.weight_bytes == weight_bytes(runner.model) > 0
     assert len(_kv_lines(caplog)) == 1
 
 

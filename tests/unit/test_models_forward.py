@@ -221,7 +221,10 @@ def test_gguf_prompt_logits_onednn_backend_close_to_transformers(gguf_pair):
     model = get_model(ModelConfig(resolve_model_path(None)), linear_backend=onednn)
     fb = extend_batch([ids])
     hidden = model.model(fb.input_ids, fb.positions, fb)
-    got = onednn.apply(hidden, model.lm_head.weight).float()
+    assert model.model.layers[0].mlp.down_proj.packed_weight.is_mkldnn  # prepacked at load
+    head = model.logits_processor.head_packed
+    assert head is not None and head.is_mkldnn and torch.equal(head.to_dense(), model.lm_head.weight)
+    got = onednn.apply(hidden, model.lm_head.weight, None, head).float()
     assert not torch.equal(got, with_torch)  # the oneDNN path really ran
     torch.testing.assert_close(got, ref, atol=ONEDNN_ATOL, rtol=0)
     assert got.argmax(-1).eq(ref.argmax(-1)).float().mean() > 0.95

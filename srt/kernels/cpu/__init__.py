@@ -9,18 +9,32 @@ never raises and never compiles unless asked (``load(build_if_missing=True)``): 
 loads the library ``python -m srt.kernels.cpu.build`` left in its cache folder (see build.py).
 ``SRT_DISABLE_NATIVE_KERNELS=1`` forces the fallback. ``kernel_status()`` is one line for the log
 naming what is in use and why.
+
+    bind_omp_threads(cpus) -> OmpBinding
+
+pins OpenMP thread i of the caller's pool to ``cpus[i]`` (``torch.ops.srt_cpu.bind_omp_threads``,
+threads.cpp), or, as its fallback, confines every thread of the process to the set.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from srt.kernels.cpu.reference import paged_decode_attention_ref
+from srt.utils.cpu_affinity import format_cpu_list, set_process_affinity, thread_ids
 
-__all__ = ["kernel_status", "load", "native_available", "paged_decode_attention"]
+__all__ = [
+    "OmpBinding",
+    "bind_omp_threads",
+    "kernel_status",
+    "load",
+    "native_available",
+    "paged_decode_attention",
+]
 
 DISABLE_ENV = "SRT_DISABLE_NATIVE_KERNELS"
 
@@ -127,3 +141,55 @@ def paged_decode_attention(
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale
         )
     return paged_decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)
+
+
+@dataclass(slots=True, frozen=True)
+class OmpBinding:
+    """What `bind_omp_threads` did. native: thread i (tid ``tids[i]``) pinned to ``cpus[i]``;
+    fallback: every thread of the process (``tids``) confined to ``cpus``. ``failures`` is empty
+    when every call succeeded."""
+
+    native: bool
+    cpus: tuple[int, ...]
+    tids: tuple[int, ...]
+    failures: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line: which path ran and the thread -> CPU map."""
+        if self.native:
+            pins = ", ".join(
+                f"thread {i} (tid {t}) -> CPU {c}" for i, (t, c) in enumerate(zip(self.tids, self.cpus))
+            )
+            return f"native srt_cpu.bind_omp_threads, one OpenMP thread per CPU: {pins}"
+        return (
+            f"fallback os.sched_setaffinity: all {len(self.tids)} threads confined to CPU "
+            f"{format_cpu_list(self.cpus)} together, not one per CPU ({kernel_status()})"
+        )
+
+
+def _bind_op_registered() -> bool:
+    try:
+        torch.ops.srt_cpu.bind_omp_threads  # noqa: B018 - raises if not registered
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def bind_omp_threads(cpus: Sequence[int]) -> OmpBinding:
+    """Pin the OpenMP pool of the calling thread: team thread i to ``cpus[i]`` (len(cpus) threads;
+    call ``torch.set_num_threads(len(cpus))`` first so torch's parallel regions use exactly that
+    team). Without the native op, confine every thread of the process to ``cpus`` instead. Call
+    it from the thread that runs the model. Raises only on an empty ``cpus``."""
+    if not cpus:
+        raise ValueError("bind_omp_threads: give at least one CPU")
+    cpus = tuple(int(c) for c in cpus)
+    if _current().native and _bind_op_registered():
+        rows = torch.ops.srt_cpu.bind_omp_threads(list(cpus)).tolist()
+        failures = tuple(
+            f"thread {i} -> CPU {c}: " + ("not started" if tid < 0 else os.strerror(err))
+            for i, (tid, c, err) in enumerate(rows)
+            if err != 0
+        )
+        return OmpBinding(True, cpus, tuple(r[0] for r in rows), failures)
+    tids = tuple(thread_ids())
+    return OmpBinding(False, cpus, tids, tuple(set_process_affinity(cpus)))

@@ -27,8 +27,13 @@ import torch
 
 NAME = "srt_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("decode_attention.cpp",)  # compiled
-HEADERS = ("decode_attention_kernel.h", "vec.h")  # hashed with the sources
+SOURCES = ("decode_attention.cpp", "elementwise.cpp", "small_linear.cpp", "threads.cpp")  # compiled
+HEADERS = (
+    "decode_attention_kernel.h",
+    "elementwise_rows.h",
+    "small_linear_rows.h",
+    "vec.h",
+)  # hashed with the sources
 # tuples: cpp_extension.load appends to the lists it is given, which would change the hash
 EXTRA_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)

@@ -1,7 +1,7 @@
 // Vector types for the CPU kernels: one struct per instruction set, same interface.
 //
 //   reg       register type (W float32 lanes)
-//   zero / set1 / load / store / add / sub / mul / max / fmadd     lane-wise float32
+//   zero / set1 / load / store / add / sub / mul / div / max / fmadd     lane-wise float32
 //   load_f16 / load_bf16    W KV-cache elements (raw 16-bit storage) -> W float32 lanes
 //   hsum / hmax             horizontal reductions
 //   reduce_tile(a[W])       one register of the W sums: lane t = hsum(a[t])
@@ -46,6 +46,7 @@ struct VecScalar {
   static inline void store(float* p, reg v) { *p = v; }
   static inline reg add(reg a, reg b) { return a + b; }
   static inline reg sub(reg a, reg b) { return a - b; }
+  static inline reg div(reg a, reg b) { return a / b; }
   static inline reg mul(reg a, reg b) { return a * b; }
   static inline reg max(reg a, reg b) { return a > b ? a : b; }
   static inline reg fmadd(reg a, reg b, reg c) { return a * b + c; }
@@ -94,6 +95,7 @@ struct VecAvx2 {
   static SRT_INLINE_AVX2 void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static SRT_INLINE_AVX2 reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static SRT_INLINE_AVX2 reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static SRT_INLINE_AVX2 reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
   static SRT_INLINE_AVX2 reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static SRT_INLINE_AVX2 reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static SRT_INLINE_AVX2 reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
@@ -157,6 +159,7 @@ struct VecAvx512 {
   static SRT_INLINE_AVX512 void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static SRT_INLINE_AVX512 reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static SRT_INLINE_AVX512 reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static SRT_INLINE_AVX512 reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
   static SRT_INLINE_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static SRT_INLINE_AVX512 reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static SRT_INLINE_AVX512 reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }

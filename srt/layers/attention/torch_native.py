@@ -14,6 +14,8 @@ Extend part (sequences ``0 .. ne-1``; all of an EXTEND batch, the head of a MIXE
 
     Runs of consecutive sequences with the same (e_i, s_i) form one SDPA call of batch n
     (zero-copy views); a lone sequence is a run of 1. No prefix -> ``is_causal``; e_i == 1 -> no mask.
+    When no extend sequence has a prefix and the pool keeps q's dtype, the keys are the batch's
+    own k/v rows (views, no gather: they equal what was just written to the pool).
 
 Decode part (the remaining ``nd`` sequences, one query token each), in chunks::
 
@@ -83,6 +85,8 @@ class TorchNativeMetadata:
     num_extend_tokens: int = 0
     extend_kv_slots: torch.Tensor | None = None  # int64 [sum of extend seqs' seq_lens]
     extend_runs: list[ExtendRun] = field(default_factory=list)
+    # no extend sequence has a cached prefix: the batch's own k/v rows are all it attends to
+    extend_no_prefix: bool = False
     num_decode_seqs: int = 0
     decode_chunks: list[DecodeChunk] = field(default_factory=list)
     max_gather_rows: int = 0  # max(len(extend_kv_slots), rows of a decode chunk): the workspace size
@@ -152,6 +156,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         md.extend_kv_slots = req_to_token[rows, cols]
         md.num_extend_tokens = sum(extend_lens)
+        md.extend_no_prefix = not any(prefix_lens)
 
         masks: dict[tuple[int, int], torch.Tensor] = {}
         q_start = kv_start = 0
@@ -237,8 +242,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(num_tokens, h, d)
         gqa = h != h_kv
         if md.num_extend_seqs:
-            kx = self._gather(k_buf, md.extend_kv_slots, 0, md).to(q.dtype)
-            vx = self._gather(v_buf, md.extend_kv_slots, 1, md).to(q.dtype)
+            if md.extend_no_prefix and k_buf.dtype == q.dtype:
+                # nothing cached to read: the k/v rows in hand are what the pool now holds
+                ne_tok = md.num_extend_tokens
+                kx, vx = k[:ne_tok].reshape(ne_tok, h_kv, d), v[:ne_tok].reshape(ne_tok, h_kv, d)
+            else:
+                kx = self._gather(k_buf, md.extend_kv_slots, 0, md).to(q.dtype)
+                vx = self._gather(v_buf, md.extend_kv_slots, 1, md).to(q.dtype)
             for run in md.extend_runs:
                 qe, ks, n, e, s = run.q_start, run.kv_start, run.n, run.extend_len, run.seq_len
                 qr = q3[qe : qe + n * e].view(n, e, h, d).transpose(1, 2)

@@ -4,8 +4,10 @@ imports the scheduler; the scheduler never imports it).
     tokenizer manager / detokenizer --PUSH--> [PULL scheduler_input_ipc_name] Scheduler
     Scheduler [PUSH --> detokenizer_ipc_name] --> detokenizer
 
-``run_scheduler_process`` builds the ``Scheduler`` (which loads the model), reports readiness
-with its capacity figures through the launcher's pipe, then runs ``event_loop`` forever.
+``run_scheduler_process`` first pins its compute threads (``bind_compute_threads``: one OpenMP
+thread per CPU of ``--cpu-omp-threads-bind``, before the model loads so that loading runs on them
+too), builds the ``Scheduler`` (which loads the model), reports readiness with its capacity figures
+through the launcher's pipe, then runs ``event_loop`` forever on the same thread.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import traceback
 from typing import TYPE_CHECKING
 
 import msgspec
+import torch
 import zmq
 
+from srt.kernels.cpu import OmpBinding, bind_omp_threads
 from srt.managers.io_struct import encode, scheduler_input_decoder
 from srt.managers.scheduler.scheduler import Scheduler
+from srt.utils.cpu_affinity import bound_cpus
 from srt.utils.zmq import get_zmq_socket
 
 if TYPE_CHECKING:
@@ -57,6 +62,31 @@ def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.S
                 send_socket.send(encode(out))
 
 
+def bind_compute_threads(server_args: ServerArgs) -> OmpBinding | None:
+    """Pin the calling thread's compute threads as the resolved ``--cpu-omp-threads-bind`` says:
+    ``torch.set_num_threads(len(cpus))``, then `bind_omp_threads` (native: OpenMP thread i on
+    cpus[i]; fallback: the whole process confined to the set). Logs one line saying which; returns
+    None for nobind or when binding failed. Never raises: a failure is a warning."""
+    spec = server_args.cpu_omp_threads_bind
+    try:
+        cpus = bound_cpus(spec)
+        if cpus is None:
+            logger.info("compute threads: not pinned (--cpu-omp-threads-bind nobind)")
+            return None
+        torch.set_num_threads(len(cpus))
+        binding = bind_omp_threads(cpus)
+    except Exception as e:  # noqa: BLE001 - pinning is an optimisation, never fatal
+        logger.warning("compute threads: pinning to CPU %s failed (%s); running unpinned", spec, e)
+        return None
+    if binding.failures:
+        logger.warning(
+            "compute threads: pinning failed for %s (%s)", "; ".join(binding.failures), binding.describe()
+        )
+    else:
+        logger.info("compute threads: %s", binding.describe())
+    return binding
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection) -> None:
     """Entry of the scheduler process (``server_args`` resolved).
 
@@ -66,6 +96,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     ``{"status": "error", "message": traceback}``; any failure exits the process non-zero."""
     ready_sent = False
     try:
+        bind_compute_threads(server_args)
         scheduler = Scheduler(server_args)
         ctx = zmq.Context(io_threads=1)
         recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)

@@ -1,0 +1,168 @@
+// Fused element-wise ops of a decoder layer, float32, one pass over memory each:
+//
+//   silu_and_mul(x [T, 2d]) -> [T, d]             silu(x[:, :d]) * x[:, d:]
+//   add_rms_norm_(x [T, h], residual [T, h], w [h], eps) -> [T, h]
+//       residual += x (in place), then residual * rsqrt(mean(residual^2) + eps) * w
+//   rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T], cos_sin [P, D]) (in place)
+//       per head: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin], cos/sin = cos_sin[pos] halves
+//
+// Rows may have any stride (views of a fused projection's output); the last dim must be
+// contiguous. Work is split over rows (at::parallel_for, a grain of about 16k elements so small
+// batches stay on one thread). The AVX2 / AVX-512 paths carry their own target attributes and
+// are chosen at run time, as in decode_attention.cpp. Rounding differs from torch's separate
+// ops by float32 reassociation only (a vector sum of squares; fused multiply-adds).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#define SRT_ISA_NS ew_scalar
+#define SRT_ISA_VEC VecScalar
+#define SRT_ISA_TARGET
+#include "elementwise_rows.h"
+#undef SRT_ISA_NS
+#undef SRT_ISA_VEC
+#undef SRT_ISA_TARGET
+
+#if SRT_CPU_X86
+#define SRT_ISA_NS ew_avx2
+#define SRT_ISA_VEC VecAvx2
+#define SRT_ISA_TARGET SRT_TARGET_AVX2
+#include "elementwise_rows.h"
+#undef SRT_ISA_NS
+#undef SRT_ISA_VEC
+#undef SRT_ISA_TARGET
+
+#define SRT_ISA_NS ew_avx512
+#define SRT_ISA_VEC VecAvx512
+#define SRT_ISA_TARGET SRT_TARGET_AVX512
+#include "elementwise_rows.h"
+#undef SRT_ISA_NS
+#undef SRT_ISA_VEC
+#undef SRT_ISA_TARGET
+#endif
+
+namespace srt_cpu {
+namespace {
+
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+bool has_avx2() {
+#if SRT_CPU_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool has_avx512() {
+#if SRT_CPU_X86
+  return __builtin_cpu_supports("avx512f") && has_avx2();
+#else
+  return false;
+#endif
+}
+
+// The row functions of the widest instruction set this CPU has.
+struct RowFns {
+  decltype(&ew_scalar::silu_and_mul_rows) silu_and_mul;
+  decltype(&ew_scalar::add_rms_norm_rows) add_rms_norm;
+  decltype(&ew_scalar::rotary_rows) rotary;
+};
+
+const RowFns& row_fns() {
+  static const RowFns fns = [] {
+#if SRT_CPU_X86
+    if (has_avx512()) return RowFns{&ew_avx512::silu_and_mul_rows, &ew_avx512::add_rms_norm_rows, &ew_avx512::rotary_rows};
+    if (has_avx2()) return RowFns{&ew_avx2::silu_and_mul_rows, &ew_avx2::add_rms_norm_rows, &ew_avx2::rotary_rows};
+#endif
+    return RowFns{&ew_scalar::silu_and_mul_rows, &ew_scalar::add_rms_norm_rows, &ew_scalar::rotary_rows};
+  }();
+  return fns;
+}
+
+void check_rows(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D [T, n], got ", t.dim(), "-D");
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, "'s last dim must be contiguous");
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x", "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x's last dim must be even, got ", x.size(1));
+  const int64_t T = x.size(0), d = x.size(1) / 2;
+  at::Tensor out = at::empty({T, d}, x.options());
+  if (T == 0 || d == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const auto fn = row_fns().silu_and_mul;
+  at::parallel_for(0, T, row_grain(2 * d), [&](int64_t b, int64_t e) { fn(xp, xs, op, d, b, e); });
+  return out;
+}
+
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x", "add_rms_norm_");
+  check_rows(residual, "residual", "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_: residual ", residual.sizes(), " != x ", x.sizes());
+  const int64_t T = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous(),
+              "add_rms_norm_: weight must be float32 contiguous [", h, "]");
+  at::Tensor out = at::empty({T, h}, x.options());
+  if (T == 0 || h == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  const auto fn = row_fns().add_rms_norm;
+  at::parallel_for(0, T, row_grain(h), [&](int64_t b, int64_t end) { fn(xp, xs, rp, rs, wp, op, h, e, b, end); });
+  return out;
+}
+
+void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin, int64_t head_dim) {
+  check_rows(q, "q", "rotary_neox_");
+  check_rows(k, "k", "rotary_neox_");
+  const int64_t T = q.size(0), D = head_dim;
+  TORCH_CHECK(D > 0 && D % 2 == 0, "rotary_neox_: head_dim must be even and positive, got ", D);
+  TORCH_CHECK(k.size(0) == T && q.size(1) % D == 0 && k.size(1) % D == 0,
+              "rotary_neox_: q/k must be [T, heads * head_dim]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "rotary_neox_: positions must be int64 contiguous [T]");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.scalar_type() == at::kFloat &&
+                  cos_sin.stride(1) == 1,
+              "rotary_neox_: cos_sin must be float32 [max_position, head_dim]");
+  if (T == 0) return;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t P = cos_sin.size(0);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "rotary_neox_: position ", pos[t], " outside [0, ", P, ")");
+  }
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const float* cs = cos_sin.data_ptr<float>();
+  const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
+  const int64_t qs = q.stride(0), ks = k.stride(0), css = cos_sin.stride(0);
+  const auto fn = row_fns().rotary;
+  at::parallel_for(0, T, row_grain((hq + hk) * D),
+                   [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
+}
+
+}  // namespace
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("silu_and_mul", &srt_cpu::silu_and_mul);
+  m.impl("add_rms_norm_", &srt_cpu::add_rms_norm_);
+  m.impl("rotary_neox_", &srt_cpu::rotary_neox_);
+}

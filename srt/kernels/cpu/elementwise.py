@@ -1,0 +1,76 @@
+"""Fused element-wise ops of a decoder layer: the native ops (elementwise.cpp) when the
+extension is loaded, their pure-torch references otherwise (same contracts).
+
+    silu_and_mul(x [T, 2d]) -> [T, d]                       silu(x[:, :d]) * x[:, d:]
+    add_rms_norm_(x [T, h], residual [T, h], weight [h], eps) -> [T, h]
+        residual += x (in place), returns residual * rsqrt(mean(residual^2, -1) + eps) * weight
+    rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T] int64, cos_sin [P, D], head_dim)
+        rotates every head of q and k in place ("rotate half"): with [cos | sin] = cos_sin[pos],
+        [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin]
+
+Inputs are float32 CPU tensors whose rows may be strided (views of a fused projection's
+output) with a contiguous last dim; ``supports(*tensors)`` says whether a call qualifies for the
+native path. The native results differ from the references by float32 reassociation only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from srt.kernels.cpu import native_available
+
+__all__ = ["add_rms_norm_", "rotary_neox_", "silu_and_mul", "supports"]
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """The native path can take these: the extension is loaded and each is a 2-D float32 CPU
+    tensor with a contiguous last dim."""
+    return native_available() and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(-1) == 1
+        for t in tensors
+    )
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    residual.add_(x)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def rotary_neox_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_dim: int
+) -> None:
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    for x in (q, k):
+        x3 = x.view(x.shape[0], -1, head_dim)
+        x1, x2 = x3.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x3.copy_(rotated)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if supports(x):
+        return torch.ops.srt_cpu.silu_and_mul(x)
+    return silu_and_mul_ref(x)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if supports(x, residual) and weight.dtype == torch.float32 and weight.is_contiguous():
+        return torch.ops.srt_cpu.add_rms_norm_(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rotary_neox_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_dim: int
+) -> None:
+    if supports(q, k, cos_sin) and positions.dtype == torch.int64:
+        torch.ops.srt_cpu.rotary_neox_(q, k, positions.contiguous(), cos_sin, head_dim)
+        return
+    rotary_neox_ref(q, k, positions, cos_sin, head_dim)

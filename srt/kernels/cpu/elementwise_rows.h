@@ -1,0 +1,89 @@
+// Row loops of elementwise.cpp for one instruction set. Included once per ISA with
+// SRT_ISA_NS (namespace), SRT_ISA_VEC (vec.h struct) and SRT_ISA_TARGET (function attribute,
+// empty for the scalar path) defined, like decode_attention_kernel.h. Each function handles
+// rows [b, e) of its op; the caller splits rows over threads.
+#include <cmath>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace srt_cpu {
+namespace SRT_ISA_NS {
+
+using V = SRT_ISA_VEC;
+
+// silu(g) * u = g * u / (1 + e^-g); o [T, d] contiguous
+SRT_ISA_TARGET void silu_and_mul_rows(const float* x, int64_t xs, float* o, int64_t d, int64_t b, int64_t e) {
+  const V::reg one = V::set1(1.f), neg = V::set1(-1.f);
+  for (int64_t t = b; t < e; ++t) {
+    const float* g = x + t * xs;
+    const float* u = g + d;
+    float* out = o + t * d;
+    int64_t j = 0;
+    for (; j + V::W <= d; j += V::W) {
+      const V::reg gv = V::load(g + j);
+      const V::reg den = V::add(one, V::exp(V::mul(gv, neg)));
+      V::store(out + j, V::div(V::mul(gv, V::load(u + j)), den));
+    }
+    for (; j < d; ++j) out[j] = g[j] * u[j] / (1.f + std::exp(-g[j]));
+  }
+}
+
+// r += x; o = r * rsqrt(mean(r^2) + eps) * w; o [T, h] contiguous
+SRT_ISA_TARGET void add_rms_norm_rows(const float* x, int64_t xs, float* r, int64_t rs, const float* w, float* o,
+                                      int64_t h, float eps, int64_t b, int64_t e) {
+  for (int64_t t = b; t < e; ++t) {
+    const float* xr = x + t * xs;
+    float* rr = r + t * rs;
+    float* out = o + t * h;
+    V::reg acc = V::zero();
+    int64_t j = 0;
+    for (; j + V::W <= h; j += V::W) {
+      const V::reg s = V::add(V::load(rr + j), V::load(xr + j));
+      V::store(rr + j, s);
+      acc = V::fmadd(s, s, acc);
+    }
+    float ss = V::hsum(acc);
+    for (; j < h; ++j) {
+      rr[j] += xr[j];
+      ss += rr[j] * rr[j];
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    const V::reg iv = V::set1(inv);
+    for (j = 0; j + V::W <= h; j += V::W) V::store(out + j, V::mul(V::mul(V::load(rr + j), iv), V::load(w + j)));
+    for (; j < h; ++j) out[j] = rr[j] * inv * w[j];
+  }
+}
+
+SRT_ISA_TARGET inline void rotate_heads(float* x, int64_t n_heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t hh = 0; hh < n_heads; ++hh) {
+    float* x1 = x + hh * D;
+    float* x2 = x1 + half;
+    int64_t j = 0;
+    for (; j + V::W <= half; j += V::W) {
+      const V::reg a = V::load(x1 + j), bb = V::load(x2 + j);
+      const V::reg c = V::load(cos + j), s = V::load(sin + j);
+      V::store(x1 + j, V::sub(V::mul(a, c), V::mul(bb, s)));
+      V::store(x2 + j, V::add(V::mul(bb, c), V::mul(a, s)));
+    }
+    for (; j < half; ++j) {
+      const float a = x1[j], bb = x2[j];
+      x1[j] = a * cos[j] - bb * sin[j];
+      x2[j] = bb * cos[j] + a * sin[j];
+    }
+  }
+}
+
+// rotate every head of q [T, hq*D] and k [T, hk*D] in place by cos_sin[pos[t]] = [cos | sin]
+SRT_ISA_TARGET void rotary_rows(float* q, int64_t qs, int64_t hq, float* k, int64_t ks, int64_t hk, const int64_t* pos,
+                                const float* cs, int64_t cs_stride, int64_t D, int64_t b, int64_t e) {
+  for (int64_t t = b; t < e; ++t) {
+    const float* c = cs + pos[t] * cs_stride;
+    rotate_heads(q + t * qs, hq, D, c, c + D / 2);
+    rotate_heads(k + t * ks, hk, D, c, c + D / 2);
+  }
+}
+
+}  // namespace SRT_ISA_NS
+}  // namespace srt_cpu

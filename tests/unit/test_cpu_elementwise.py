@@ -1,0 +1,105 @@
+"""The native fused element-wise ops (elementwise.cpp) against their pure-torch references, on
+strided row views like the ones a fused projection's output gives, sizes that are not a multiple
+of any vector width, and through the layers that use them (and their fallback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.kernels import cpu as cpu_kernels
+from srt.kernels.cpu import elementwise
+from srt.layers.activation import SiluAndMul
+from srt.layers.layernorm import RMSNorm
+from srt.layers.rotary_embedding import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    return True
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 8), (3, 37), (33, 1536), (0, 16), (129, 100)])
+def test_silu_and_mul_matches_reference(native, rows, d):
+    wide = torch.randn(rows, 2 * d + 24, generator=_gen(rows + d)) * 6  # exp saturates both ways
+    x = wide[:, 7 : 7 + 2 * d]  # strided rows, like a view of a fused output
+    got = torch.ops.srt_cpu.silu_and_mul(x)
+    want = F.silu(x[:, :d]) * x[:, d:]
+    assert got.shape == (rows, d) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_extremes(native):
+    """Gates far past exp's range on both sides (e^-g saturates to 0 or overflows)."""
+    x = torch.tensor([[-1e4, -1000.0, -88.5, -20.0, 0.0, 30.0, 90.0, 1000.0, 1e4, 2.0] + [1.5] * 10])
+    got = torch.ops.srt_cpu.silu_and_mul(x)
+    want = F.silu(x[:, :10]) * x[:, 10:]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,h", [(1, 576), (5, 33), (64, 576), (0, 8)])
+def test_add_rms_norm_matches_reference(native, rows, h):
+    gen = _gen(h)
+    x = torch.randn(rows, h + 3, generator=gen)[:, 1 : h + 1]
+    residual = torch.randn(rows, h, generator=gen)
+    weight = torch.randn(h, generator=gen)
+    res_ref = residual.clone()
+    want = elementwise.add_rms_norm_ref(x, res_ref, weight, 1e-5)
+    got = torch.ops.srt_cpu.add_rms_norm_(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, res_ref, atol=1e-6, rtol=1e-6)  # residual updated in place
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (2, 1, 6)])
+def test_rotary_in_place_matches_reference(native, heads, kv_heads, head_dim):
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    gen = _gen(heads * head_dim)
+    T = 21
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = q.clone(), k.clone()
+    elementwise.rotary_neox_ref(q_ref, k_ref, positions, rope.cos_sin_cache, head_dim)
+    before_v = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    torch.ops.srt_cpu.rotary_neox_(q, k, positions, rope.cos_sin_cache, head_dim)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], before_v)  # v untouched
+    with pytest.raises(RuntimeError, match="position"):
+        torch.ops.srt_cpu.rotary_neox_(q, k, torch.full((T,), 4096), rope.cos_sin_cache, head_dim)
+
+
+def test_layers_native_and_fallback_agree(native, monkeypatch):
+    """The layers give the same results through the native ops and through the pure-torch
+    path that runs when the extension is unavailable."""
+    gen = _gen(5)
+    hidden, d = 48, 40
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    rope = RotaryEmbedding(16, 512, 10000.0)
+    x = torch.randn(7, hidden, generator=gen)
+    res = torch.randn(7, hidden, generator=gen)
+    gate_up = torch.randn(7, 2 * d, generator=gen)
+    qk = torch.randn(7, 5 * 16, generator=gen)
+    pos = torch.arange(7) * 11
+
+    def run():
+        r = res.clone()
+        normed, r = norm.forward_with_residual(x, r)
+        qk2 = qk.clone()
+        q, k = rope(pos, qk2[:, :48], qk2[:, 48:])
+        return normed, r, SiluAndMul()(gate_up), q.clone(), k.clone()
+
+    native_out = run()
+    monkeypatch.setattr(elementwise, "native_available", lambda: False)
+    fallback_out = run()
+    for a, b in zip(native_out, fallback_out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
