@@ -101,7 +101,7 @@ using AttendFn = void (*)(const AttendArgs&);
 namespace srt_cpu {
 namespace {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using Isa = CpuIsa;
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -111,21 +111,7 @@ const char* isa_name(Isa isa) {
   }
 }
 
-// The widest path this CPU (and OS) supports; every AVX-512F CPU also has AVX2, FMA and F16C,
-// and so does every AVX2 CPU that has FMA.
-Isa best_isa() {
-#if SRT_CPU_X86
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-    return Isa::kScalar;
-  }();
-  return isa;
-#else
-  return Isa::kScalar;
-#endif
-}
+Isa best_isa() { return detect_isa(); }
 
 Isa resolve_isa(c10::string_view requested) {
   const Isa best = best_isa();

@@ -48,22 +48,6 @@ namespace {
 
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
-bool has_avx2() {
-#if SRT_CPU_X86
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
-bool has_avx512() {
-#if SRT_CPU_X86
-  return __builtin_cpu_supports("avx512f") && has_avx2();
-#else
-  return false;
-#endif
-}
-
 // The row functions of the widest instruction set this CPU has.
 struct RowFns {
   decltype(&ew_scalar::silu_and_mul_rows) silu_and_mul;
@@ -74,8 +58,8 @@ struct RowFns {
 const RowFns& row_fns() {
   static const RowFns fns = [] {
 #if SRT_CPU_X86
-    if (has_avx512()) return RowFns{&ew_avx512::silu_and_mul_rows, &ew_avx512::add_rms_norm_rows, &ew_avx512::rotary_rows};
-    if (has_avx2()) return RowFns{&ew_avx2::silu_and_mul_rows, &ew_avx2::add_rms_norm_rows, &ew_avx2::rotary_rows};
+    if (detect_isa() == CpuIsa::kAvx512) return RowFns{&ew_avx512::silu_and_mul_rows, &ew_avx512::add_rms_norm_rows, &ew_avx512::rotary_rows};
+    if (detect_isa() == CpuIsa::kAvx2) return RowFns{&ew_avx2::silu_and_mul_rows, &ew_avx2::add_rms_norm_rows, &ew_avx2::rotary_rows};
 #endif
     return RowFns{&ew_scalar::silu_and_mul_rows, &ew_scalar::add_rms_norm_rows, &ew_scalar::rotary_rows};
   }();

@@ -45,9 +45,8 @@ using RowsFn = decltype(&sl_scalar::small_linear_rows);
 
 RowsFn pick_rows_fn() {
 #if SRT_CPU_X86
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && __builtin_cpu_supports("avx512f")) return &sl_avx512::small_linear_rows;
-  if (avx2) return &sl_avx2::small_linear_rows;
+  if (detect_isa() == CpuIsa::kAvx512) return &sl_avx512::small_linear_rows;
+  if (detect_isa() == CpuIsa::kAvx2) return &sl_avx2::small_linear_rows;
 #endif
   return &sl_scalar::small_linear_rows;
 }

@@ -28,6 +28,24 @@
 
 namespace srt_cpu {
 
+// The widest vector path this CPU (and OS) supports; every AVX-512F CPU also has AVX2, FMA and
+// F16C, and so does every AVX2 CPU that has FMA. Detected once.
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline CpuIsa detect_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const CpuIsa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return CpuIsa::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
+    return CpuIsa::kScalar;
+  }();
+  return isa;
+#else
+  return CpuIsa::kScalar;
+#endif
+}
+
 inline float bf16_bits_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
