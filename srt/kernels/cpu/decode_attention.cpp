@@ -72,31 +72,9 @@ using AttendFn = void (*)(const AttendArgs&);
 
 }  // namespace srt_cpu
 
-#define SRT_ISA_NS scalar
-#define SRT_ISA_VEC VecScalar
-#define SRT_ISA_TARGET
-#include "decode_attention_kernel.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#if SRT_CPU_X86
-#define SRT_ISA_NS avx2
-#define SRT_ISA_VEC VecAvx2
-#define SRT_ISA_TARGET SRT_TARGET_AVX2
-#include "decode_attention_kernel.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#define SRT_ISA_NS avx512
-#define SRT_ISA_VEC VecAvx512
-#define SRT_ISA_TARGET SRT_TARGET_AVX512
-#include "decode_attention_kernel.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-#endif
+#define SRT_ISA_BODY "decode_attention_kernel.h"
+#include "isa_instances.h"
+#undef SRT_ISA_BODY
 
 namespace srt_cpu {
 namespace {

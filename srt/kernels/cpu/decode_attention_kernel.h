@@ -1,5 +1,5 @@
 // The per-ISA body of the paged decode-attention kernel. No include guard: decode_attention.cpp
-// includes this file once per instruction set, with
+// compiles it once per instruction set through isa_instances.h, which defines
 //   SRT_ISA_NS      the namespace of this copy (scalar, avx2, avx512)
 //   SRT_ISA_VEC     its vector struct from vec.h (VecScalar, VecAvx2, VecAvx512)
 //   SRT_ISA_TARGET  the function attribute every function here carries (empty for scalar)

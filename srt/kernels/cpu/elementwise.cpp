@@ -17,31 +17,9 @@
 
 #include <algorithm>
 
-#define SRT_ISA_NS ew_scalar
-#define SRT_ISA_VEC VecScalar
-#define SRT_ISA_TARGET
-#include "elementwise_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#if SRT_CPU_X86
-#define SRT_ISA_NS ew_avx2
-#define SRT_ISA_VEC VecAvx2
-#define SRT_ISA_TARGET SRT_TARGET_AVX2
-#include "elementwise_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#define SRT_ISA_NS ew_avx512
-#define SRT_ISA_VEC VecAvx512
-#define SRT_ISA_TARGET SRT_TARGET_AVX512
-#include "elementwise_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-#endif
+#define SRT_ISA_BODY "elementwise_rows.h"
+#include "isa_instances.h"
+#undef SRT_ISA_BODY
 
 namespace srt_cpu {
 namespace {
@@ -50,18 +28,18 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::
 
 // The row functions of the widest instruction set this CPU has.
 struct RowFns {
-  decltype(&ew_scalar::silu_and_mul_rows) silu_and_mul;
-  decltype(&ew_scalar::add_rms_norm_rows) add_rms_norm;
-  decltype(&ew_scalar::rotary_rows) rotary;
+  decltype(&scalar::silu_and_mul_rows) silu_and_mul;
+  decltype(&scalar::add_rms_norm_rows) add_rms_norm;
+  decltype(&scalar::rotary_rows) rotary;
 };
 
 const RowFns& row_fns() {
   static const RowFns fns = [] {
 #if SRT_CPU_X86
-    if (detect_isa() == CpuIsa::kAvx512) return RowFns{&ew_avx512::silu_and_mul_rows, &ew_avx512::add_rms_norm_rows, &ew_avx512::rotary_rows};
-    if (detect_isa() == CpuIsa::kAvx2) return RowFns{&ew_avx2::silu_and_mul_rows, &ew_avx2::add_rms_norm_rows, &ew_avx2::rotary_rows};
+    if (detect_isa() == CpuIsa::kAvx512) return RowFns{&avx512::silu_and_mul_rows, &avx512::add_rms_norm_rows, &avx512::rotary_rows};
+    if (detect_isa() == CpuIsa::kAvx2) return RowFns{&avx2::silu_and_mul_rows, &avx2::add_rms_norm_rows, &avx2::rotary_rows};
 #endif
-    return RowFns{&ew_scalar::silu_and_mul_rows, &ew_scalar::add_rms_norm_rows, &ew_scalar::rotary_rows};
+    return RowFns{&scalar::silu_and_mul_rows, &scalar::add_rms_norm_rows, &scalar::rotary_rows};
   }();
   return fns;
 }

@@ -1,6 +1,6 @@
-// Row loops of elementwise.cpp for one instruction set. Included once per ISA with
-// SRT_ISA_NS (namespace), SRT_ISA_VEC (vec.h struct) and SRT_ISA_TARGET (function attribute,
-// empty for the scalar path) defined, like decode_attention_kernel.h. Each function handles
+// Row loops of elementwise.cpp for one instruction set (compiled once per ISA through
+// isa_instances.h, which defines SRT_ISA_NS, SRT_ISA_VEC and SRT_ISA_TARGET; the scalar
+// path has no target attribute). Each function handles
 // rows [b, e) of its op; the caller splits rows over threads.
 #include <cmath>
 #include <cstdint>

@@ -12,43 +12,21 @@
 
 #include <algorithm>
 
-#define SRT_ISA_NS sl_scalar
-#define SRT_ISA_VEC VecScalar
-#define SRT_ISA_TARGET
-#include "small_linear_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#if SRT_CPU_X86
-#define SRT_ISA_NS sl_avx2
-#define SRT_ISA_VEC VecAvx2
-#define SRT_ISA_TARGET SRT_TARGET_AVX2
-#include "small_linear_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-
-#define SRT_ISA_NS sl_avx512
-#define SRT_ISA_VEC VecAvx512
-#define SRT_ISA_TARGET SRT_TARGET_AVX512
-#include "small_linear_rows.h"
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-#endif
+#define SRT_ISA_BODY "small_linear_rows.h"
+#include "isa_instances.h"
+#undef SRT_ISA_BODY
 
 namespace srt_cpu {
 namespace {
 
-using RowsFn = decltype(&sl_scalar::small_linear_rows);
+using RowsFn = decltype(&scalar::small_linear_rows);
 
 RowsFn pick_rows_fn() {
 #if SRT_CPU_X86
-  if (detect_isa() == CpuIsa::kAvx512) return &sl_avx512::small_linear_rows;
-  if (detect_isa() == CpuIsa::kAvx2) return &sl_avx2::small_linear_rows;
+  if (detect_isa() == CpuIsa::kAvx512) return &avx512::small_linear_rows;
+  if (detect_isa() == CpuIsa::kAvx2) return &avx2::small_linear_rows;
 #endif
-  return &sl_scalar::small_linear_rows;
+  return &scalar::small_linear_rows;
 }
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -1,5 +1,5 @@
-// Row loops of small_linear.cpp for one instruction set (included once per ISA with
-// SRT_ISA_NS / SRT_ISA_VEC / SRT_ISA_TARGET defined, like elementwise_rows.h).
+// Row loops of small_linear.cpp for one instruction set (compiled once per ISA through
+// isa_instances.h, like elementwise_rows.h).
 //
 // out[m, n] = dot(x[m, :], w[n, :]) (+ bias[n]) for output rows n in [n0, n1): each weight row is
 // read from memory once and multiplied with every input row, R weight rows by up to 4 input
