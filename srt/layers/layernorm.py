@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (in place; the caller owns ``residual``), then
         ``(norm(residual), residual)``; one native pass for float32 CPU rows."""
-        if elementwise.supports(x, residual, self.weight.view(1, -1)):
+        if elementwise.supports(x, residual):  # add_rms_norm_ checks the weight itself
             return elementwise.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual.add_(x)
         return self.forward(residual), residual

@@ -48,9 +48,9 @@ class KernelState:
 _state: KernelState | None = None  # the last load() result (the library, once loaded, stays loaded)
 
 
-def _op_registered() -> bool:
+def _op_registered(name: str = "paged_decode_attention") -> bool:
     try:
-        torch.ops.srt_cpu.paged_decode_attention  # noqa: B018 - raises if not registered
+        getattr(torch.ops.srt_cpu, name)
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -167,14 +167,6 @@ class OmpBinding:
         )
 
 
-def _bind_op_registered() -> bool:
-    try:
-        torch.ops.srt_cpu.bind_omp_threads  # noqa: B018 - raises if not registered
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
 def bind_omp_threads(cpus: Sequence[int]) -> OmpBinding:
     """Pin the OpenMP pool of the calling thread: team thread i to ``cpus[i]`` (len(cpus) threads;
     call ``torch.set_num_threads(len(cpus))`` first so torch's parallel regions use exactly that
@@ -183,7 +175,7 @@ def bind_omp_threads(cpus: Sequence[int]) -> OmpBinding:
     if not cpus:
         raise ValueError("bind_omp_threads: give at least one CPU")
     cpus = tuple(int(c) for c in cpus)
-    if _current().native and _bind_op_registered():
+    if _current().native and _op_registered("bind_omp_threads"):
         rows = torch.ops.srt_cpu.bind_omp_threads(list(cpus)).tolist()
         failures = tuple(
             f"thread {i} -> CPU {c}: " + ("not started" if tid < 0 else os.strerror(err))

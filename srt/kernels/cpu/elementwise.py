@@ -26,10 +26,12 @@ __all__ = ["add_rms_norm_", "rotary_neox_", "silu_and_mul", "supports"]
 def supports(*tensors: torch.Tensor) -> bool:
     """The native path can take these: the extension is loaded and each is a 2-D float32 CPU
     tensor with a contiguous last dim."""
-    return native_available() and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(-1) == 1
-        for t in tensors
-    )
+    if not native_available():
+        return False
+    for t in tensors:  # a plain loop: this runs several times per layer
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.stride(-1) != 1:
+            return False
+    return True
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
