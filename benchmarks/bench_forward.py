@@ -22,7 +22,8 @@ gather + LM head matmul), ``other`` = the forward minus those (embedding, norms,
 activation, metadata, Python).
 
     python benchmarks/bench_forward.py [--batch-sizes 1,16,64,256] [--context 256] [--json]
-        [--attention-backend torch_native|fused_cpu] [--kv-cache-dtype float16] [--profile]
+        [--attention-backend torch_native|fused_cpu] [--kv-cache-dtype float16]
+        [--quantization gguf|none] [--profile]
 
 With ``--json`` the last output line is one JSON object: ``load_s``, ``peak_rss_gib``,
 ``decode_ms`` ({"1": .., "16": .., ...}), ``prefill512_ms`` and the extras ``load_rss_gib``,
@@ -180,6 +181,7 @@ def main() -> None:
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     ap.add_argument("--attention-backend", default=None, help="e.g. torch_native, fused_cpu (default: auto)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
@@ -204,6 +206,7 @@ def main() -> None:
         linear_backend=args.linear_backend,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         random_seed=args.seed,
     ).resolve()
     t0 = time.perf_counter()
@@ -258,6 +261,8 @@ def main() -> None:
         "decode_attn_ms": {k: round(v, 3) for k, v in attn_ms.items()},
         "threads": torch.get_num_threads(),
         "linear_backend": runner.linear_backend.name,
+        "quantization": server_args.quantization,
+        "weight_mib": runner.weight_bytes / 2**20,
     }
     if profiles:
         result["profile"] = {name: {k: round(v, 3) for k, v in p.items()} for name, p in profiles.items()}

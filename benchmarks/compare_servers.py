@@ -21,7 +21,9 @@ and outputs of 16..256 tokens; one warm-up request per run. The run at concurren
 uses seed ``--seed + c`` (distinct prompts per run, so no run hits another's prefix cache).
 Commands, with ``N`` CPUs, ``P`` a free port and ``HF`` the exported folder::
 
-    srt       .venv/bin/python -m srt.launch_server --model-path HF --port P  [--srt-args]
+    srt       .venv/bin/python -m srt.launch_server --model-path M --port P  [--srt-args]
+              (M: the GGUF as shipped, srt's default, weights kept quantized; with
+              ``--srt-model hf`` the float32 export vLLM serves)
     vLLM      VLLM_CPU_OMP_THREADS_BIND=0-<N-1> .venv-vllm/bin/python -m
               vllm.entrypoints.openai.api_server --model HF --dtype float32
               --gpu-memory-utilization 0.5 --max-model-len 2048 --max-num-seqs <max(32, max c)>
@@ -151,8 +153,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def srt_spec(hf_dir: str, port: int, extra: str) -> ServerSpec:
-    argv = [sys.executable, "-m", "srt.launch_server", "--model-path", hf_dir, "--port", str(port)]
+def srt_spec(model: str, port: int, extra: str) -> ServerSpec:
+    argv = [sys.executable, "-m", "srt.launch_server", "--model-path", model, "--port", str(port)]
     return ServerSpec("srt", argv + shlex.split(extra), threads="srt default (--cpu-omp-threads-bind auto)")
 
 
@@ -336,6 +338,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", help="Comma list, one per concurrency (default: 8, 32, 64; else 2c).")
     p.add_argument("--seed", type=int, default=1, help="The run at concurrency c uses seed + c.")
     p.add_argument("--srt-args", default="", help="Extra srt.launch_server flags (one string).")
+    p.add_argument(
+        "--srt-model",
+        choices=("gguf", "hf"),
+        default="gguf",
+        help="What srt serves: the GGUF as shipped (its default) or the float32 HF export vLLM serves.",
+    )
     p.add_argument("--vllm-args", default="", help="Extra vLLM api_server flags (one string).")
     args = p.parse_args(argv)
     servers = [s for s in args.servers.split(",") if s]
@@ -382,7 +390,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, str, dict[str, Path], dict[s
 def make_spec(name: str, args: argparse.Namespace, port: int, gguf: str, hf_dir: str, pythons) -> ServerSpec:
     max_c = max(args.concurrency)
     if name == "srt":
-        return srt_spec(hf_dir, port, args.srt_args)
+        return srt_spec(gguf if args.srt_model == "gguf" else hf_dir, port, args.srt_args)
     if name == "vllm":
         return vllm_spec(pythons["vllm"], hf_dir, port, max(32, max_c), args.vllm_args)
     return llamacpp_spec(pythons["llamacpp"], gguf, port, max_c)
@@ -412,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_info(),
         "versions": versions,
-        "model": {"gguf": gguf, "hf_export": hf_dir},
+        "model": {"gguf": gguf, "hf_export": hf_dir, "srt_serves": args.srt_model},
         "workload": workload,
         "servers": results,
         "ratios_srt_over": {k: {str(c): v for c, v in d.items()} for k, d in rat.items()},

@@ -46,6 +46,13 @@ class ServerArgs:
     )
     tokenizer_path: str | None = _f(None, "Tokenizer directory or .gguf file (default: --model-path).")
     load_format: str = _f("auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"])
+    quantization: str = _f(
+        "auto",
+        "Weight quantization. gguf: keep a GGUF file's weights in their quantized blocks (Q4_0, Q4_1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K; other types are dequantized); none: dequantize every weight to "
+        "--dtype at load. auto = gguf for a GGUF model on CPU in float32, else none.",
+        ["auto", "gguf", "none"],
+    )
     dtype: str = _f(
         "auto",
         "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
@@ -175,6 +182,7 @@ class ServerArgs:
             raise ConfigError("--tp-size > 1 is not supported yet; use --tp-size 1.")
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"
+        a.quantization = _resolve_quantization(a)
         if a.json_model_override_args:
             try:
                 json.loads(a.json_model_override_args)
@@ -210,6 +218,24 @@ class ServerArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _resolve_quantization(a: ServerArgs) -> str:
+    # the embedded default model (no --model-path) is a GGUF file
+    gguf_model = a.load_format == "gguf" or (a.load_format == "auto" and not a.model_path)
+    if a.quantization == "auto":
+        return "gguf" if gguf_model and a.device == "cpu" and a.dtype == "float32" else "none"
+    if a.quantization == "gguf":
+        if not gguf_model:
+            raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
+        if a.device != "cpu" or a.dtype != "float32":
+            raise ConfigError(
+                "--quantization gguf runs on CPU with float32 activations (--device cpu --dtype float32); "
+                "use --quantization none to dequantize the weights instead."
+            )
+    elif a.quantization != "none":
+        raise ConfigError(f"--quantization must be auto, gguf or none, got {a.quantization!r}.")
+    return a.quantization
 
 
 def _base_type(hint: Any):

@@ -15,6 +15,12 @@ loader calls ``prepare_weights()``, which lets the backend make a prepacked copy
 (``packed_weight``, a non-persistent buffer; see ``LinearBackend.pack_weight``). The ModelRunner builds the backend
 named by ``--linear-backend`` and passes it down through the model's constructor; see
 ``srt/layers/linear_backend.py``.
+
+With ``--quantization gguf`` the loader hands a layer ``GGUFTensor`` parts (the file's blocks)
+instead of float32 tensors: the first one moves the layer to a ``QuantizedWeight`` (``qweight``;
+rows already loaded as float32 move with it) and releases the float32 ``weight`` (left as an empty
+``[0, in]`` placeholder that was never touched, so it never took memory); the matmul then runs on
+the blocks (``srt/layers/quantized_weight.py``), and the bias stays float32.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 from srt.layers.parameter import copy_weight, empty_param
+from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
 from srt.utils.errors import WeightLoadError
 
 
@@ -46,19 +53,43 @@ class Linear(nn.Module):
         self.linear_backend = linear_backend or TORCH_LINEAR
         self.packed_weight: torch.Tensor | None
         self.register_buffer("packed_weight", None, persistent=False)
+        self.qweight: QuantizedWeight | None = None  # set when the loader gives GGUF blocks
+        self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float32 so far
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, self.bias)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)
 
+    def load_quantized(self, loaded: GGUFTensor, name: str = "weight") -> None:
+        """Take the whole weight as GGUF blocks (``[out, in]``)."""
+        self._load_rows(0, loaded, name)
+
+    def _load_rows(self, row_offset: int, loaded: GGUFTensor | torch.Tensor, name: str) -> None:
+        """Place a weight part (GGUF blocks or float32 ``[rows, in]``) at ``row_offset``."""
+        if self.qweight is None and not isinstance(loaded, GGUFTensor):
+            copy_weight(self.weight.narrow(0, row_offset, loaded.shape[0]), loaded, name)
+            self._float_rows.append((row_offset, loaded.shape[0]))
+            return
+        if self.qweight is None:
+            self.qweight = QuantizedWeight(self.out_features, self.in_features)
+            for offset, n in self._float_rows:
+                self.qweight.add(offset, self.weight.data[offset : offset + n].clone(), name)
+            self.weight = empty_param(0, self.in_features, dtype=self.weight.dtype)
+        self.qweight.add(row_offset, loaded, name)
+
     def prepare_weights(self) -> None:
-        """Let the backend prepack the loaded weight (once, after loading; again after a reload)."""
+        """Once loading is done: finish a quantized weight, or let the backend prepack the float
+        one (again after a reload)."""
+        if self.qweight is not None:
+            self.qweight.finalize()
+            self.packed_weight = None
+            return
         self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
 
     def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-            f"backend={self.linear_backend.name}"
-        )
+        kind = "gguf" if self.qweight is not None else self.linear_backend.name
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={kind}"
 
 
 class MergedColumnLinear(Linear):
@@ -81,14 +112,23 @@ class MergedColumnLinear(Linear):
             raise WeightLoadError(f"{type(self).__name__}: unknown shard {shard_id!r}")
         return shard_id
 
-    def load_shard(self, param_name: str, loaded: torch.Tensor, shard_id: int | str) -> None:
-        """Copy one checkpoint part (``weight [size, in]`` or ``bias [size]``) into its rows."""
+    def load_shard(self, param_name: str, loaded: torch.Tensor | GGUFTensor, shard_id: int | str) -> None:
+        """Copy one checkpoint part (``weight [size, in]`` or ``bias [size]``, the weight also as
+        GGUF blocks) into its rows."""
         idx = self._shard_index(shard_id)
         param = getattr(self, param_name, None)
         if param is None:
             raise WeightLoadError(f"{type(self).__name__} has no parameter {param_name!r}")
-        rows = param.narrow(0, self.offsets[idx], self.output_sizes[idx])
-        copy_weight(rows, loaded, f"{param_name}[shard {shard_id}]")
+        name = f"{param_name}[shard {shard_id}]"
+        offset, size = self.offsets[idx], self.output_sizes[idx]
+        if param_name == "weight":
+            if loaded.shape[0] != size:
+                raise WeightLoadError(
+                    f"weight {name}: checkpoint shape {tuple(loaded.shape)} != part shape ({size}, {self.in_features})"
+                )
+            self._load_rows(offset, loaded, name)
+            return
+        copy_weight(param.narrow(0, offset, size), loaded, name)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of the parts of an output ``[..., sum(output_sizes)]``."""

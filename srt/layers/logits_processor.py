@@ -21,7 +21,8 @@ yields one entry per prompt position from ``s``. The caller must keep a reused p
 most ``max(s - 1, 0)`` tokens long, or the positions up to the prefix have no logits here.
 
 The LM head weight is the model's (``lm_head.weight``, the embedding when tied), plus the
-backend's prepacked copy of it once ``prepare_weights(weight)`` ran (``head_packed``).
+backend's prepacked copy of it once ``prepare_weights(weight)`` ran (``head_packed``); a head
+kept as GGUF blocks (``lm_head.qweight``) runs its own matmul instead.
 
 ``input_top_logprobs`` (when ``top_logprobs_nums[i] > 0``) is aligned with
 ``input_token_logprobs``: ``(token_id, logprob)`` pairs, best first. Logits for these rows are
@@ -91,7 +92,6 @@ class LogitsProcessor(nn.Module):
         forward_batch: ForwardBatch,
     ) -> LogitsProcessorOutput:
         fb = forward_batch
-        weight = lm_head.weight
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             return LogitsProcessorOutput(hidden_states.new_empty((0, self.vocab_size), dtype=torch.float32))
         if fb.forward_mode.is_decode() or hidden_states.shape[0] == fb.batch_size:
@@ -99,11 +99,16 @@ class LogitsProcessor(nn.Module):
         else:
             last_index = fb.extend_start_loc + fb.extend_seq_lens - 1
             last = hidden_states.index_select(0, last_index)
-        next_token_logits = self.linear_backend.apply(last, weight, None, self.head_packed).float()
-        out = LogitsProcessorOutput(next_token_logits)
+        out = LogitsProcessorOutput(self._logits(last, lm_head))
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
-            self._prompt_logprobs(hidden_states, weight, fb, out)
+            self._prompt_logprobs(hidden_states, lm_head, fb, out)
         return out
+
+    def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        qweight = getattr(lm_head, "qweight", None)
+        if qweight is not None:
+            return qweight.linear(hidden)
+        return self.linear_backend.apply(hidden, lm_head.weight, None, self.head_packed).float()
 
     # ------------------------------------------------------------------
     @staticmethod
@@ -147,7 +152,7 @@ class LogitsProcessor(nn.Module):
     def _prompt_logprobs(
         self,
         hidden_states: torch.Tensor,
-        weight: torch.Tensor,
+        lm_head: nn.Module,
         fb: ForwardBatch,
         out: LogitsProcessorOutput,
     ) -> None:
@@ -168,7 +173,7 @@ class LogitsProcessor(nn.Module):
         for c0 in range(0, len(plan.rows), LOGPROB_CHUNK_ROWS):
             sel = rows[c0 : c0 + LOGPROB_CHUNK_ROWS]
             picked = hidden_states.index_select(0, sel)
-            logits = self.linear_backend.apply(picked, weight, None, self.head_packed).float()
+            logits = self._logits(picked, lm_head)
             logprobs = torch.log_softmax(logits, dim=-1)
             del logits
             tgt = targets[c0 : c0 + LOGPROB_CHUNK_ROWS]

@@ -155,6 +155,11 @@ def available_cpu_memory() -> int:
     return cpu_process_memory(psutil.virtual_memory().available, rss, limit, usage)
 
 
+def process_rss_bytes() -> int:
+    """This process's resident memory now (bytes)."""
+    return _proc_status_kib("VmRSS") * 1024
+
+
 class PeakRSSMeter:
     """Peak resident-memory growth of this process over a region (Linux ``VmHWM``).
 

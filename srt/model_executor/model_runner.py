@@ -73,6 +73,7 @@ class ModelRunner:
             self.device,
             server_args.random_seed,
             self.linear_backend,
+            server_args.quantization,
         )
         self.load_time_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)
@@ -80,10 +81,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         logger.info(
-            "Model loaded in %.1f s: %.2f GiB of %s weights; attention %s, linear %s, %d threads",
+            "Model loaded in %.1f s: %.1f MiB of weights (%s, quantization %s), process RSS %.1f MiB; "
+            "attention %s, linear %s, %d threads",
             self.load_time_s,
-            self.weight_bytes / (1 << 30),
+            self.weight_bytes / (1 << 20),
             str(self.dtype).removeprefix("torch."),
+            server_args.quantization,
+            pool_size.process_rss_bytes() / (1 << 20),
             server_args.attention_backend,
             self.linear_backend.name,
             torch.get_num_threads(),

@@ -1,10 +1,14 @@
-"""GGUF weights: tensors -> HF-named float32 weights, streamed one at a time.
+"""GGUF weights: tensors -> HF-named weights, streamed one at a time.
 
 The header (metadata, tensor table) is parsed by ``srt/configs/gguf_header.py``; per tensor::
 
     read the raw bytes of one tensor (plain file read, no mmap: the pages do not stay in
-    our resident set) -> ``gguf.dequantize`` -> float32 [rows, cols] -> undo llama.cpp's
-    q/k row permutation (llama only) -> yield (HF name, tensor)
+    our resident set)
+      -> ggml type in ``keep_quantized`` and a matrix: a ``GGUFTensor`` (the blocks as they are,
+         uint8 [rows, row bytes]; ``--quantization gguf``)
+      -> otherwise ``gguf.dequantize`` -> float32 [rows, cols]
+    -> undo llama.cpp's q/k row permutation (llama only; whole rows, so blocks move unchanged)
+    -> yield (HF name, tensor)
 
 Tensor names: ``blk.N.<part>.weight`` -> ``model.layers.N.<HF part>.weight`` (tables below).
 
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from srt.configs.gguf_header import GGUFTensorInfo, gguf_architecture, open_gguf
+from srt.layers.quantized_weight import GGUFTensor
 from srt.utils.errors import GGUFError
 
 _GLOBAL_TENSORS = {
@@ -108,10 +113,13 @@ def read_tensor_data(f, info: GGUFTensorInfo) -> np.ndarray:
     return buf
 
 
-def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight of the file, one tensor at a time.
+def gguf_weights_iterator(
+    gguf_file: str, hf_config, keep_quantized: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight of the file, one tensor at a time.
 
-    Quantized tensors are dequantized with ``gguf.dequantize``; Llama q/k rows are
+    Matrices whose ggml type is in ``keep_quantized`` come as ``GGUFTensor`` (their blocks);
+    everything else is dequantized with ``gguf.dequantize`` to float32. Llama q/k rows are
     un-permuted (``reverse_llama_permute``) with ``hf_config``'s head counts. Each yielded
     tensor is freshly allocated and owned by the caller (no other reference is kept)."""
     from gguf import dequantize
@@ -126,12 +134,18 @@ def gguf_weights_iterator(gguf_file: str, hf_config) -> Iterator[tuple[str, torc
             if hf_name is None:
                 continue
             raw = read_tensor_data(f, info)
-            if info.qtype in _PLAIN_DTYPES:
-                array = raw if raw.dtype == np.float32 else raw.astype(np.float32)
+            quantized = info.qtype in keep_quantized and len(info.shape) == 2 and hf_name.endswith(".weight")
+            if quantized:
+                tensor = torch.from_numpy(raw)
+            elif info.qtype in _PLAIN_DTYPES:
+                tensor = torch.from_numpy(raw if raw.dtype == np.float32 else raw.astype(np.float32))
             else:
-                array = dequantize(raw, info.qtype).astype(np.float32, copy=False)
+                tensor = torch.from_numpy(dequantize(raw, info.qtype).astype(np.float32, copy=False))
             del raw
-            tensor = torch.from_numpy(array)
             if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
                 tensor = reverse_llama_permute(tensor, n_head if ".q_proj." in hf_name else n_kv_head)
-            yield hf_name, tensor
+            if quantized:
+                rows, cols = info.shape
+                yield hf_name, GGUFTensor(info.qtype, rows, cols, tensor.contiguous())
+            else:
+                yield hf_name, tensor

@@ -3,7 +3,9 @@
     model class (registry, by HF architecture) -> parameters allocated uninitialized on the
     target device, every projection on the given linear backend -> weights streamed in:
         safetensors: safetensors_weights_iterator(model dir)   (stored dtype, cast on copy)
-        gguf:        gguf_weights_iterator(file, hf_config)    (dequantized float32)
+        gguf:        gguf_weights_iterator(file, hf_config, keep) (matrices of the types in keep
+                     as GGUF blocks, the rest dequantized float32; keep = the types srt's native
+                     kernels cover with quantization "gguf", none with "none")
         dummy:       init_dummy_weights(model, seed)           (seeded random, nothing read)
     -> eval mode, no gradients -> weights prepacked for the linear backend (``prepare_weights``).
 
@@ -20,9 +22,12 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
+from srt.kernels import cpu as cpu_kernels
+from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.quantized_weight import QuantizedWeight
 from srt.model_loader.weight_utils import (
     init_dummy_weights,
     release_free_memory,
@@ -43,7 +48,11 @@ def prepare_weights(model: nn.Module) -> None:
             module.prepare_weights()
     logits = getattr(model, "logits_processor", None)
     lm_head = getattr(model, "lm_head", None)
-    if isinstance(logits, LogitsProcessor) and lm_head is not None:
+    if (
+        isinstance(logits, LogitsProcessor)
+        and lm_head is not None
+        and getattr(lm_head, "qweight", None) is None
+    ):
         logits.prepare_weights(lm_head.weight)
 
 
@@ -53,12 +62,15 @@ def get_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     linear_backend: LinearBackend | None = None,
+    quantization: str = "none",
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
     ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
     (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
-    runs the model's matmuls (``F.linear`` when None)."""
+    runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
+    file's matrices in their blocks wherever a native kernel covers the type ("none":
+    everything dequantized to float32)."""
     fmt = model_config.load_format if load_format in (None, "auto") else load_format
     if fmt not in LOAD_FORMATS:
         raise ConfigError(f"unknown load format {fmt!r}")
@@ -66,6 +78,10 @@ def get_model(
         raise ConfigError(f"load format gguf needs a .gguf model, got {model_config.model_path}")
     if fmt == "safetensors" and model_config.gguf_file is not None:
         raise ConfigError("load format safetensors was requested for a .gguf model")
+    if quantization not in ("none", "gguf"):
+        raise ConfigError(f"unknown quantization {quantization!r} (expected gguf or none)")
+    if quantization == "gguf" and fmt != "gguf":
+        raise ConfigError(f"--quantization gguf needs a .gguf model (load format {fmt})")
     model_cls = get_model_class(model_config.architecture)
     t0 = time.perf_counter()
     with torch.device(device):
@@ -75,7 +91,12 @@ def get_model(
     elif fmt == "gguf":
         from srt.model_loader.gguf import gguf_weights_iterator
 
-        model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config))
+        keep = frozenset()
+        if quantization == "gguf":
+            keep = gguf_kernels.native_qtypes()
+            if not keep:
+                _check_float32_fits(model_config.gguf_file)
+        model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
     else:
         model.load_weights(safetensors_weights_iterator(model_config.model_path))
     model.eval()
@@ -83,11 +104,51 @@ def get_model(
     prepare_weights(model)
     release_free_memory()
     logger.info(
-        "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB",
+        "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB%s",
         model_config.architecture,
         fmt,
         model_config.dtype,
         time.perf_counter() - t0,
         weight_bytes(model) / 2**20,
+        quantized_summary(model),
     )
     return model
+
+
+def _check_float32_fits(gguf_file: str) -> None:
+    """Without native GGUF kernels the weights are dequantized to float32: fine for a small model
+    (with a warning), a ``ConfigError`` when the float32 weights would not fit in memory (a 7B
+    Q4_K_M file would need about 28 GB where its blocks need 4)."""
+    import math
+
+    from srt.configs.gguf_header import open_gguf
+    from srt.mem_cache.pool_size import available_cpu_memory
+
+    need = sum(math.prod(t.shape) * 4 for t in open_gguf(gguf_file).tensors)
+    have = available_cpu_memory()
+    why = cpu_kernels.kernel_status()
+    if need > 0.8 * have:
+        raise ConfigError(
+            f"--quantization gguf: the native GGUF kernels are unavailable ({why}), and dequantized to "
+            f"float32 the weights would need {need / 2**30:.1f} GiB with {have / 2**30:.1f} GiB available. "
+            "Build the kernels (python -m srt.kernels.cpu.build) or use a smaller model."
+        )
+    logger.warning(
+        "--quantization gguf: no native GGUF kernels (%s); dequantizing every weight to float32", why
+    )
+
+
+def quantized_summary(model: nn.Module) -> str:
+    """``"; kept quantized: Q4_1 x 150 (x MiB), ..."`` for the model's GGUF-block weights, or ""."""
+    per_type: dict[str, list[int]] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            for i, (_, _, qtype) in enumerate(module.segments):
+                name = gguf_kernels.QTYPE_NAMES.get(qtype, "F32")
+                entry = per_type.setdefault(name, [0, 0])
+                entry[0] += 1
+                entry[1] += getattr(module, f"data{i}").nbytes
+    if not per_type:
+        return ""
+    parts = [f"{name} x {n} ({nbytes / 2**20:.1f} MiB)" for name, (n, nbytes) in sorted(per_type.items())]
+    return "; kept quantized: " + ", ".join(parts)

@@ -28,6 +28,7 @@ from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.parameter import copy_weight
+from srt.layers.quantized_weight import GGUFTensor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -229,7 +230,9 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused) parameters, one at a time.
+        """Copy HF-named checkpoint tensors into the (fused) parameters, one at a time; a
+        ``GGUFTensor`` (a matrix kept as GGUF blocks) goes to its layer's ``load_quantized`` /
+        ``load_shard``.
 
         Raises ``WeightLoadError`` on a shape mismatch or when a parameter (or a shard of a
         fused one) received no weight; unknown names are logged and skipped."""
@@ -249,13 +252,18 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 unexpected.append(name)
                 continue
-            if shard_id is None:
-                copy_weight(params[target], tensor, name)
-            else:
-                module_path, param_name = target.rsplit(".", 1)
+            module_path, param_name = target.rsplit(".", 1)
+            if shard_id is not None:
                 module = self.get_submodule(module_path)
                 assert isinstance(module, MergedColumnLinear)
                 module.load_shard(param_name, tensor, shard_id)
+            elif isinstance(tensor, GGUFTensor):
+                module = self.get_submodule(module_path)
+                if param_name != "weight" or not hasattr(module, "load_quantized"):
+                    raise WeightLoadError(f"{name}: a quantized tensor for a parameter that must be float")
+                module.load_quantized(tensor, name)
+            else:
+                copy_weight(params[target], tensor, name)
             loaded.setdefault(target, set()).add(shard_id)
             del tensor
         if unexpected:

@@ -301,3 +301,7 @@ def test_metrics_and_server_info(server, client):
     assert {"num_running_reqs", "num_queued_reqs", "token_usage", "cache_hit_rate", "available_size"} <= set(
         st
     )
+    # the default model serves with its GGUF blocks kept: ~100 MB of weights, not ~540 MB
+    assert st["quantization"] == "gguf"
+    assert 50e6 < st["weight_bytes"] <= 120e6, st["weight_bytes"]
+    assert st["weight_bytes"] < st["scheduler_rss_bytes"] < 4 * 2**30

@@ -27,10 +27,22 @@ import torch
 
 NAME = "srt_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("decode_attention.cpp", "elementwise.cpp", "small_linear.cpp", "threads.cpp")  # compiled
+SOURCES = (
+    "decode_attention.cpp",
+    "elementwise.cpp",
+    "gguf_kquant.cpp",
+    "gguf_linear.cpp",
+    "gguf_simple.cpp",
+    "small_linear.cpp",
+    "threads.cpp",
+)  # compiled
 HEADERS = (
     "decode_attention_kernel.h",
     "elementwise_rows.h",
+    "gguf_kquant_rows.h",
+    "gguf_quant.h",
+    "gguf_simple_rows.h",
+    "isa_instances.h",
     "small_linear_rows.h",
     "vec.h",
 )  # hashed with the sources

@@ -64,6 +64,7 @@ from srt.managers.scheduler.decode import DecodeManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
+from srt.mem_cache.pool_size import process_rss_bytes
 
 if TYPE_CHECKING:
     from srt.managers.scheduler.runner_protocol import SchedulerModelRunner
@@ -380,6 +381,10 @@ class Scheduler:
             "context_len": self.context_len,
             "schedule_policy": self.policy.policy,
             "radix_cache": not self.server_args.disable_radix_cache,
+            "quantization": self.server_args.quantization,
+            # the loaded weights (quantized blocks as stored) and this process's resident memory
+            "weight_bytes": getattr(self.model_runner, "weight_bytes", None),
+            "scheduler_rss_bytes": process_rss_bytes(),
             **self.metrics.snapshot(),
         }
 

@@ -1,0 +1,141 @@
+"""Quantized linear layers alone: ``torch.ops.srt_cpu.gguf_linear`` against float32.
+
+Protocol (fixed seeds, random GGUF blocks with finite scales):
+  * shapes [N, K] of the default model (SmolLM2-135M: qkv 960x576, o 576x576, gate_up 3072x576,
+    down 576x1536 as Q4_1; the tied LM head 49152x576 as Q8_0) and of a 7B Llama (4096x4096,
+    11008x4096; Q4_1 and, when the K-quant kernels are built, Q4_K / Q6_K), M rows of x;
+  * every implementation cycles over enough copies of its weight to exceed ``--cycle-mib``
+    (default 96 MiB, beyond the last-level cache), so weights come from DRAM as in serving;
+  * (a) ``q``: ``gguf_linear`` on the GGUF rows; (b) ``f32 small``: ``srt_cpu.small_batch_linear``
+    on the dequantized float32 weight (M <= 16 only); (c) ``f32 onednn``: oneDNN's prepacked
+    float32 linear (``mkldnn._linear_pointwise`` on ``_reorder_linear_weight``);
+    the fastest of repeated calls after a warm-up (on a shared machine the median catches other
+    processes' time slices; the weight copies keep every call reading from DRAM);
+  * bound (M = 1): quantized weight bytes / the read bandwidth measured in this run (``torch.sum``
+    of a 1 GiB float32 tensor, best of 5); ``GB/s`` is the weight bytes over q's time.
+
+    python benchmarks/bench_gguf_linear.py [--ms 1,4,8,16,32,64,300] [--shapes default,7b]
+        [--threads N] [--cycle-mib 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+
+from srt.kernels.cpu import kernel_status, load
+from srt.kernels.cpu.gguf import QTYPE_NAMES, block_info, dequantize, native_qtypes
+
+# byte offsets of the fp16 scale fields in a block, per type (the rest is random codes)
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+DEFAULT_SHAPES = [("qkv", 960, 576, 3), ("o", 576, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3)]
+DEFAULT_SHAPES += [("lm_head", 49152, 576, 8)]
+SEVEN_B = [("7b_q", 4096, 4096), ("7b_up", 11008, 4096)]
+
+
+def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, k / bs * ts]: random codes, scales uniform in +-[1e-3, 1e-1]."""
+    bs, ts = block_info(qtype)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
+        raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of torch.sum over a 1 GiB float32 tensor, best of 5."""
+    t = torch.ones(256 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - start)
+    return t.numel() * 4 / best
+
+
+def timeit(fns: list[Callable[[], object]], min_time: float = 0.3, max_reps: int = 200) -> float:
+    """Fastest seconds per call, cycling through ``fns`` (one per weight copy)."""
+    for f in fns[:2]:
+        f()
+    times: list[float] = []
+    total, i = 0.0, 0
+    while (total < min_time or len(times) < 5) and len(times) < max_reps:
+        f = fns[i % len(fns)]
+        start = time.perf_counter()
+        f()
+        dt = time.perf_counter() - start
+        times.append(dt)
+        total += dt
+        i += 1
+    return min(times)
+
+
+def copies(nbytes: int, cycle_bytes: int) -> int:
+    return max(1, min(64, -(-cycle_bytes // max(nbytes, 1))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,4,8,16,32,64,300")
+    ap.add_argument("--shapes", default="default,7b")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cycle-mib", type=int, default=96)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load()
+    if not {2, 3, 8} <= native_qtypes():
+        raise SystemExit(f"native gguf ops unavailable: {kernel_status()}")
+    ms = [int(m) for m in args.ms.split(",")]
+    shapes = []
+    if "default" in args.shapes:
+        shapes += DEFAULT_SHAPES
+    if "7b" in args.shapes:
+        qs = [3] + [q for q in (12, 14) if q in native_qtypes()]
+        shapes += [(name, n, k, q) for name, n, k in SEVEN_B for q in qs]
+    cycle = args.cycle_mib << 20
+    bw = read_bandwidth()
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
+    print(f"# {kernel_status()}")
+    print(f"# read bandwidth (torch.sum of 1 GiB f32): {bw / 1e9:.1f} GB/s")
+    hdr = f"{'shape':>8} {'N x K':>12} {'type':>5} {'M':>4} {'q ms':>8} {'f32 small':>9} {'f32 onednn':>10}"
+    print(hdr + f" {'q/onednn':>8} {'GB/s':>6} {'bound ms':>8}")
+    for name, n, k, q in shapes:
+        data = random_blocks(n, k, q)
+        w = dequantize(data, q, k)
+        qcopies = [data.clone() for _ in range(copies(data.numel(), cycle))]
+        fcopies = [w.clone() for _ in range(copies(w.numel() * 4, cycle))]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(c, 32) for c in fcopies]
+        del fcopies[1:]
+        for m in ms:
+            x = torch.randn(m, k)
+            tq = timeit([partial(torch.ops.srt_cpu.gguf_linear, x, d, q, None) for d in qcopies])
+            ts = float("nan")
+            if m <= 16:
+                fc = [w.clone() for _ in range(len(packed))]
+                ts = timeit([partial(torch.ops.srt_cpu.small_batch_linear, x, c, None) for c in fc])
+                del fc
+            to = timeit(
+                [partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed]
+            )
+            gbs = data.numel() / tq / 1e9
+            bound = data.numel() / bw * 1e3
+            print(
+                f"{name:>8} {f'{n}x{k}':>12} {QTYPE_NAMES[q]:>5} {m:>4} {tq * 1e3:8.3f} {ts * 1e3:9.3f}"
+                f" {to * 1e3:10.3f} {tq / to:8.2f} {gbs:6.1f} {bound:8.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

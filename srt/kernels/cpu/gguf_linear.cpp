@@ -1,0 +1,426 @@
+// Linear layers on GGUF-quantized weights, and their dequantization (layout and per-type row
+// functions: gguf_quant.h):
+//
+//   gguf_linear(x [M, K] f32, data [N, K / bs * ts] u8, qtype, bias?) -> [M, N] f32
+//   gguf_dequantize(data [R, bpr] u8 (or one row [bpr]), qtype, cols) -> [R, cols] f32
+//   gguf_qtypes() -> the types with row functions on this CPU
+//
+// gguf_linear takes one of three paths by the number of input rows M (threads always take
+// contiguous ranges of weight rows, so the quantized weights stream from memory once per call):
+//   M <= 4        dot_rows: each block dequantized in registers and applied to all rows (decode:
+//                 bound by reading the weights, about 1/6 of float32's bytes for 4-bit types);
+//   5 <= M <= 12  8 weight rows at a time dequantized into an L1 buffer, float dot tiles;
+//   M >= 13       a GEMM on dequantized tiles against x packed once per call (prefill, big
+//                 decode batches): at float32 GEMM speed, plus the dequantization.
+// Each output's sum runs in a fixed order that depends on M and K only, not on the thread count.
+// The per-type row functions are AVX2 (also used on AVX-512 CPUs) or scalar (other CPUs, or
+// SRT_GGUF_ISA=scalar); the buffered and GEMM paths need AVX2, the scalar build uses dot_rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "gguf_quant.h"
+
+namespace srt_cpu {
+namespace {
+
+// from small_m_limit() input rows on, weight rows dequantized into a buffer; from gemm_m_limit()
+// on, the dequantized-tile GEMM (SRT_GGUF_SMALL_M / SRT_GGUF_GEMM_M override them, for tuning)
+int64_t small_m_limit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("SRT_GGUF_SMALL_M");
+    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{5};
+  }();
+  return limit;
+}
+
+int64_t gemm_m_limit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("SRT_GGUF_GEMM_M");
+    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{13};
+  }();
+  return limit;
+}
+
+// the row functions' instruction set: AVX2 on AVX2 and AVX-512 CPUs (there are no AVX-512 row
+// functions), scalar otherwise or with SRT_GGUF_ISA=scalar (to test the fallback)
+CpuIsa gguf_isa() {
+  static const CpuIsa isa = [] {
+    const char* env = std::getenv("SRT_GGUF_ISA");
+    if (env != nullptr && std::strcmp(env, "scalar") == 0) return CpuIsa::kScalar;
+    return detect_isa() == CpuIsa::kScalar ? CpuIsa::kScalar : CpuIsa::kAvx2;
+  }();
+  return isa;
+}
+
+const QuantRowOps* find_ops(int64_t qtype) {
+  const int q = static_cast<int>(qtype);
+  for (CpuIsa i : {gguf_isa(), CpuIsa::kScalar}) {
+    if (const QuantRowOps* ops = simple_quant_ops(q, i)) return ops;
+    if (const QuantRowOps* ops = kquant_ops(q, i)) return ops;
+  }
+  return nullptr;
+}
+
+const QuantRowOps& ops_or_throw(const char* op, int64_t qtype) {
+  const QuantRowOps* ops = find_ops(qtype);
+  TORCH_CHECK(ops != nullptr, op, ": ggml type ", qtype, " has no native kernel (supported: see gguf_qtypes())");
+  return *ops;
+}
+
+// the quantized rows: uint8 [R, bpr] (or one row [bpr]), contiguous
+void check_data(const char* op, const at::Tensor& data, const QuantRowOps& ops, int64_t cols) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte,
+              op, ": data must be a uint8 CPU tensor, got ", data.scalar_type());
+  TORCH_CHECK(data.dim() == 1 || data.dim() == 2, op, ": data must be [rows, bytes_per_row], got ", data.dim(),
+              " dims");
+  TORCH_CHECK(data.is_contiguous(), op, ": data must be contiguous");
+  TORCH_CHECK(cols > 0 && cols % ops.block_size == 0, op, ": the row length ", cols,
+              " must be a positive multiple of the block size ", ops.block_size);
+  const int64_t bpr = cols / ops.block_size * ops.type_size;
+  TORCH_CHECK(data.size(-1) == bpr, op, ": rows of ", cols, " weights take ", bpr, " bytes, data rows have ",
+              data.size(-1));
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& data, int64_t qtype, int64_t cols) {
+  const QuantRowOps& ops = ops_or_throw("gguf_dequantize", qtype);
+  check_data("gguf_dequantize", data, ops, cols);
+  const int64_t rows = data.dim() == 1 ? 1 : data.size(0);
+  at::Tensor out = data.dim() == 1 ? at::empty({cols}, data.options().dtype(at::kFloat))
+                                   : at::empty({rows, cols}, data.options().dtype(at::kFloat));
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t bpr = data.size(-1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) ops.dequant_row(dp + r * bpr, op + r * cols, cols);
+  });
+  return out;
+}
+
+// xsum16[i, b] = sum of x[i, 16 b .. 16 b + 15]
+void row_sums16(const float* x, int64_t ldx, int64_t M, int64_t K, float* xs) {
+  const int64_t G = K / 16;
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = x + i * ldx + g * 16;
+      float s = 0.f;
+      for (int j = 0; j < 16; ++j) s += p[j];
+      xs[i * G + g] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- small batch: in-register dots
+// weight rows [n0, n1): each row read once and applied to every input row, kMaxDotRows at a time
+// (dot_rows dequantizes each block in registers)
+void linear_rows_dot(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t K, const float* x, int64_t ldx,
+                     const float* xs, int64_t M, const float* bias, float* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * bpr;
+    for (int64_t i = 0; i < M; i += kMaxDotRows) {
+      const int64_t m = std::min<int64_t>(kMaxDotRows, M - i);
+      ops.dot_rows(row, K, x + i * ldx, ldx, xs + i * G, G, m, out + i * N + n, N);
+    }
+    if (bias != nullptr) {
+      for (int64_t i = 0; i < M; ++i) out[i * N + n] += bias[n];
+    }
+  }
+}
+
+#if SRT_CPU_X86
+// column chunk of the buffered and GEMM paths: K split into equal multiples of the block size,
+// at most `target` columns each
+int64_t column_chunk(int64_t K, int64_t bs, int64_t target) {
+  const int64_t chunks = (K + target - 1) / target;
+  const int64_t per = (K + chunks - 1) / chunks;
+  return std::min(K, (per + bs - 1) / bs * bs);
+}
+
+// ---------------------------------------------------------------- medium batch: dequantized rows
+// kRb weight rows at a time are dequantized into a buffer, at most 512 columns at a time (16 KiB,
+// L1), and multiplied with every input row by float dot products: a tile of MX <= 3 input rows x
+// 4 weight rows keeps 4 MX accumulators; the 3 rows of x stay in L1 while the buffer passes.
+constexpr int64_t kRb = 8;
+
+template <int MX, int R>
+SRT_TARGET_AVX2 void dot_tile(int64_t kc, const float* x, int64_t ldx, const float* w, int64_t ldw, float* out,
+                              int64_t ldo, bool accumulate, const float* bias_or_null) {
+  __m256 acc[MX * R];
+  for (int i = 0; i < MX * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 8) {
+    __m256 xv[MX];
+    for (int m = 0; m < MX; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * ldw + k);
+      for (int m = 0; m < MX; ++m) acc[m * R + r] = _mm256_fmadd_ps(wv, xv[m], acc[m * R + r]);
+    }
+  }
+  float sums[MX * R];
+  if constexpr (MX * R == 8) {
+    _mm256_storeu_ps(sums, VecAvx2::reduce_tile(acc));
+  } else {
+    for (int i = 0; i < MX * R; ++i) sums[i] = VecAvx2::hsum(acc[i]);
+  }
+  for (int m = 0; m < MX; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float v = sums[m * R + r];
+      if (accumulate) v = out[m * ldo + r] + v;
+      if (bias_or_null != nullptr) v += bias_or_null[r];
+      out[m * ldo + r] = v;
+    }
+  }
+}
+
+// mx (<= 3) input rows against R weight rows
+template <int R>
+SRT_TARGET_AVX2 void dot_tiles(int64_t mx, int64_t kc, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                               float* out, int64_t ldo, bool accumulate, const float* bias_or_null) {
+  switch (mx) {
+    case 3: dot_tile<3, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    case 2: dot_tile<2, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    case 1: dot_tile<1, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    default: break;
+  }
+}
+
+// weight rows [n0, n1) for all M input rows
+void linear_rows_buffered(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t K, const float* x,
+                          int64_t ldx, int64_t M, const float* bias, float* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t bs = ops.block_size;
+  const int64_t kcc = column_chunk(K, bs, std::max<int64_t>(bs, 512));
+  std::vector<float> buf(static_cast<size_t>(kRb * kcc));
+  // rows outer, columns inner: the weights stream row group by row group, x (M x K) stays in L2
+  for (int64_t n = n0; n < n1; n += kRb) {
+    const int64_t rows = std::min(kRb, n1 - n);
+    for (int64_t k0 = 0; k0 < K; k0 += kcc) {
+      const int64_t kc = std::min(kcc, K - k0);
+      const int64_t boff = k0 / bs * ops.type_size;
+      const bool accumulate = k0 > 0, last = k0 + kc >= K;
+      for (int64_t j = 0; j < rows; ++j) ops.dequant_row(w + (n + j) * bpr + boff, buf.data() + j * kc, kc);
+      for (int64_t m0 = 0; m0 < M; m0 += 3) {  // 3 rows of x stay in L1 while the buffer passes
+        const int64_t mx = std::min<int64_t>(3, M - m0);
+        const float* xm = x + m0 * ldx + k0;
+        float* om = out + m0 * N + n;
+        int64_t j = 0;
+        for (; j + 4 <= rows; j += 4) {
+          const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
+          dot_tiles<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+        }
+        for (; j < rows; ++j) {
+          const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
+          dot_tiles<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+        }
+      }
+    }
+  }
+}
+// ---------------------------------------------------------------- large batch: dequantized tiles
+// x is packed once per call into panels of 16 rows (8 for a short last panel), column-major
+// within the panel: xp[k][i] = x[m0 + i, k], zero past M. Each task takes blocks of kNc weight
+// rows; per column chunk (at most 256 columns, a multiple of the block) the block's rows are
+// dequantized (dequant_row) into a row buffer, and a register tile of 6 weight rows x 16 x rows
+// (12 x 8 for an 8-row panel) accumulates sum_k w[n, k] xp[k][i]: per column one broadcast of
+// each weight and one or two loads of packed x. The tiles' sums carry over the column chunks in
+// a small buffer and go to out (transposed, plus the bias) after the last chunk. Each output's
+// sum runs over k in order whatever the thread count.
+constexpr int64_t kNc = 48;  // weight rows per block: a multiple of both tile heights (6 and 12)
+
+struct PackedX {
+  std::vector<float> data;
+  std::vector<int64_t> m0, width, offset;  // per panel: first row of x, 8 or 16, start in data
+};
+
+PackedX pack_x(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  PackedX px;
+  int64_t off = 0;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t width = M - m0 <= 8 ? 8 : 16;
+    px.m0.push_back(m0);
+    px.width.push_back(width);
+    px.offset.push_back(off);
+    off += width * K;
+  }
+  px.data.assign(static_cast<size_t>(off), 0.f);
+  const auto panels = static_cast<int64_t>(px.m0.size());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t width = px.width[p], rows = std::min(width, M - px.m0[p]);
+      float* dst = px.data.data() + px.offset[p];
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* src = x + (px.m0[p] + i) * ldx;
+        for (int64_t k = 0; k < K; ++k) dst[k * width + i] = src[k];
+      }
+    }
+  });
+  return px;
+}
+
+// c[r][0..15] += sum_k w[r * ldw + k] * xp[k][0..15] for r < 6 (c: 6 x 16 floats)
+SRT_TARGET_AVX2 void tile_6x16(int64_t kc, const float* w, int64_t ldw, const float* xp, float* c) {
+#define SRT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define SRT_LOAD(r) __m256 c##r##0 = _mm256_loadu_ps(c + r * 16), c##r##1 = _mm256_loadu_ps(c + r * 16 + 8);
+  SRT_ROWS(SRT_LOAD)
+#undef SRT_LOAD
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 x0 = _mm256_loadu_ps(xp + k * 16), x1 = _mm256_loadu_ps(xp + k * 16 + 8);
+#define SRT_FMA(r)                                           \
+  {                                                          \
+    const __m256 a = _mm256_broadcast_ss(w + r * ldw + k);   \
+    c##r##0 = _mm256_fmadd_ps(a, x0, c##r##0);               \
+    c##r##1 = _mm256_fmadd_ps(a, x1, c##r##1);               \
+  }
+    SRT_ROWS(SRT_FMA)
+#undef SRT_FMA
+  }
+#define SRT_STORE(r)                        \
+  _mm256_storeu_ps(c + r * 16, c##r##0);    \
+  _mm256_storeu_ps(c + r * 16 + 8, c##r##1);
+  SRT_ROWS(SRT_STORE)
+#undef SRT_STORE
+#undef SRT_ROWS
+}
+
+// c[r][0..7] += sum_k w[r * ldw + k] * xp[k][0..7] for r < 12 (c: 12 x 8 floats)
+SRT_TARGET_AVX2 void tile_12x8(int64_t kc, const float* w, int64_t ldw, const float* xp, float* c) {
+#define SRT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SRT_LOAD(r) __m256 c##r = _mm256_loadu_ps(c + r * 8);
+  SRT_ROWS(SRT_LOAD)
+#undef SRT_LOAD
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 x0 = _mm256_loadu_ps(xp + k * 8);
+#define SRT_FMA(r) c##r = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * ldw + k), x0, c##r);
+    SRT_ROWS(SRT_FMA)
+#undef SRT_FMA
+  }
+#define SRT_STORE(r) _mm256_storeu_ps(c + r * 8, c##r);
+  SRT_ROWS(SRT_STORE)
+#undef SRT_STORE
+#undef SRT_ROWS
+}
+
+// weight rows [n0, n1) (n0 a multiple of kNc) for all M input rows
+void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t K, const PackedX& px, int64_t M,
+                      const float* bias, float* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t bs = ops.block_size;
+  const int64_t kcc = column_chunk(K, bs, std::max<int64_t>(bs, 256));
+  const auto panels = static_cast<int64_t>(px.m0.size());
+  std::vector<float> rows(static_cast<size_t>(kNc * kcc));
+  std::vector<float> acc(static_cast<size_t>(panels * kNc * 16));  // per panel: kNc x width sums
+  for (int64_t nb = n0; nb < n1; nb += kNc) {
+    const int64_t nrows = std::min(kNc, n1 - nb);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += kcc) {
+      const int64_t kc = std::min(kcc, K - k0);
+      const int64_t boff = k0 / bs * ops.type_size;
+      for (int64_t j = 0; j < kNc; ++j) {
+        float* dst = rows.data() + j * kc;
+        if (j < nrows) {
+          ops.dequant_row(w + (nb + j) * bpr + boff, dst, kc);
+        } else {
+          std::fill(dst, dst + kc, 0.f);
+        }
+      }
+      for (int64_t p = 0; p < panels; ++p) {
+        const float* xp = px.data.data() + px.offset[p] + k0 * px.width[p];
+        float* c = acc.data() + p * kNc * 16;
+        if (px.width[p] == 16) {
+          for (int64_t t = 0; t < kNc; t += 6) tile_6x16(kc, rows.data() + t * kc, kc, xp, c + t * 16);
+        } else {
+          for (int64_t t = 0; t < kNc; t += 12) tile_12x8(kc, rows.data() + t * kc, kc, xp, c + t * 8);
+        }
+      }
+    }
+    for (int64_t p = 0; p < panels; ++p) {  // acc[p][j][i] -> out[m0 + i, nb + j]
+      const int64_t width = px.width[p], mrows = std::min(width, M - px.m0[p]);
+      const float* c = acc.data() + p * kNc * 16;
+      for (int64_t i = 0; i < mrows; ++i) {
+        float* o = out + (px.m0[p] + i) * N + nb;
+        for (int64_t j = 0; j < nrows; ++j) o[j] = c[j * width + i] + (bias != nullptr ? bias[nb + j] : 0.f);
+      }
+    }
+  }
+}
+
+#endif  // SRT_CPU_X86
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias) {
+  const QuantRowOps& ops = ops_or_throw("gguf_linear", qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "gguf_linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "gguf_linear: x's last dim must be contiguous");
+  TORCH_CHECK(data.dim() == 2, "gguf_linear: data must be [N, bytes_per_row], got ", data.dim(), " dims");
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  check_data("gguf_linear", data, ops, K);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "gguf_linear: bias must be a contiguous float32 tensor of ", N, " elements");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const uint8_t* wp = data.data_ptr<uint8_t>();
+  const int64_t bpr = data.size(1);
+  float* op = out.data_ptr<float>();
+
+#if SRT_CPU_X86
+  if (M >= small_m_limit() && M < gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
+    const int64_t grain = std::max<int64_t>(kRb, 64 * 1024 / bpr / kRb * kRb);
+    at::parallel_for(0, (N + kRb - 1) / kRb, std::max<int64_t>(1, grain / kRb), [&](int64_t g0, int64_t g1) {
+      linear_rows_buffered(ops, wp, bpr, K, xp, ldx, M, bp, op, N, g0 * kRb, std::min(N, g1 * kRb));
+    });
+    return out;
+  }
+  if (M >= gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
+    const PackedX px = pack_x(xp, ldx, M, K);
+    const int64_t blocks = (N + kNc - 1) / kNc;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      linear_rows_gemm(ops, wp, bpr, K, px, M, bp, op, N, b0 * kNc, std::min(N, b1 * kNc));
+    });
+    return out;
+  }
+#endif
+  std::vector<float> xs(static_cast<size_t>(M * (K / 16)));
+  row_sums16(xp, ldx, M, K, xs.data());
+  // about 64 KiB of weights per task
+  const int64_t grain = std::max<int64_t>(4, 64 * 1024 / bpr);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    linear_rows_dot(ops, wp, bpr, K, xp, ldx, xs.data(), M, bp, op, N, n0, n1);
+  });
+  return out;
+}
+
+std::vector<int64_t> gguf_qtypes() {
+  std::vector<int64_t> out;
+  for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
+    if (find_ops(q) != nullptr) out.push_back(q);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("gguf_dequantize(Tensor data, int qtype, int cols) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("gguf_qtypes() -> int[]", &srt_cpu::gguf_qtypes);
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("gguf_dequantize", &srt_cpu::gguf_dequantize);
+  m.impl("gguf_linear", &srt_cpu::gguf_linear);
+}

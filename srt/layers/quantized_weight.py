@@ -1,0 +1,175 @@
+"""Weights kept in their GGUF blocks (``--quantization gguf``).
+
+The loader yields a ``GGUFTensor`` (the tensor's raw blocks, ``uint8 [rows, row_bytes]``, and
+its ggml type) for every matrix it keeps quantized; the layer it belongs to (``Linear``, the
+token embedding, the LM head) moves it into a ``QuantizedWeight`` and drops its float32
+parameter. A ``QuantizedWeight`` is the layer's whole ``[out, in]`` weight as row segments, one
+per ggml type (fused projections may mix types: a Q4_K_M file stores q/k as Q4_K and v as
+Q6_K), each a uint8 buffer of GGUF blocks, exactly the file's bytes::
+
+    rows [0, a)   Q4_K blocks  (buffer data0, uint8 [a, in / 256 * 144])
+    rows [a, out) Q6_K blocks  (buffer data1, uint8 [out - a, in / 256 * 210])
+
+A part that arrives as float32 (a tensor type without a kernel, dequantized by the loader)
+becomes a float segment (ggml type 0). Adjacent parts of one type are merged once loading is
+done (``finalize``), so a layer whose parts share a type runs one kernel call.
+
+The matmul (``linear``) and the row lookup of an embedding (``rows``) go through
+``srt.kernels.cpu.gguf``: native kernels that dequantize blocks in registers, or the numpy
+reference when the extension is not built (the loader keeps weights quantized only for the
+types the native kernels cover, so the reference path serves tests and odd cases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.kernels.cpu import gguf as gguf_kernels
+from srt.utils.errors import WeightLoadError
+
+F32_TYPE = 0  # ggml's type id of float32
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """A checkpoint matrix ``[rows, cols]`` kept as GGUF blocks of ggml type ``qtype``:
+    ``data`` is ``uint8 [rows, cols / block_size * type_size]``, row-major, the file's bytes."""
+
+    qtype: int
+    rows: int
+    cols: int
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def type_name(self) -> str:
+        return gguf_kernels.QTYPE_NAMES.get(self.qtype, str(self.qtype))
+
+
+class QuantizedWeight(nn.Module):
+    """A layer's weight ``[out_features, in_features]`` in row segments of GGUF blocks (see the
+    module docstring). Fill it with ``add``, then ``finalize`` once every row is there."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self.in_features = in_features
+        self._parts: list[tuple[int, int, torch.Tensor]] = []  # (row offset, qtype, data) while loading
+        self.segments: list[tuple[int, int, int]] = []  # (row offset, rows, qtype), buffers data0, data1, ...
+        # (data, qtype) of a weight that is one segment of a type with a native kernel: the
+        # decode path calls the op directly (a step runs a few hundred small matmuls)
+        self._native: tuple[torch.Tensor, int] | None = None
+
+    # ------------------------------------------------------------------ loading
+    def add(self, row_offset: int, part: GGUFTensor | torch.Tensor, name: str) -> None:
+        """Place ``part`` (quantized, or a float32 ``[rows, in]`` tensor) at rows ``row_offset..``."""
+        if isinstance(part, GGUFTensor):
+            rows, cols, qtype, data = part.rows, part.cols, part.qtype, part.data
+        else:
+            rows, cols = part.shape
+            qtype, data = F32_TYPE, part.detach().to(torch.float32).contiguous()
+        if cols != self.in_features or row_offset < 0 or row_offset + rows > self.out_features:
+            raise WeightLoadError(
+                f"weight {name}: rows {row_offset}..{row_offset + rows} x {cols} columns do not fit "
+                f"the layer's [{self.out_features}, {self.in_features}]"
+            )
+        self._parts.append((row_offset, qtype, data))
+
+    def finalize(self) -> None:
+        """Check that the parts cover every row once and merge neighbours of one type into
+        segments (no-op when already final)."""
+        if not self._parts:
+            if not self.segments:
+                raise WeightLoadError(
+                    f"quantized weight [{self.out_features}, {self.in_features}] got no rows"
+                )
+            return
+        parts = sorted(self._parts, key=lambda p: p[0]) + [(self.out_features, -1, None)]
+        merged: list[tuple[int, int, list[torch.Tensor]]] = []
+        row = 0
+        for offset, qtype, data in parts[:-1]:
+            if offset != row:
+                raise WeightLoadError(
+                    f"quantized weight [{self.out_features}, {self.in_features}]: rows {row}..{offset} "
+                    "missing or loaded twice"
+                )
+            if merged and merged[-1][1] == qtype:
+                merged[-1][2].append(data)
+            else:
+                merged.append((offset, qtype, [data]))
+            row = offset + data.shape[0]
+        if row != self.out_features:
+            raise WeightLoadError(
+                f"quantized weight [{self.out_features}, {self.in_features}]: rows {row}..{self.out_features} missing"
+            )
+        self._parts = []
+        self.segments = []
+        for i, (offset, qtype, datas) in enumerate(merged):
+            data = datas[0] if len(datas) == 1 else torch.cat(datas)
+            self.register_buffer(f"data{i}", data.contiguous(), persistent=False)
+            self.segments.append((offset, data.shape[0], qtype))
+        if len(self.segments) == 1 and self.segments[0][2] in gguf_kernels.native_qtypes():
+            self._native = (self._data(0), self.segments[0][2])
+
+    def _data(self, i: int) -> torch.Tensor:
+        return getattr(self, f"data{i}")
+
+    @property
+    def qtypes(self) -> list[int]:
+        return [q for _, _, q in self.segments]
+
+    # ------------------------------------------------------------------ compute
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
+        if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return torch.ops.srt_cpu.gguf_linear(x, self._native[0], self._native[1], bias)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if len(self.segments) == 1:
+            out = self._segment_linear(0, x2, bias)
+        else:
+            out = torch.cat([self._segment_linear(i, x2, None) for i in range(len(self.segments))], dim=1)
+            if bias is not None:
+                out += bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _segment_linear(self, i: int, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qtype = self.segments[i][2]
+        if qtype == F32_TYPE:
+            return F.linear(x2, self._data(i), bias)
+        return gguf_kernels.quant_linear(x2, self._data(i), qtype, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``ids`` of the weight (an embedding lookup), dequantizing only those."""
+        flat = ids.reshape(-1)
+        if len(self.segments) != 1:
+            return self.dequantize().index_select(0, flat).view(*ids.shape, self.in_features)
+        qtype, data = self.segments[0][2], self._data(0)
+        picked = data.index_select(0, flat)
+        out = picked if qtype == F32_TYPE else gguf_kernels.dequantize(picked, qtype, self.in_features)
+        return out.view(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as float32 ``[out, in]`` (tests, tools)."""
+        parts = []
+        for i, (_, _, qtype) in enumerate(self.segments):
+            data = self._data(i)
+            parts.append(
+                data if qtype == F32_TYPE else gguf_kernels.dequantize(data, qtype, self.in_features)
+            )
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(
+            f"rows {o}..{o + n}: {gguf_kernels.QTYPE_NAMES.get(q, 'F32' if q == F32_TYPE else q)}"
+            for o, n, q in self.segments
+        )
+        return f"[{self.out_features}, {self.in_features}] {kinds}"

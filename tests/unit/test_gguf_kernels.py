@@ -1,0 +1,273 @@
+"""GGUF quantized kernels (srt.kernels.cpu.gguf): bit-exact dequantization against gguf.quants,
+quantized linear layers against the float32 matmul of the dequantized weight (every native path:
+M = 1..4 in-register dots, 5..12 buffered rows, >= 13 the tile GEMM), the pure-numpy fallback,
+and the error messages. The native tests skip when the extension is not built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.kernels.cpu import gguf
+
+NATIVE = gguf.native_qtypes()
+SIMPLE = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+# the K-quant kernels come with their own tests; here only once they are built
+QTYPES = SIMPLE + ([12, 13, 14] if 12 in NATIVE else [])
+needs_native = pytest.mark.skipif(not {2, 3, 8} <= NATIVE, reason="native gguf kernels not built")
+
+# byte offsets of the fp16 scale fields in a block (the rest is random codes)
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, k / bs * ts] of random codes; the fp16 scales are finite, +-[1e-3, 1e-1]."""
+    bs, ts = gguf.block_info(qtype)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
+        raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def cols_for(qtype: int) -> int:
+    """A row length that spans several column chunks of the buffered and GEMM paths."""
+    return 768 if gguf.block_info(qtype)[0] == 32 else 1024
+
+
+def assert_close_to_matmul(
+    out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Within float32 summation error: |out - x w^T| <= 1e-5 * (|x| |w|^T) (+ bias rounding)."""
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        scale = scale + bias.double().abs()
+    err = (out.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-30).all(), (
+        f"max relative error {(err / scale.clamp_min(1e-30)).max():.3g}"
+    )
+
+
+# ---------------------------------------------------------------- always (reference path)
+
+
+def test_block_info_and_names():
+    assert gguf.block_info(2) == (32, 18)
+    assert gguf.block_info(3) == (32, 20)
+    assert gguf.block_info(8) == (32, 34)
+    assert gguf.block_info(12) == (256, 144)
+    assert gguf.block_info(14) == (256, 210)
+    assert gguf.QTYPE_NAMES[3] == "Q4_1"
+    with pytest.raises(ValueError, match="unknown ggml quantization type"):
+        gguf.block_info(999)
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8, 12, 13, 14])
+def test_reference_linear(qtype):
+    k = cols_for(qtype)
+    data = random_blocks(5, k, qtype)
+    w = gguf.dequantize_ref(data, qtype, k)
+    assert w.shape == (5, k) and w.dtype == torch.float32 and torch.isfinite(w).all()
+    x = torch.randn(3, k)
+    bias = torch.randn(5)
+    torch.testing.assert_close(gguf.quant_linear_ref(x, data, qtype, bias), F.linear(x, w, bias))
+
+
+def test_reference_errors():
+    data = random_blocks(2, 64, 3)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        gguf.dequantize_ref(data, 3, 48)
+    with pytest.raises(ValueError, match="bytes"):
+        gguf.dequantize_ref(data, 3, 128)
+    with pytest.raises(ValueError, match="float32"):
+        gguf.quant_linear_ref(torch.randn(1, 64, dtype=torch.float64), data, 3)
+
+
+def test_fallback_matches_native_when_unavailable(monkeypatch):
+    """Without native types the public functions take the numpy reference (same results)."""
+    data = random_blocks(9, 256, 3)
+    x = torch.randn(4, 256)
+    native_out = gguf.quant_linear(x, data, 3)
+    native_w = gguf.dequantize(data, 3, 256)
+    monkeypatch.setattr(gguf, "native_qtypes", lambda: frozenset())
+    w = gguf.dequantize(data, 3, 256)
+    assert torch.equal(w, gguf.dequantize_ref(data, 3, 256))
+    assert torch.equal(w, native_w)
+    out = gguf.quant_linear(x, data, 3)
+    torch.testing.assert_close(out, native_out, rtol=1e-5, atol=1e-5)
+    assert_close_to_matmul(out, x, w, None)
+
+
+# ---------------------------------------------------------------- native
+
+
+@needs_native
+def test_native_qtypes():
+    assert {2, 3, 8} <= NATIVE
+    assert NATIVE == frozenset(torch.ops.srt_cpu.gguf_qtypes())
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_dequantize_bit_exact(qtype, rows):
+    k = cols_for(qtype)
+    data = random_blocks(rows, k, qtype, seed=rows)
+    got = torch.ops.srt_cpu.gguf_dequantize(data, qtype, k)
+    ref = gguf.dequantize_ref(data, qtype, k)
+    assert got.shape == (rows, k) and got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", SIMPLE)
+def test_dequantize_bit_exact_any_finite_scale(qtype):
+    """Scales of any finite fp16 value (subnormal to 65504, both signs): the products round as in
+    numpy (no fused multiply-add)."""
+    k, rows = 256, 64
+    data = random_blocks(rows, k, qtype).numpy().copy()
+    bs, ts = gguf.block_info(qtype)
+    blocks = data.reshape(rows, k // bs, ts)
+    rng = np.random.default_rng(1)
+    for off in SCALE_FIELDS[qtype]:
+        bits = rng.integers(0, 0x7C00, size=blocks.shape[:2], dtype=np.uint16)  # finite magnitudes
+        bits |= rng.integers(0, 2, size=bits.shape, dtype=np.uint16) << 15
+        blocks[:, :, off : off + 2] = bits[..., None].view(np.uint8)
+    data = torch.from_numpy(data)
+    ref = gguf.dequantize_ref(data, qtype, k)
+    got = torch.ops.srt_cpu.gguf_dequantize(data, qtype, k)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_row_sets(qtype):
+    """One row [bpr] -> [cols]; rows picked by index_select (the embedding lookup)."""
+    k = cols_for(qtype)
+    data = random_blocks(11, k, qtype)
+    ref = gguf.dequantize_ref(data, qtype, k)
+    assert torch.equal(gguf.dequantize(data[3], qtype, k), ref[3])
+    ids = torch.tensor([5, 0, 5, 10])
+    assert torch.equal(gguf.dequantize(data.index_select(0, ids), qtype, k), ref[ids])
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 4, 7, 12, 16, 20, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_dequantized_matmul(qtype, m, with_bias):
+    k = cols_for(qtype)
+    n = 67  # not a multiple of any tile
+    data = random_blocks(n, k, qtype, seed=m)
+    w = gguf.dequantize_ref(data, qtype, k)
+    x = torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    out = torch.ops.srt_cpu.gguf_linear(x, data, qtype, bias)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert_close_to_matmul(out, x, w, bias)
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_linear_strided_rows_and_batch_dims(m):
+    """x rows with a stride (a slice of a wider tensor) give the same bits as contiguous rows;
+    quant_linear takes [..., K]."""
+    k, n = 576, 45
+    data = random_blocks(n, k, 3)
+    wide = torch.randn(m, k + 40)
+    x = wide[:, 8 : 8 + k]
+    assert x.stride(0) == k + 40
+    out = torch.ops.srt_cpu.gguf_linear(x, data, 3, None)
+    assert torch.equal(out, torch.ops.srt_cpu.gguf_linear(x.contiguous(), data, 3, None))
+    x3 = x.contiguous().reshape(1, m, k)
+    assert torch.equal(gguf.quant_linear(x3, data, 3), out.reshape(1, m, n))
+    xt = x.contiguous().T.contiguous().T  # column-major: the wrapper copies it
+    assert torch.equal(gguf.quant_linear(xt, data, 3), out)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", SIMPLE)
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_linear_independent_of_thread_count(qtype, m):
+    k = 768
+    data = random_blocks(301, k, qtype)
+    x = torch.randn(m, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.srt_cpu.gguf_linear(x, data, qtype, None)
+        torch.set_num_threads(2)
+        two = torch.ops.srt_cpu.gguf_linear(x, data, qtype, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_native
+def test_linear_empty():
+    data = random_blocks(5, 64, 8)
+    assert torch.ops.srt_cpu.gguf_linear(torch.randn(0, 64), data, 8, None).shape == (0, 5)
+
+
+@needs_native
+def test_native_errors():
+    data = random_blocks(4, 64, 3)
+    x = torch.randn(2, 64)
+    op = torch.ops.srt_cpu.gguf_linear
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        op(x.double(), data, 3, None)
+    with pytest.raises(RuntimeError, match="data must be a uint8"):
+        op(x, data.to(torch.int8), 3, None)
+    with pytest.raises(RuntimeError, match="take 20 bytes, data rows have 40"):
+        op(torch.randn(2, 32), data, 3, None)  # K = 32 needs 20-byte rows
+    with pytest.raises(RuntimeError, match="multiple of the block size"):
+        op(torch.randn(2, 48), data, 3, None)
+    with pytest.raises(RuntimeError, match="has no native kernel"):
+        op(x, data, 6, None)  # Q5_0
+    with pytest.raises(RuntimeError, match="bias must be"):
+        op(x, data, 3, torch.randn(3))
+    with pytest.raises(RuntimeError, match="last dim must be contiguous"):
+        op(torch.randn(64, 2).T, data, 3, None)
+    with pytest.raises(RuntimeError, match="has no native kernel"):
+        torch.ops.srt_cpu.gguf_dequantize(data, 99, 64)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        torch.ops.srt_cpu.gguf_dequantize(random_blocks(4, 128, 3)[:, :40], 3, 64)
+    with pytest.raises(ValueError, match="unknown ggml quantization type"):
+        gguf.quant_linear(x, data, 999)
+
+
+_SCALAR_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_gguf_kernels import random_blocks, assert_close_to_matmul, cols_for
+from srt.kernels.cpu import gguf
+assert {{2, 3, 8}} <= gguf.native_qtypes(), gguf.native_qtypes()
+for q in gguf.native_qtypes():
+    k = cols_for(q)
+    data = random_blocks(37, k, q)
+    ref = gguf.dequantize_ref(data, q, k)
+    assert torch.equal(torch.ops.srt_cpu.gguf_dequantize(data, q, k).view(torch.int32), ref.view(torch.int32)), q
+    for m in (1, 7, 64):
+        x = torch.randn(m, k)
+        assert_close_to_matmul(torch.ops.srt_cpu.gguf_linear(x, data, q, None), x, ref, None)
+print("ok", sorted(gguf.native_qtypes()))
+"""
+
+
+@needs_native
+def test_scalar_fallback_row_functions():
+    """SRT_GGUF_ISA=scalar: the plain C++ row functions (CPUs without AVX2) are exact as well."""
+    env = dict(os.environ, SRT_GGUF_ISA="scalar")
+    code = _SCALAR_CHECK.format(tests=os.path.dirname(__file__))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("ok")
