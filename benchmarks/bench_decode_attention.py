@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from common import cpu_model
 
 from srt.kernels.cpu import kernel_status, load
 from srt.kernels.cpu.reference import paged_decode_attention_ref
@@ -60,17 +60,6 @@ class Setup:
     seq_lens: torch.Tensor
     q: torch.Tensor  # [bs, H, D]
     kv_bytes: int  # per step
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:

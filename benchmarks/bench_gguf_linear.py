@@ -22,33 +22,25 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from srt.kernels.cpu import kernel_status, load
-from srt.kernels.cpu.gguf import QTYPE_NAMES, block_info, dequantize, native_qtypes
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a script: make `tests` importable
+    sys.path.insert(0, REPO_ROOT)
 
-# byte offsets of the fp16 scale fields in a block, per type (the rest is random codes)
-SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+from srt.kernels.cpu import kernel_status, load  # noqa: E402
+from srt.kernels.cpu.gguf import QTYPE_NAMES, dequantize, native_qtypes  # noqa: E402
+from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noqa: E402
 
 DEFAULT_SHAPES = [("qkv", 960, 576, 3), ("o", 576, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3)]
 DEFAULT_SHAPES += [("lm_head", 49152, 576, 8)]
 SEVEN_B = [("7b_q", 4096, 4096), ("7b_up", 11008, 4096)]
-
-
-def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [n, k / bs * ts]: random codes, scales uniform in +-[1e-3, 1e-1]."""
-    bs, ts = block_info(qtype)
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
-        s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
-        raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
-    return torch.from_numpy(raw.reshape(n, -1))
 
 
 def read_bandwidth() -> float:

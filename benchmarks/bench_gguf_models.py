@@ -51,7 +51,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import sys
@@ -66,7 +65,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `benchmarks` and `tests` importable
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import default_model_dir_and_file  # noqa: E402
+from benchmarks.common import cpu_model, default_model_dir_and_file  # noqa: E402
 from tests.helpers.gguf_models import SHAPES, tensor_plan, write_llama_gguf  # noqa: E402
 
 BENCH_SHAPES: dict[str, dict[str, int]] = {
@@ -194,17 +193,6 @@ def native_qtype_names() -> set[str]:
         return {GGMLQuantizationType(t).name for t in gguf_kernels.native_qtypes()}
     except Exception:  # noqa: BLE001 - an srt without the GGUF kernels
         return set()
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------------------ one run

@@ -208,3 +208,17 @@ def versions() -> dict[str, str]:
         "cpu_count": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the record of a benchmark run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

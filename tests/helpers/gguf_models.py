@@ -560,3 +560,23 @@ def write_llama_gguf(
 def write_preset_gguf(path: str | os.PathLike, shape: str, **kwargs: Any) -> dict[str, Any]:
     """``write_llama_gguf`` with one of ``SHAPES`` ("1b", "7b")."""
     return write_llama_gguf(path, **SHAPES[shape], **kwargs)
+
+
+# byte offsets of the fp16 scale fields of a block, per ggml type (kernel tests and benchmarks)
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_code_blocks(n: int, k: int, qtype: int, seed: int = 0):
+    """uint8 torch tensor [n, k / bs * ts]: every code byte random, the fp16 scale fields finite and
+    uniform in +-[1e-3, 1e-1] (unlike ``random_blocks``, no limit on the K-quant sub-block scales:
+    what kernel tests want)."""
+    import torch
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
+        raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))

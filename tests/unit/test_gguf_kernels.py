@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from srt.kernels.cpu import gguf
+from tests.helpers.gguf_models import SCALE_FIELDS
+from tests.helpers.gguf_models import random_code_blocks as random_blocks
 
 NATIVE = gguf.native_qtypes()
 SIMPLE = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
@@ -22,21 +24,8 @@ SIMPLE = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
 QTYPES = SIMPLE + ([12, 13, 14] if 12 in NATIVE else [])
 needs_native = pytest.mark.skipif(not {2, 3, 8} <= NATIVE, reason="native gguf kernels not built")
 
+
 # byte offsets of the fp16 scale fields in a block (the rest is random codes)
-SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
-
-
-def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [n, k / bs * ts] of random codes; the fp16 scales are finite, +-[1e-3, 1e-1]."""
-    bs, ts = gguf.block_info(qtype)
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
-        s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
-        raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
-    return torch.from_numpy(raw.reshape(n, -1))
-
-
 def cols_for(qtype: int) -> int:
     """A row length that spans several column chunks of the buffered and GEMM paths."""
     return 768 if gguf.block_info(qtype)[0] == 32 else 1024

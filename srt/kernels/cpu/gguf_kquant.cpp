@@ -20,12 +20,9 @@ namespace {
 namespace ks = kquant::scalar;
 
 const QuantRowOps kScalarOps[3] = {
-    {kquant::kQK, kquant::kQ4KBytes, &ks::dequant_row<&ks::dequant_block_q4k, kquant::kQ4KBytes>,
-     &ks::dot_rows<&ks::dequant_block_q4k, kquant::kQ4KBytes>},
-    {kquant::kQK, kquant::kQ5KBytes, &ks::dequant_row<&ks::dequant_block_q5k, kquant::kQ5KBytes>,
-     &ks::dot_rows<&ks::dequant_block_q5k, kquant::kQ5KBytes>},
-    {kquant::kQK, kquant::kQ6KBytes, &ks::dequant_row<&ks::dequant_block_q6k, kquant::kQ6KBytes>,
-     &ks::dot_rows<&ks::dequant_block_q6k, kquant::kQ6KBytes>},
+    scalar_row_ops<&ks::dequant_block_q4k, kquant::kQK, kquant::kQ4KBytes>(),
+    scalar_row_ops<&ks::dequant_block_q5k, kquant::kQK, kquant::kQ5KBytes>(),
+    scalar_row_ops<&ks::dequant_block_q6k, kquant::kQK, kquant::kQ6KBytes>(),
 };
 
 #if SRT_CPU_X86

@@ -122,29 +122,6 @@ inline void dequant_block_q6k(const uint8_t* blk, float* o) {
   }
 }
 
-template <void (*Block)(const uint8_t*, float*), int TS>
-void dequant_row(const uint8_t* row, float* out, int64_t k) {
-  for (int64_t b = 0; b < k / kQK; ++b) Block(row + b * TS, out + b * kQK);
-}
-
-// dequantize each super-block once, then dot it with every activation row
-template <void (*Block)(const uint8_t*, float*), int TS>
-void dot_rows(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* /*xsum16*/,
-              int64_t /*ldxs*/, int64_t m, float* out, int64_t ldo) {
-  float acc[kMaxDotRows] = {};
-  float w[kQK];
-  for (int64_t b = 0; b < k / kQK; ++b) {
-    Block(row + b * TS, w);
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * ldx + b * kQK;
-      float s = 0.f;
-      for (int i = 0; i < kQK; ++i) s += w[i] * xr[i];
-      acc[r] += s;
-    }
-  }
-  for (int64_t r = 0; r < m; ++r) out[r * ldo] = acc[r];
-}
-
 }  // namespace scalar
 
 #if SRT_CPU_X86

@@ -41,4 +41,34 @@ struct QuantRowOps {
 const QuantRowOps* simple_quant_ops(int qtype, CpuIsa isa);  // gguf_simple.cpp
 const QuantRowOps* kquant_ops(int qtype, CpuIsa isa);        // gguf_kquant.cpp
 
+// The portable row functions of a type, from its block decoder Block(block bytes, BS floats out)
+// (TS bytes per block): the scalar QuantRowOps and the reference the vector paths are tested
+// against. dot_rows dequantizes each block once and dots it with every input row (no xsum16).
+template <void (*Block)(const uint8_t*, float*), int BS, int TS>
+void scalar_dequant_row(const uint8_t* row, float* out, int64_t k) {
+  for (int64_t b = 0; b < k / BS; ++b) Block(row + b * TS, out + b * BS);
+}
+
+template <void (*Block)(const uint8_t*, float*), int BS, int TS>
+void scalar_dot_rows(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* /*xsum16*/,
+                     int64_t /*ldxs*/, int64_t m, float* out, int64_t ldo) {
+  float acc[kMaxDotRows] = {};
+  float w[BS];
+  for (int64_t b = 0; b < k / BS; ++b) {
+    Block(row + b * TS, w);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * ldx + b * BS;
+      float s = 0.f;
+      for (int i = 0; i < BS; ++i) s += w[i] * xr[i];
+      acc[r] += s;
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) out[r * ldo] = acc[r];
+}
+
+template <void (*Block)(const uint8_t*, float*), int BS, int TS>
+constexpr QuantRowOps scalar_row_ops() {
+  return {BS, TS, &scalar_dequant_row<Block, BS, TS>, &scalar_dot_rows<Block, BS, TS>};
+}
+
 }  // namespace srt_cpu

@@ -7,15 +7,9 @@ namespace srt_cpu {
 namespace {
 namespace gs = gguf_simple;
 
-constexpr QuantRowOps kScalarQ4_0{gs::kBlock, gs::kSizeQ4_0,
-                                  &gs::scalar::dequant_row<&gs::scalar::dequant_block_q4_0, gs::kSizeQ4_0>,
-                                  &gs::scalar::dot_rows<&gs::scalar::dequant_block_q4_0, gs::kSizeQ4_0>};
-constexpr QuantRowOps kScalarQ4_1{gs::kBlock, gs::kSizeQ4_1,
-                                  &gs::scalar::dequant_row<&gs::scalar::dequant_block_q4_1, gs::kSizeQ4_1>,
-                                  &gs::scalar::dot_rows<&gs::scalar::dequant_block_q4_1, gs::kSizeQ4_1>};
-constexpr QuantRowOps kScalarQ8_0{gs::kBlock, gs::kSizeQ8_0,
-                                  &gs::scalar::dequant_row<&gs::scalar::dequant_block_q8_0, gs::kSizeQ8_0>,
-                                  &gs::scalar::dot_rows<&gs::scalar::dequant_block_q8_0, gs::kSizeQ8_0>};
+constexpr QuantRowOps kScalarQ4_0 = scalar_row_ops<&gs::scalar::dequant_block_q4_0, gs::kBlock, gs::kSizeQ4_0>();
+constexpr QuantRowOps kScalarQ4_1 = scalar_row_ops<&gs::scalar::dequant_block_q4_1, gs::kBlock, gs::kSizeQ4_1>();
+constexpr QuantRowOps kScalarQ8_0 = scalar_row_ops<&gs::scalar::dequant_block_q8_0, gs::kBlock, gs::kSizeQ8_0>();
 
 #if SRT_CPU_X86
 namespace av = gguf_simple::avx2;

@@ -75,31 +75,6 @@ inline void dequant_block_q8_0(const uint8_t* b, float* out) {
   for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(qs[j]) * d;
 }
 
-template <void (*Block)(const uint8_t*, float*), int TS>
-void dequant_row(const uint8_t* row, float* out, int64_t k) {
-  for (int64_t b = 0; b < k / kBlock; ++b) Block(row + b * TS, out + b * kBlock);
-}
-
-// reference dot: dequantize a block, then a plain float dot per input row
-template <void (*Block)(const uint8_t*, float*), int TS>
-void dot_rows(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* xsum16, int64_t ldxs,
-              int64_t m, float* out, int64_t ldo) {
-  (void)xsum16;
-  (void)ldxs;
-  float acc[kMaxDotRows] = {};
-  float w[kBlock];
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    Block(row + b * TS, w);
-    for (int64_t i = 0; i < m; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      float s = 0.f;
-      for (int j = 0; j < kBlock; ++j) s += w[j] * xb[j];
-      acc[i] += s;
-    }
-  }
-  for (int64_t i = 0; i < m; ++i) out[i * ldo] = acc[i];
-}
-
 }  // namespace scalar
 
 #if SRT_CPU_X86
