@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import cpu_model
+from common import cpu_model, read_bandwidth_gbs
 
 from srt.kernels.cpu import kernel_status, load
 from srt.kernels.cpu.reference import paged_decode_attention_ref
@@ -60,16 +60,6 @@ class Setup:
     seq_lens: torch.Tensor
     q: torch.Tensor  # [bs, H, D]
     kv_bytes: int  # per step
-
-
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
 
 
 _FLUSH = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB

@@ -21,7 +21,6 @@ Protocol (fixed seeds, random GGUF blocks with finite scales):
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if REPO_ROOT not in sys.path:  # run as a script: make `tests` importable
     sys.path.insert(0, REPO_ROOT)
 
+from benchmarks.common import cpu_model, read_bandwidth_gbs  # noqa: E402
 from srt.kernels.cpu import kernel_status, load  # noqa: E402
 from srt.kernels.cpu.gguf import QTYPE_NAMES, dequantize, native_qtypes  # noqa: E402
 from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noqa: E402
@@ -41,17 +41,6 @@ from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noq
 DEFAULT_SHAPES = [("qkv", 960, 576, 3), ("o", 576, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3)]
 DEFAULT_SHAPES += [("lm_head", 49152, 576, 8)]
 SEVEN_B = [("7b_q", 4096, 4096), ("7b_up", 11008, 4096)]
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of torch.sum over a 1 GiB float32 tensor, best of 5."""
-    t = torch.ones(256 * 1024 * 1024)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        t.sum()
-        best = min(best, time.perf_counter() - start)
-    return t.numel() * 4 / best
 
 
 def timeit(fns: list[Callable[[], object]], min_time: float = 0.3, max_reps: int = 200) -> float:
@@ -95,10 +84,8 @@ def main() -> None:
         qs = [3] + [q for q in (12, 14) if q in native_qtypes()]
         shapes += [(name, n, k, q) for name, n, k in SEVEN_B for q in qs]
     cycle = args.cycle_mib << 20
-    bw = read_bandwidth()
-    print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
-    )
+    bw = read_bandwidth_gbs() * 1e9
+    print(f"# {cpu_model()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"# {kernel_status()}")
     print(f"# read bandwidth (torch.sum of 1 GiB f32): {bw / 1e9:.1f} GB/s")
     hdr = f"{'shape':>8} {'N x K':>12} {'type':>5} {'M':>4} {'q ms':>8} {'f32 small':>9} {'f32 onednn':>10}"

@@ -65,7 +65,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `benchmarks` and `tests` importable
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import cpu_model, default_model_dir_and_file  # noqa: E402
+from benchmarks.common import cpu_model, default_model_dir_and_file, read_bandwidth_gbs  # noqa: E402
 from tests.helpers.gguf_models import SHAPES, tensor_plan, write_llama_gguf  # noqa: E402
 
 BENCH_SHAPES: dict[str, dict[str, int]] = {
@@ -77,32 +77,22 @@ GIB = 1 << 30
 
 # ------------------------------------------------------------------------ measurements
 def memory_read_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, Any]:
-    """Read bandwidth (bytes/s) of ``torch.sum`` over a ``gib`` GiB float32 tensor: the best
+    """Read bandwidth (GB/s) of ``torch.sum`` over a ``gib`` GiB float32 tensor: the best
     time of ``repeats`` at one thread and at torch's thread count; the faster is the bound's."""
     import torch
 
     threads = torch.get_num_threads()
-    x = torch.empty(int(gib * GIB) // 4, dtype=torch.float32)
-    x.fill_(1.0)  # touch every page
-    nbytes = x.numel() * 4
     by_threads = {}
     try:
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            x.sum()
-            best = math.inf
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                x.sum()
-                best = min(best, time.perf_counter() - t0)
-            by_threads[n] = nbytes / best / 1e9
+            by_threads[n] = read_bandwidth_gbs(gib, repeats)
     finally:
         torch.set_num_threads(threads)
-    del x
     return {
         "bandwidth_gbs": max(by_threads.values()),
         "bandwidth_gbs_by_threads": by_threads,
-        "bandwidth_tensor_gib": nbytes / GIB,
+        "bandwidth_tensor_gib": gib,
     }
 
 

@@ -222,3 +222,17 @@ def cpu_model() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Memory read bandwidth (GB/s): the best time of ``torch.sum`` over a ``gib`` GiB float32
+    tensor (every page touched first), at torch's current thread count."""
+    import torch
+
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
