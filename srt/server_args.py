@@ -98,6 +98,13 @@ class ServerArgs:
         "setup; torch_native's path when it is not built); torch_native is the reference.",
         list(ATTENTION_BACKENDS),
     )
+    disable_native_decode_layers: bool = _f(
+        False,
+        "Run DECODE steps layer by layer in Python. By default a Llama-family model whose "
+        "projections are all GGUF blocks of a native type (--quantization gguf) decodes through one "
+        "native call for all its layers (same kernels, same results, no per-op overhead); this "
+        "flag is for comparison and debugging.",
+    )
     num_threads: int | None = _f(
         None,
         "torch intra-op threads on CPU (default: one per CPU of --cpu-omp-threads-bind; with nobind, "

@@ -122,6 +122,12 @@ class QuantizedWeight(nn.Module):
         return getattr(self, f"data{i}")
 
     @property
+    def native_blocks(self) -> tuple[torch.Tensor, int] | None:
+        """``(data, qtype)`` when the whole weight is one segment of a type the native ops
+        handle (what ``gguf_linear`` takes), else None."""
+        return self._native
+
+    @property
     def qtypes(self) -> list[int]:
         return [q for _, _, q in self.segments]
 

@@ -80,6 +80,12 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        enable_native = getattr(self.model, "enable_native_decode", None)
+        if enable_native is not None:
+            if server_args.disable_native_decode_layers:
+                logger.info("native decode layers off: --disable-native-decode-layers")
+            else:
+                logger.info(enable_native())
         logger.info(
             "Model loaded in %.1f s: %.1f MiB of weights (%s, quantization %s), process RSS %.1f MiB; "
             "attention %s, linear %s, %d threads",

@@ -32,6 +32,7 @@ from srt.layers.quantized_weight import GGUFTensor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+from srt.models.llama_native import NativeDecodeLayers
 from srt.utils.errors import WeightLoadError
 
 if TYPE_CHECKING:
@@ -168,12 +169,19 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # the layers as one native call for DECODE batches (llama_native.py), once enabled
+        self.native_decode: NativeDecodeLayers | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
         hidden_states = self.embed_tokens(input_ids)
+        if self.native_decode is not None and forward_batch.forward_mode.is_decode():
+            out = self.native_decode.forward(hidden_states, positions, forward_batch)
+            if out is not None:
+                hidden_states, _ = self.norm.forward_with_residual(*out)
+                return hidden_states
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
@@ -222,6 +230,13 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def enable_native_decode(self) -> str:
+        """Run DECODE steps' layers as one native call when the weights allow it
+        (``llama_native.py``); returns one line for the log saying whether and why (not)."""
+        self.model.native_decode, why = NativeDecodeLayers.build(self.model)
+        state = "on" if self.model.native_decode is not None else "off"
+        return f"native decode layers {state}: {why}"
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

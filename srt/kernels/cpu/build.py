@@ -29,6 +29,7 @@ NAME = "srt_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = (
     "decode_attention.cpp",
+    "decode_layers.cpp",
     "elementwise.cpp",
     "gguf_kquant.cpp",
     "gguf_linear.cpp",
@@ -37,6 +38,7 @@ SOURCES = (
     "threads.cpp",
 )  # compiled
 HEADERS = (
+    "cpu_ops.h",
     "decode_attention_kernel.h",
     "elementwise_rows.h",
     "gguf_kquant_rows.h",

@@ -38,6 +38,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #include "vec.h"
 
 namespace srt_cpu {
@@ -280,6 +282,8 @@ void combine_splits(const float* acc, const float* m, const float* l, int64_t fi
   }
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, int64_t split_len,
@@ -388,6 +392,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
   });
   return out;
 }
+
+namespace {
 
 at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, const at::Tensor&, double, int64_t, c10::string_view) {

@@ -17,6 +17,8 @@
 
 #include <algorithm>
 
+#include "cpu_ops.h"
+
 #define SRT_ISA_BODY "elementwise_rows.h"
 #include "isa_instances.h"
 #undef SRT_ISA_BODY
@@ -49,6 +51,8 @@ void check_rows(const at::Tensor& t, const char* name, const char* op) {
   TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D [T, n], got ", t.dim(), "-D");
   TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, "'s last dim must be contiguous");
 }
+
+}  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x", "silu_and_mul");
@@ -114,7 +118,6 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
                    [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
 }
 
-}  // namespace
 }  // namespace srt_cpu
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {

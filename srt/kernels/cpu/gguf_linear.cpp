@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "gguf_quant.h"
 
 namespace srt_cpu {
@@ -352,6 +353,8 @@ void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int
 
 #endif  // SRT_CPU_X86
 
+}  // namespace
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                        const c10::optional<at::Tensor>& bias) {
   const QuantRowOps& ops = ops_or_throw("gguf_linear", qtype);
@@ -402,6 +405,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
   });
   return out;
 }
+
+namespace {
 
 std::vector<int64_t> gguf_qtypes() {
   std::vector<int64_t> out;

@@ -63,6 +63,15 @@ class FusedCPUAttnBackend(TorchNativeAttnBackend):
         self._decode_rows = req_pool_indices.to(device=req_to_token.device, dtype=torch.int64)
         self._decode_lens = torch.tensor(seq_lens, dtype=torch.int64, device=req_to_token.device)
 
+    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(req_to_token, req_pool_indices, seq_lens)`` of the current DECODE batch as the native
+        kernel takes them (what ``srt/models/llama_native.py`` passes to its fused layers), or
+        None when decode runs on the fallback path."""
+        if not self.native or self._req_to_token is None:
+            return None
+        assert self._decode_rows is not None and self._decode_lens is not None
+        return self._req_to_token, self._decode_rows, self._decode_lens
+
     def _decode(
         self,
         q3: torch.Tensor,

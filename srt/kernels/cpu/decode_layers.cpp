@@ -1,0 +1,179 @@
+// torch.classes.srt_cpu.DecodeLayers: the decoder layers of a Llama-family model for one DECODE
+// step, as one native call, so that a single-stream step does not pay Python and dispatcher
+// overhead on each of the dozen ops of every layer (about 5 ms of a 15 ms step for the default
+// model, 30 layers).
+//
+// The object holds the layers' weights (GGUF blocks kept as loaded, norms, biases) once; each
+// step passes the activations and the attention metadata:
+//
+//   forward(hidden [B, h] f32, positions [B] i64, k_buffers, v_buffers (one [S, H_kv, D] per
+//           layer), out_cache_loc [B] i64, req_to_token, req_pool_indices [B], seq_lens [B])
+//       -> (mlp output of the last layer [B, h], residual stream [B, h])
+//
+// which is what srt/models/llama.py's LlamaModel computes layer by layer (the caller adds the two
+// in the final norm). Per layer, in the Python path's order and through the very same kernels
+// (cpu_ops.h), so the result is bit for bit the Python path's:
+//
+//   norm (+ residual) -> qkv (gguf_linear) -> [q/k RMSNorm per head] -> rotary_neox_ ->
+//   k/v stored at out_cache_loc (cast to the pool's dtype) -> paged_decode_attention ->
+//   o (gguf_linear) -> norm + residual -> gate_up -> silu_and_mul -> down
+//
+// The first layer's input norm has no residual to add (residual = the embedding output).
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace srt_cpu {
+namespace {
+
+struct QuantLinear {
+  at::Tensor data;  // uint8 [N, bytes per row]
+  int64_t qtype;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const { return gguf_linear(x, data, qtype, bias); }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  QuantLinear qkv, o, gate_up, down;
+  c10::optional<at::Tensor> q_norm, k_norm;
+};
+
+template <class T>
+void store_rows(const float* src, int64_t src_stride, int64_t B, const int64_t* loc, int64_t heads, int64_t D,
+                T* dst, int64_t s0, int64_t s1) {
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* in = src + b * src_stride + h * D;
+      T* out = dst + loc[b] * s0 + h * s1;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(out, in, D * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(in[d]);  // round to nearest even, as .to()
+      }
+    }
+  }
+}
+
+// buffer[loc[b]] = rows[b] (rows [B, heads * D] float32, any row stride; buffer [S, heads, D])
+void store_kv(const at::Tensor& rows, const at::Tensor& buffer, const at::Tensor& loc) {
+  const int64_t B = rows.size(0), heads = buffer.size(1), D = buffer.size(2), S = buffer.size(0);
+  TORCH_CHECK(rows.size(1) == heads * D, "DecodeLayers: k/v rows of ", rows.size(1), " values for a pool of ", heads,
+              " x ", D);
+  TORCH_CHECK(buffer.stride(2) == 1, "DecodeLayers: the KV buffers need a contiguous last dim");
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] < S, "DecodeLayers: out_cache_loc[", b, "] = ", lp[b], " outside [0, ", S, ")");
+  }
+  const float* src = rows.data_ptr<float>();
+  const int64_t ss = rows.stride(0), s0 = buffer.stride(0), s1 = buffer.stride(1);
+  switch (buffer.scalar_type()) {
+    case at::kFloat: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<float>(), s0, s1); break;
+    case at::kHalf: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::Half>(), s0, s1); break;
+    case at::kBFloat16: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::BFloat16>(), s0, s1); break;
+    default: TORCH_CHECK(false, "DecodeLayers: KV buffers must be float32, float16 or bfloat16, got ", buffer.scalar_type());
+  }
+}
+
+void check_index(const at::Tensor& t, int64_t B, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == B &&
+                  t.is_contiguous(),
+              "DecodeLayers: ", name, " must be a contiguous int64 CPU tensor [", B, "]");
+}
+
+}  // namespace
+
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling,
+               at::Tensor cos_sin)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(eps), scaling_(scaling), cos_sin_(std::move(cos_sin)) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ > 0, "DecodeLayers: bad head shape ", H_, "/", Hkv_,
+                " x ", D_);
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor qkv, int64_t qkv_type,
+                 c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, c10::optional<at::Tensor> o_bias,
+                 at::Tensor gate_up, int64_t gate_up_type, c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 int64_t down_type, c10::optional<at::Tensor> down_bias, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayers: q_norm and k_norm come together");
+    layers_.push_back(Layer{std::move(input_norm),
+                            std::move(post_attention_norm),
+                            {std::move(qkv), qkv_type, std::move(qkv_bias)},
+                            {std::move(o), o_type, std::move(o_bias)},
+                            {std::move(gate_up), gate_up_type, std::move(gate_up_bias)},
+                            {std::move(down), down_type, std::move(down_bias)},
+                            std::move(q_norm),
+                            std::move(k_norm)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& positions,
+                                             const std::vector<at::Tensor>& k_buffers,
+                                             const std::vector<at::Tensor>& v_buffers, const at::Tensor& out_cache_loc,
+                                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                             const at::Tensor& seq_lens) const {
+    const int64_t L = num_layers();
+    TORCH_CHECK(L > 0, "DecodeLayers: no layers");
+    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
+                    hidden.is_contiguous(),
+                "DecodeLayers: hidden must be a contiguous float32 CPU tensor [B, hidden]");
+    TORCH_CHECK(static_cast<int64_t>(k_buffers.size()) == L && static_cast<int64_t>(v_buffers.size()) == L,
+                "DecodeLayers: one K and one V buffer per layer (", L, "), got ", k_buffers.size(), " and ",
+                v_buffers.size());
+    const int64_t B = hidden.size(0), h = hidden.size(1);
+    check_index(positions, B, "positions");
+    check_index(out_cache_loc, B, "out_cache_loc");
+    const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
+
+    at::Tensor residual = hidden;
+    at::Tensor x = at::rms_norm(hidden, {h}, layers_[0].input_norm, eps_);
+    at::Tensor mlp_out;
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& layer = layers_[i];
+      if (i > 0) x = add_rms_norm_(mlp_out, residual, layer.input_norm, eps_);
+      const at::Tensor qkv = layer.qkv(x);
+      at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      if (layer.q_norm.has_value()) {
+        q = at::rms_norm(q.view({B, H_, D_}), {D_}, *layer.q_norm, eps_).view({B, q_size});
+        k = at::rms_norm(k.view({B, Hkv_, D_}), {D_}, *layer.k_norm, eps_).view({B, kv_size});
+      }
+      rotary_neox_(q, k, positions, cos_sin_, D_);
+      store_kv(k, k_buffers[i], out_cache_loc);
+      store_kv(v, v_buffers[i], out_cache_loc);
+      const at::Tensor attn = paged_decode_attention(q.view({B, H_, D_}), k_buffers[i], v_buffers[i], req_to_token,
+                                                     req_pool_indices, seq_lens, scaling_, 0, "");
+      x = add_rms_norm_(layer.o(attn.view({B, q_size})), residual, layer.post_attention_norm, eps_);
+      mlp_out = layer.down(silu_and_mul(layer.gate_up(x)));
+    }
+    return {mlp_out, residual};
+  }
+
+ private:
+  int64_t H_, Hkv_, D_;
+  double eps_, scaling_;
+  at::Tensor cos_sin_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.class_<srt_cpu::DecodeLayers>("DecodeLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
+      .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
+      .def("forward", &srt_cpu::DecodeLayers::forward);
+}

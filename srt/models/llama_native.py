@@ -1,0 +1,107 @@
+"""A Llama-family model's decoder layers for DECODE steps as one native call.
+
+A single-stream decode step of a small model is mostly overhead: the default model's 30 layers
+run about 360 small ops, and between them Python and the dispatcher cost about as much as the
+matmuls (a third of a 15 ms step on a 2-core CPU). ``NativeDecodeLayers`` hands the whole layer
+stack to ``torch.classes.srt_cpu.DecodeLayers`` (srt/kernels/cpu/decode_layers.cpp), which runs
+the same kernels in the same order from C++: its output is bit for bit the Python path's
+(tests/unit/test_native_decode_layers.py).
+
+It applies when every projection of every layer is GGUF blocks of one natively supported type
+(``--quantization gguf``, the default for GGUF models on CPU), activations are float32 on the
+CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``). EXTEND
+and MIXED batches, float32 weights and everything else keep the layer-by-layer Python path.
+``--disable-native-decode-layers`` turns it off.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt.kernels import cpu as cpu_kernels
+from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
+from srt.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+def _blocks(linear: Linear) -> tuple[torch.Tensor, int] | None:
+    return None if linear.qweight is None else linear.qweight.native_blocks
+
+
+class NativeDecodeLayers:
+    """See the module docstring. ``build(model)`` returns ``(instance or None, why)``."""
+
+    def __init__(self, stack: torch.ScriptObject, num_layers: int) -> None:
+        self.stack = stack
+        self.num_layers = num_layers
+
+    @classmethod
+    def build(cls, model: nn.Module) -> tuple[NativeDecodeLayers | None, str]:
+        """``model``: a ``srt.models.llama.LlamaModel`` (its ``layers``, loaded)."""
+        if not (cpu_kernels.native_available() and hasattr(torch.classes.srt_cpu, "DecodeLayers")):
+            return None, f"the native kernels are unavailable ({cpu_kernels.kernel_status()})"
+        layers = list(model.layers)
+        if not layers:
+            return None, "the model has no layers"
+        first = layers[0].self_attn
+        rope = first.rotary_emb
+        if rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.device.type != "cpu":
+            return None, "the rotary cache is not float32 on the CPU"
+        norm_eps = layers[0].input_layernorm.eps
+        stack = torch.classes.srt_cpu.DecodeLayers(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            norm_eps,
+            first.attn.scaling,
+            rope.cos_sin_cache,
+        )
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            blocks = [_blocks(p) for p in projections]
+            if any(b is None for b in blocks):
+                return None, f"layer {i} has a projection that is not one natively supported GGUF type"
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.eps != norm_eps or n.weight.dtype != torch.float32 for n in norms):
+                return None, f"layer {i}'s norms differ from layer 0's (eps or dtype)"
+            if attn.rotary_emb is not rope:
+                return None, f"layer {i} has its own rotary embedding"
+            args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for proj, (data, qtype) in zip(projections, blocks, strict=True):
+                args += [data, qtype, proj.bias]
+            qk = (attn.q_norm, attn.k_norm)
+            args += [None if n is None else n.weight for n in qk]
+            stack.add_layer(*args)
+        return cls(stack, len(layers)), f"{len(layers)} layers in one native call per decode step"
+
+    def forward(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(mlp output, residual)`` after the last layer for a DECODE batch (the caller adds them
+        in the final norm), or None when this batch cannot take the native path."""
+        backend = forward_batch.attn_backend
+        if not isinstance(backend, FusedCPUAttnBackend) or hidden_states.dtype != torch.float32:
+            return None
+        args = backend.native_decode_args()
+        pool = forward_batch.token_to_kv_pool
+        if args is None or pool is None or args[1].numel() != hidden_states.shape[0]:
+            return None
+        req_to_token, rows, lens = args
+        out = self.stack.forward(
+            hidden_states.contiguous(),
+            positions.to(torch.int64).contiguous(),
+            pool.k_buffer,
+            pool.v_buffer,
+            forward_batch.out_cache_loc.to(torch.int64).contiguous(),
+            req_to_token,
+            rows,
+            lens,
+        )
+        return out[0], out[1]

