@@ -14,6 +14,10 @@ A part that arrives as float32 (a tensor type without a kernel, dequantized by t
 becomes a float segment (ggml type 0). Adjacent parts of one type are merged once loading is
 done (``finalize``), so a layer whose parts share a type runs one kernel call.
 
+A weight that is one segment of Q4_0, Q4_1 or Q8_0 is regrouped once, at ``finalize``, into the
+x8 layout (``srt/kernels/cpu/gguf_x8.h``: the same bytes, 8 rows interleaved per block, so a decode
+matmul computes 8 rows per vector); its row lookups unpack the rows they need.
+
 The matmul (``linear``) and the row lookup of an embedding (``rows``) go through
 ``srt.kernels.cpu.gguf``: native kernels that dequantize blocks in registers, or the numpy
 reference when the extension is not built (the loader keeps weights quantized only for the
@@ -63,9 +67,10 @@ class QuantizedWeight(nn.Module):
         self.in_features = in_features
         self._parts: list[tuple[int, int, torch.Tensor]] = []  # (row offset, qtype, data) while loading
         self.segments: list[tuple[int, int, int]] = []  # (row offset, rows, qtype), buffers data0, data1, ...
-        # (data, qtype) of a weight that is one segment of a type with a native kernel: the
-        # decode path calls the op directly (a step runs a few hundred small matmuls)
-        self._native: tuple[torch.Tensor, int] | None = None
+        # (data, qtype, x8 rows or 0) of a weight that is one segment of a type with a native
+        # kernel: the decode path calls the op directly (a step runs a few hundred small matmuls)
+        self._native: tuple[torch.Tensor, int, int] | None = None
+        self.x8_rows = 0  # > 0: data0 holds the x8 layout of that many rows
 
     # ------------------------------------------------------------------ loading
     def add(self, row_offset: int, part: GGUFTensor | torch.Tensor, name: str) -> None:
@@ -116,15 +121,20 @@ class QuantizedWeight(nn.Module):
             self.register_buffer(f"data{i}", data.contiguous(), persistent=False)
             self.segments.append((offset, data.shape[0], qtype))
         if len(self.segments) == 1 and self.segments[0][2] in gguf_kernels.native_qtypes():
-            self._native = (self._data(0), self.segments[0][2])
+            qtype = self.segments[0][2]
+            if qtype in gguf_kernels.x8_qtypes():
+                self.register_buffer("data0", gguf_kernels.pack_x8(self._data(0), qtype), persistent=False)
+                self.x8_rows = self.out_features
+            self._native = (self._data(0), qtype, self.x8_rows)
 
     def _data(self, i: int) -> torch.Tensor:
         return getattr(self, f"data{i}")
 
     @property
-    def native_blocks(self) -> tuple[torch.Tensor, int] | None:
-        """``(data, qtype)`` when the whole weight is one segment of a type the native ops
-        handle (what ``gguf_linear`` takes), else None."""
+    def native_blocks(self) -> tuple[torch.Tensor, int, int] | None:
+        """``(data, qtype, x8_rows)`` when the whole weight is one segment of a type the native
+        ops handle (``gguf_linear(x, data, qtype)``, or ``gguf_linear_x8(x, data, qtype, x8_rows)``
+        when ``x8_rows`` > 0), else None."""
         return self._native
 
     @property
@@ -135,7 +145,10 @@ class QuantizedWeight(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return torch.ops.srt_cpu.gguf_linear(x, self._native[0], self._native[1], bias)
+            data, qtype, x8_rows = self._native
+            if x8_rows:
+                return torch.ops.srt_cpu.gguf_linear_x8(x, data, qtype, x8_rows, bias)
+            return torch.ops.srt_cpu.gguf_linear(x, data, qtype, bias)
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
@@ -151,6 +164,8 @@ class QuantizedWeight(nn.Module):
         qtype = self.segments[i][2]
         if qtype == F32_TYPE:
             return F.linear(x2, self._data(i), bias)
+        if self.x8_rows:
+            return gguf_kernels.quant_linear_x8(x2, self._data(i), qtype, self.x8_rows, bias)
         return gguf_kernels.quant_linear(x2, self._data(i), qtype, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -159,7 +174,10 @@ class QuantizedWeight(nn.Module):
         if len(self.segments) != 1:
             return self.dequantize().index_select(0, flat).view(*ids.shape, self.in_features)
         qtype, data = self.segments[0][2], self._data(0)
-        picked = data.index_select(0, flat)
+        if self.x8_rows:
+            picked = gguf_kernels.unpack_x8(data, qtype, self.x8_rows, self.in_features, flat)
+        else:
+            picked = data.index_select(0, flat)
         out = picked if qtype == F32_TYPE else gguf_kernels.dequantize(picked, qtype, self.in_features)
         return out.view(*ids.shape, self.in_features)
 
@@ -168,6 +186,8 @@ class QuantizedWeight(nn.Module):
         parts = []
         for i, (_, _, qtype) in enumerate(self.segments):
             data = self._data(i)
+            if self.x8_rows:
+                data = gguf_kernels.unpack_x8(data, qtype, self.x8_rows, self.in_features)
             parts.append(
                 data if qtype == F32_TYPE else gguf_kernels.dequantize(data, qtype, self.in_features)
             )

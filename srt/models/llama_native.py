@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
 
 
-def _blocks(linear: Linear) -> tuple[torch.Tensor, int] | None:
+def _blocks(linear: Linear) -> tuple[torch.Tensor, int, int] | None:
     return None if linear.qweight is None else linear.qweight.native_blocks
 
 
@@ -74,8 +74,8 @@ class NativeDecodeLayers:
             if attn.rotary_emb is not rope:
                 return None, f"layer {i} has its own rotary embedding"
             args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for proj, (data, qtype) in zip(projections, blocks, strict=True):
-                args += [data, qtype, proj.bias]
+            for proj, (data, qtype, x8_rows) in zip(projections, blocks, strict=True):
+                args += [data, qtype, x8_rows, proj.bias]
             qk = (attn.q_norm, attn.k_norm)
             args += [None if n is None else n.weight for n in qk]
             stack.add_layer(*args)

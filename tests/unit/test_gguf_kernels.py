@@ -248,6 +248,9 @@ for q in gguf.native_qtypes():
     for m in (1, 7, 64):
         x = torch.randn(m, k)
         assert_close_to_matmul(torch.ops.srt_cpu.gguf_linear(x, data, q, None), x, ref, None)
+        if q in gguf.x8_qtypes():
+            packed = gguf.pack_x8(data, q)
+            assert_close_to_matmul(gguf.quant_linear_x8(x, packed, q, 37), x, ref, None)
 print("ok", sorted(gguf.native_qtypes()))
 """
 
@@ -260,3 +263,84 @@ def test_scalar_fallback_row_functions():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("ok")
+
+
+# ---------------------------------------------------------------- the x8 layout (gguf_x8.h)
+needs_x8 = pytest.mark.skipif(set(SIMPLE) - gguf.x8_qtypes(), reason="x8 ops not built")
+
+
+@needs_x8
+@pytest.mark.parametrize("qtype", SIMPLE)
+@pytest.mark.parametrize("n", [1, 8, 13, 67])
+def test_x8_pack_matches_reference_and_unpacks(qtype, n):
+    k = 96
+    data = random_blocks(n, k, qtype, seed=n)
+    packed = gguf.pack_x8(data, qtype)
+    assert packed.shape == ((n + 7) // 8, 8 * data.shape[1])
+    assert torch.equal(packed, gguf.pack_x8_ref(data, qtype))
+    assert torch.equal(gguf.unpack_x8(packed, qtype, n, k), data)
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(gguf.unpack_x8(packed, qtype, n, k, ids), data[ids])
+    # same bytes as the file's, but for the zero rows padding the last group
+    assert packed.numel() - data.numel() == ((n + 7) // 8 * 8 - n) * data.shape[1]
+
+
+def test_x8_reference_layout():
+    """The documented layout, spelled out for one Q4_1 block: fields side by side, codes interleaved."""
+    data = torch.arange(2 * 20, dtype=torch.uint8).view(2, 20)  # rows 0, 1: d, m, 16 code bytes
+    rec = gguf.pack_x8_ref(data, 3)[0]
+    assert rec.numel() == 160
+    assert rec[0:4].tolist() == [0, 1, 20, 21] and rec[4:16].eq(0).all()  # d of rows 0, 1
+    assert rec[16:20].tolist() == [2, 3, 22, 23]  # m of rows 0, 1
+    assert rec[32:34].tolist() == [4, 24] and rec[40:42].tolist() == [5, 25]  # code byte j at 32 + 8 j + r
+
+
+@needs_x8
+@pytest.mark.parametrize("qtype", SIMPLE)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 12, 13, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_x8_linear_matches_dequantized_matmul(qtype, m, with_bias):
+    k, n = cols_for(qtype), 67
+    data = random_blocks(n, k, qtype, seed=m + 100)
+    packed = gguf.pack_x8(data, qtype)
+    w = gguf.dequantize_ref(data, qtype, k)
+    x = torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    out = gguf.quant_linear_x8(x, packed, qtype, n, bias)
+    assert out.shape == (m, n)
+    assert_close_to_matmul(out, x, w, bias)
+    if m >= 13:  # both GEMMs: the same dequantized weights, each sum in k order: the same bits
+        assert torch.equal(out, torch.ops.srt_cpu.gguf_linear(x, data, qtype, bias))
+
+
+@needs_x8
+@pytest.mark.parametrize("qtype", SIMPLE)
+@pytest.mark.parametrize("m", [1, 3, 7, 64])
+def test_x8_linear_independent_of_thread_count(qtype, m):
+    k, n = 768, 301
+    packed = gguf.pack_x8(random_blocks(n, k, qtype), qtype)
+    x = torch.randn(m, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf.quant_linear_x8(x, packed, qtype, n)
+        torch.set_num_threads(2)
+        two = gguf.quant_linear_x8(x, packed, qtype, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_x8
+def test_x8_errors():
+    data = random_blocks(9, 64, 3)
+    packed = gguf.pack_x8(data, 3)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="no x8 layout"):
+        torch.ops.srt_cpu.gguf_pack_x8(random_blocks(4, 256, 12), 12)
+    with pytest.raises(RuntimeError, match=r"17 rows of 64 weights pack into \[3, 320\], got \[2, 320\]"):
+        gguf.quant_linear_x8(x, packed, 3, 17)
+    with pytest.raises(RuntimeError, match="outside"):
+        gguf.unpack_x8(packed, 3, 9, 64, torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        gguf.quant_linear_x8(x, packed, 3, 9, torch.randn(8))

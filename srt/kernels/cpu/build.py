@@ -44,6 +44,7 @@ HEADERS = (
     "gguf_kquant_rows.h",
     "gguf_quant.h",
     "gguf_simple_rows.h",
+    "gguf_x8.h",
     "isa_instances.h",
     "small_linear_rows.h",
     "vec.h",

@@ -35,11 +35,14 @@ namespace srt_cpu {
 namespace {
 
 struct QuantLinear {
-  at::Tensor data;  // uint8 [N, bytes per row]
+  at::Tensor data;  // uint8 [N, bytes per row], or x8 groups (gguf_x8.h) when x8_rows > 0
   int64_t qtype;
+  int64_t x8_rows;  // N of an x8-packed weight, 0 for GGUF rows
   c10::optional<at::Tensor> bias;
 
-  at::Tensor operator()(const at::Tensor& x) const { return gguf_linear(x, data, qtype, bias); }
+  at::Tensor operator()(const at::Tensor& x) const {
+    return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
+  }
 };
 
 struct Layer {
@@ -101,18 +104,20 @@ class DecodeLayers : public torch::CustomClassHolder {
                 " x ", D_);
   }
 
+  // each projection: (data, qtype, x8 rows or 0, bias); see QuantLinear
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor qkv, int64_t qkv_type,
-                 c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, c10::optional<at::Tensor> o_bias,
-                 at::Tensor gate_up, int64_t gate_up_type, c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
-                 int64_t down_type, c10::optional<at::Tensor> down_bias, c10::optional<at::Tensor> q_norm,
+                 int64_t qkv_x8, c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, int64_t o_x8,
+                 c10::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type, int64_t gate_up_x8,
+                 c10::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type, int64_t down_x8,
+                 c10::optional<at::Tensor> down_bias, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayers: q_norm and k_norm come together");
     layers_.push_back(Layer{std::move(input_norm),
                             std::move(post_attention_norm),
-                            {std::move(qkv), qkv_type, std::move(qkv_bias)},
-                            {std::move(o), o_type, std::move(o_bias)},
-                            {std::move(gate_up), gate_up_type, std::move(gate_up_bias)},
-                            {std::move(down), down_type, std::move(down_bias)},
+                            {std::move(qkv), qkv_type, qkv_x8, std::move(qkv_bias)},
+                            {std::move(o), o_type, o_x8, std::move(o_bias)},
+                            {std::move(gate_up), gate_up_type, gate_up_x8, std::move(gate_up_bias)},
+                            {std::move(down), down_type, down_x8, std::move(down_bias)},
                             std::move(q_norm),
                             std::move(k_norm)});
   }

@@ -35,14 +35,24 @@ __all__ = [
     "dequantize",
     "dequantize_ref",
     "native_qtypes",
+    "pack_x8",
+    "pack_x8_ref",
     "quant_linear",
     "quant_linear_ref",
+    "quant_linear_x8",
+    "unpack_x8",
+    "x8_qtypes",
 ]
 
 # the types with native kernels (ggml type id -> name)
 QTYPE_NAMES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 _native: frozenset[int] | None = None  # cached once the library is loaded (it stays loaded)
+
+# The x8 layout (gguf_x8.h): header bytes (2-byte fields) and code bytes per block of the types
+# that have it. Rows go 8 to a group; per block, the 8 rows' header fields side by side, then
+# code byte j of row r at 8 * header + 8 j + r; a group is 8 * bpr bytes (zero rows pad the last).
+X8_BLOCK_PARTS: dict[int, tuple[int, int]] = {2: (2, 16), 3: (4, 16), 8: (2, 32)}
 
 
 def block_info(qtype: int) -> tuple[int, int]:
@@ -109,3 +119,45 @@ def quant_linear(
         out = torch.ops.srt_cpu.gguf_linear(x2, data, qtype, bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     return quant_linear_ref(x, data, qtype, bias)
+
+
+# ------------------------------------------------------------------ x8 layout
+def x8_qtypes() -> frozenset[int]:
+    """The types the native ops can keep in the x8 layout (decode matmuls 8 rows per vector)."""
+    if not _op_registered("gguf_linear_x8"):
+        return frozenset()
+    return native_qtypes() & frozenset(X8_BLOCK_PARTS)
+
+
+def pack_x8_ref(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF rows uint8 [N, bpr] -> x8 groups uint8 [ceil(N / 8), 8 * bpr] (pure torch)."""
+    header, codes = X8_BLOCK_PARTS[qtype]
+    n, bpr = data.shape
+    ts = header + codes
+    nb, groups = bpr // ts, (n + 7) // 8
+    rows = torch.zeros(groups * 8, bpr, dtype=torch.uint8)
+    rows[:n] = data
+    blocks = rows.view(groups, 8, nb, ts)
+    head = blocks[..., :header].reshape(groups, 8, nb, header // 2, 2).permute(0, 2, 3, 1, 4)
+    code = blocks[..., header:].permute(0, 2, 3, 1)  # [G, nb, codes, 8]
+    rec = torch.cat((head.reshape(groups, nb, -1), code.reshape(groups, nb, -1)), dim=2)
+    return rec.reshape(groups, 8 * bpr).contiguous()
+
+
+def pack_x8(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    return torch.ops.srt_cpu.gguf_pack_x8(data.contiguous(), qtype)
+
+
+def unpack_x8(
+    packed: torch.Tensor, qtype: int, rows: int, cols: int, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GGUF rows ``ids`` (all when None) of an x8-packed weight of ``rows`` x ``cols``."""
+    return torch.ops.srt_cpu.gguf_unpack_x8(packed, qtype, rows, cols, ids)
+
+
+def quant_linear_x8(
+    x: torch.Tensor, packed: torch.Tensor, qtype: int, rows: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``quant_linear`` on an x8-packed weight of ``rows`` rows: x [M, K] float32 -> [M, rows]."""
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    return torch.ops.srt_cpu.gguf_linear_x8(x2, packed, qtype, rows, bias)

@@ -26,6 +26,7 @@
 
 #include "cpu_ops.h"
 #include "gguf_quant.h"
+#include "gguf_x8.h"
 
 namespace srt_cpu {
 namespace {
@@ -408,6 +409,154 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 
 namespace {
 
+// ---------------------------------------------------------------- the x8 layout (gguf_x8.h)
+const x8::Layout& x8_layout_or_throw(const char* op, int64_t qtype) {
+  const x8::Layout* layout = x8::layout(qtype);
+  TORCH_CHECK(layout != nullptr, op, ": ggml type ", qtype, " has no x8 layout (Q4_0, Q4_1 and Q8_0 do)");
+  return *layout;
+}
+
+// packed: uint8 [ceil(rows / 8), 8 * bpr] for `rows` rows of `cols` weights
+int64_t check_packed(const char* op, const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols) {
+  const x8::Layout& layout = x8_layout_or_throw(op, qtype);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              op, ": packed must be a contiguous uint8 CPU tensor [groups, bytes]");
+  TORCH_CHECK(cols > 0 && cols % x8::kBlock == 0, op, ": the row length ", cols, " must be a positive multiple of 32");
+  const int64_t bpr = cols / x8::kBlock * layout.type_size();
+  TORCH_CHECK(rows >= 0 && packed.size(0) == (rows + x8::kRows - 1) / x8::kRows && packed.size(1) == x8::kRows * bpr,
+              op, ": ", rows, " rows of ", cols, " weights pack into [", (rows + x8::kRows - 1) / x8::kRows, ", ",
+              x8::kRows * bpr, "], got ", packed.sizes());
+  return bpr;
+}
+
+at::Tensor gguf_pack_x8(const at::Tensor& data, int64_t qtype) {
+  const x8::Layout& layout = x8_layout_or_throw("gguf_pack_x8", qtype);
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "gguf_pack_x8: data must be a contiguous uint8 CPU tensor [rows, bytes_per_row]");
+  const int64_t rows = data.size(0), bpr = data.size(1);
+  TORCH_CHECK(bpr > 0 && bpr % layout.type_size() == 0, "gguf_pack_x8: rows of ", bpr,
+              " bytes are not whole blocks of ", layout.type_size());
+  const int64_t groups = (rows + x8::kRows - 1) / x8::kRows;
+  at::Tensor out = at::empty({groups, x8::kRows * bpr}, data.options());
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t count = std::min(x8::kRows, rows - g * x8::kRows);
+      x8::pack_group(layout, dp + g * x8::kRows * bpr, count, bpr, op + g * x8::kRows * bpr);
+    }
+  });
+  return out;
+}
+
+// rows `ids` (int64 [R]; all rows when undefined) of an x8-packed weight, in GGUF layout [R, bpr]
+at::Tensor gguf_unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols,
+                          const c10::optional<at::Tensor>& ids) {
+  const int64_t bpr = check_packed("gguf_unpack_x8", packed, qtype, rows, cols);
+  const x8::Layout& layout = *x8::layout(qtype);
+  at::Tensor idx = ids.has_value() && ids->defined() ? ids->to(at::kLong).contiguous().view(-1)
+                                                     : at::arange(rows, packed.options().dtype(at::kLong));
+  const int64_t R = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "gguf_unpack_x8: row ", ip[i], " outside [0, ", rows, ")");
+  }
+  at::Tensor out = at::empty({R, bpr}, packed.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = ip[i] / x8::kRows;
+      x8::unpack_rows(layout, pp + g * x8::kRows * bpr, bpr, ip[i] % x8::kRows, 1, op + i * bpr);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
+                          const c10::optional<at::Tensor>& bias) {
+  const QuantRowOps& ops = ops_or_throw("gguf_linear_x8", qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "gguf_linear_x8: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "gguf_linear_x8: x's last dim must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = rows;
+  const int64_t bpr = check_packed("gguf_linear_x8", packed, qtype, rows, K);
+  const x8::Layout& layout = *x8::layout(qtype);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "gguf_linear_x8: bias must be a contiguous float32 tensor of ", N, " elements");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t groups = packed.size(0), gbytes = x8::kRows * bpr, nb = K / x8::kBlock;
+  const bool vector = gguf_isa() != CpuIsa::kScalar;
+  // rows [8 g, 8 g + count) in GGUF layout, unpacked into buf
+  auto unpack = [&](int64_t g, int64_t count, std::vector<uint8_t>& buf) {
+    buf.resize(static_cast<size_t>(count * bpr));
+    for (int64_t r = 0; r < count; r += x8::kRows) {
+      const uint8_t* group = pp + (g + r / x8::kRows) * gbytes;
+      const int64_t n = std::min(x8::kRows, count - r);
+#if SRT_CPU_X86
+      if (vector) {
+        x8::unpack_group(layout, group, bpr, n, buf.data() + r * bpr);
+        continue;
+      }
+#endif
+      x8::unpack_rows(layout, group, bpr, 0, n, buf.data() + r * bpr);
+    }
+    return buf.data();
+  };
+
+#if SRT_CPU_X86
+  if (vector) {
+    if (M < gemm_m_limit()) {  // decode: 8 rows per lane set, straight from the packed bytes
+      std::vector<float> xs(static_cast<size_t>(M * nb));
+      x8::block_sums(xp, ldx, M, nb, xs.data());
+      const x8::DotGroupFn dot = x8::dot_group_fn(qtype);
+      at::parallel_for(0, groups, std::max<int64_t>(1, 64 * 1024 / gbytes), [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t n = g * x8::kRows, valid = std::min(x8::kRows, N - n);
+          for (int64_t i = 0; i < M; i += kMaxDotRows) {
+            dot(pp + g * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, std::min(kMaxDotRows, M - i),
+                op + i * N + n, N, bp != nullptr ? bp + n : nullptr, valid);
+          }
+        }
+      });
+      return out;
+    }
+    // prefill, big batches: pairs of groups dequantized (lane = row) and multiplied with all of x
+    const x8::GemmPairsFn gemm = x8::gemm_pairs_fn(qtype);
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      gemm(pp, gbytes, groups, nb, xp, ldx, M, bp, op, N, p0, p1);
+    });
+    return out;
+  }
+#endif
+  std::vector<float> xs(static_cast<size_t>(M * (K / 16)));
+  row_sums16(xp, ldx, M, K, xs.data());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> buf;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = g * x8::kRows, count = std::min(x8::kRows, N - n);
+      linear_rows_dot(ops, unpack(g, count, buf), bpr, K, xp, ldx, xs.data(), M, bp != nullptr ? bp + n : nullptr,
+                      op + n, N, 0, count);
+    }
+  });
+  return out;
+}
+
+namespace {
+
 std::vector<int64_t> gguf_qtypes() {
   std::vector<int64_t> out;
   for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
@@ -423,9 +572,15 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("gguf_dequantize(Tensor data, int qtype, int cols) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
   m.def("gguf_qtypes() -> int[]", &srt_cpu::gguf_qtypes);
+  m.def("gguf_pack_x8(Tensor data, int qtype) -> Tensor");
+  m.def("gguf_unpack_x8(Tensor packed, int qtype, int rows, int cols, Tensor? ids=None) -> Tensor");
+  m.def("gguf_linear_x8(Tensor x, Tensor packed, int qtype, int rows, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("gguf_dequantize", &srt_cpu::gguf_dequantize);
   m.impl("gguf_linear", &srt_cpu::gguf_linear);
+  m.impl("gguf_pack_x8", &srt_cpu::gguf_pack_x8);
+  m.impl("gguf_unpack_x8", &srt_cpu::gguf_unpack_x8);
+  m.impl("gguf_linear_x8", &srt_cpu::gguf_linear_x8);
 }
