@@ -12,10 +12,13 @@ Protocol (fixed seeds, random GGUF blocks with finite scales):
     the fastest of repeated calls after a warm-up (on a shared machine the median catches other
     processes' time slices; the weight copies keep every call reading from DRAM);
   * bound (M = 1): quantized weight bytes / the read bandwidth measured in this run (``torch.sum``
-    of a 1 GiB float32 tensor, best of 5); ``GB/s`` is the weight bytes over q's time.
+    of a 1 GiB float32 tensor, best of 5); ``GB/s`` is the weight bytes over q's time;
+  * ``--q8a``: also (d) ``q8a``: ``gguf_linear_q8a`` (activations quantized to int8 blocks, integer
+    dot products) on the same weight copies, and ``q/q8a``, gguf_linear's time over q8a's
+    (``--no-f32`` skips (b) and (c)).
 
     python benchmarks/bench_gguf_linear.py [--ms 1,4,8,16,32,64,300] [--shapes default,7b]
-        [--threads N] [--cycle-mib 96]
+        [--threads N] [--cycle-mib 96] [--q8a] [--no-f32]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ if REPO_ROOT not in sys.path:  # run as a script: make `tests` importable
 
 from benchmarks.common import cpu_model, read_bandwidth_gbs  # noqa: E402
 from srt.kernels.cpu import kernel_status, load  # noqa: E402
-from srt.kernels.cpu.gguf import QTYPE_NAMES, dequantize, native_qtypes  # noqa: E402
+from srt.kernels.cpu.gguf import QTYPE_NAMES, dequantize, native_qtypes, q8a_qtypes  # noqa: E402
 from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noqa: E402
 
 DEFAULT_SHAPES = [("qkv", 960, 576, 3), ("o", 576, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3)]
@@ -70,12 +73,16 @@ def main() -> None:
     ap.add_argument("--shapes", default="default,7b")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cycle-mib", type=int, default=96)
+    ap.add_argument("--q8a", action="store_true", help="also time gguf_linear_q8a (int8 activations)")
+    ap.add_argument("--no-f32", action="store_true", help="skip the float32 baselines (b) and (c)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     load()
     if not {2, 3, 8} <= native_qtypes():
         raise SystemExit(f"native gguf ops unavailable: {kernel_status()}")
+    if args.q8a and not q8a_qtypes():
+        raise SystemExit(f"gguf_linear_q8a unavailable: {kernel_status()}")
     ms = [int(m) for m in args.ms.split(",")]
     shapes = []
     if "default" in args.shapes:
@@ -89,31 +96,39 @@ def main() -> None:
     print(f"# {kernel_status()}")
     print(f"# read bandwidth (torch.sum of 1 GiB f32): {bw / 1e9:.1f} GB/s")
     hdr = f"{'shape':>8} {'N x K':>12} {'type':>5} {'M':>4} {'q ms':>8} {'f32 small':>9} {'f32 onednn':>10}"
-    print(hdr + f" {'q/onednn':>8} {'GB/s':>6} {'bound ms':>8}")
+    hdr += f" {'q/onednn':>8} {'GB/s':>6} {'bound ms':>8}"
+    print(hdr + (f" {'q8a ms':>8} {'q/q8a':>6} {'q8a GB/s':>8}" if args.q8a else ""))
     for name, n, k, q in shapes:
         data = random_blocks(n, k, q)
         w = dequantize(data, q, k)
         qcopies = [data.clone() for _ in range(copies(data.numel(), cycle))]
-        fcopies = [w.clone() for _ in range(copies(w.numel() * 4, cycle))]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(c, 32) for c in fcopies]
-        del fcopies[1:]
+        packed = []
+        if not args.no_f32:
+            fcopies = [w.clone() for _ in range(copies(w.numel() * 4, cycle))]
+            packed = [torch.ops.mkldnn._reorder_linear_weight(c, 32) for c in fcopies]
+            del fcopies
         for m in ms:
             x = torch.randn(m, k)
             tq = timeit([partial(torch.ops.srt_cpu.gguf_linear, x, d, q, None) for d in qcopies])
-            ts = float("nan")
-            if m <= 16:
+            ts = to = float("nan")
+            if m <= 16 and packed:
                 fc = [w.clone() for _ in range(len(packed))]
                 ts = timeit([partial(torch.ops.srt_cpu.small_batch_linear, x, c, None) for c in fc])
                 del fc
-            to = timeit(
-                [partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed]
-            )
+            if packed:
+                to = timeit(
+                    [partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed]
+                )
             gbs = data.numel() / tq / 1e9
             bound = data.numel() / bw * 1e3
-            print(
+            line = (
                 f"{name:>8} {f'{n}x{k}':>12} {QTYPE_NAMES[q]:>5} {m:>4} {tq * 1e3:8.3f} {ts * 1e3:9.3f}"
                 f" {to * 1e3:10.3f} {tq / to:8.2f} {gbs:6.1f} {bound:8.3f}"
             )
+            if args.q8a:
+                t8 = timeit([partial(torch.ops.srt_cpu.gguf_linear_q8a, x, d, q, None) for d in qcopies])
+                line += f" {t8 * 1e3:8.3f} {tq / t8:6.2f} {data.numel() / t8 / 1e9:8.1f}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,12 @@ class ServerArgs:
         "--dtype at load. auto = gguf for a GGUF model on CPU in float32, else none.",
         ["auto", "gguf", "none"],
     )
+    enable_int8_activations: bool = _f(
+        False,
+        "With --quantization gguf: quantize activations to int8 per block of 32 for matmuls of at "
+        "most 8 rows (decode) and take integer dot products, as llama.cpp does. Faster single-stream "
+        "decode; changes numerics (outputs are no longer those of the float32 model), so off by default.",
+    )
     dtype: str = _f(
         "auto",
         "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
@@ -190,6 +196,11 @@ class ServerArgs:
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"
         a.quantization = _resolve_quantization(a)
+        if a.enable_int8_activations and a.quantization != "gguf":
+            raise ConfigError(
+                "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
+                f"got --quantization {a.quantization}."
+            )
         if a.json_model_override_args:
             try:
                 json.loads(a.json_model_override_args)

@@ -36,6 +36,8 @@ from srt.kernels.cpu import gguf as gguf_kernels
 from srt.utils.errors import WeightLoadError
 
 F32_TYPE = 0  # ggml's type id of float32
+# int8 activations pay off up to about 8 rows (bench_gguf_linear --q8a); above, the float32 paths
+INT8_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class QuantizedWeight(nn.Module):
         # kernel: the decode path calls the op directly (a step runs a few hundred small matmuls)
         self._native: tuple[torch.Tensor, int, int] | None = None
         self.x8_rows = 0  # > 0: data0 holds the x8 layout of that many rows
+        self.int8_max_rows = 0  # > 0: matmuls of at most that many rows quantize x to int8
 
     # ------------------------------------------------------------------ loading
     def add(self, row_offset: int, part: GGUFTensor | torch.Tensor, name: str) -> None:
@@ -130,6 +133,21 @@ class QuantizedWeight(nn.Module):
     def _data(self, i: int) -> torch.Tensor:
         return getattr(self, f"data{i}")
 
+    def use_int8_activations(self, max_rows: int = INT8_MAX_ROWS) -> None:
+        """From now on, matmuls of at most ``max_rows`` rows quantize x to int8 per block of 32
+        (``gguf_linear_q8a``; changes numerics). Its kernels read the GGUF layout, so an x8-packed
+        weight is unpacked back."""
+        if self._native is None or self.segments[0][2] not in gguf_kernels.q8a_qtypes():
+            return
+        data, qtype, x8_rows = self._native
+        if x8_rows:
+            self.register_buffer(
+                "data0", gguf_kernels.unpack_x8(data, qtype, x8_rows, self.in_features), persistent=False
+            )
+            self.x8_rows = 0
+        self._native = (self._data(0), qtype, 0)
+        self.int8_max_rows = max_rows
+
     @property
     def native_blocks(self) -> tuple[torch.Tensor, int, int] | None:
         """``(data, qtype, x8_rows)`` when the whole weight is one segment of a type the native
@@ -146,6 +164,8 @@ class QuantizedWeight(nn.Module):
         """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
             data, qtype, x8_rows = self._native
+            if x.shape[0] <= self.int8_max_rows:
+                return torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype, bias)
             if x8_rows:
                 return torch.ops.srt_cpu.gguf_linear_x8(x, data, qtype, x8_rows, bias)
             return torch.ops.srt_cpu.gguf_linear(x, data, qtype, bias)
@@ -164,6 +184,8 @@ class QuantizedWeight(nn.Module):
         qtype = self.segments[i][2]
         if qtype == F32_TYPE:
             return F.linear(x2, self._data(i), bias)
+        if x2.shape[0] <= self.int8_max_rows:
+            return gguf_kernels.quant_linear_q8a(x2, self._data(i), qtype, bias)
         if self.x8_rows:
             return gguf_kernels.quant_linear_x8(x2, self._data(i), qtype, self.x8_rows, bias)
         return gguf_kernels.quant_linear(x2, self._data(i), qtype, bias)

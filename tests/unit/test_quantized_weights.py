@@ -46,6 +46,9 @@ def test_quantization_flag_resolution():
         ServerArgs(device="cpu", model_path="hf_dir", quantization="gguf").resolve()
     with pytest.raises(ConfigError, match="--quantization gguf runs on CPU"):
         ServerArgs(device="cpu", dtype="bfloat16", quantization="gguf").resolve()
+    assert ServerArgs(device="cpu", enable_int8_activations=True).resolve().enable_int8_activations
+    with pytest.raises(ConfigError, match="--enable-int8-activations needs GGUF weights kept quantized"):
+        ServerArgs(device="cpu", quantization="none", enable_int8_activations=True).resolve()
 
 
 # ---------------------------------------------------------------- layers
@@ -169,3 +172,57 @@ def test_without_kernels_a_model_too_big_for_float32_is_refused(tmp_path, monkey
     monkeypatch.setattr(pool_size, "available_cpu_memory", lambda: 10_000)
     with pytest.raises(ConfigError, match="native GGUF kernels are unavailable"):
         get_model(ModelConfig(path), quantization="gguf")
+
+
+@pytest.mark.skipif(not {3, 8} <= gguf_kernels.q8a_qtypes(), reason="int8-activation kernels not built")
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_int8_activations_switch_small_batches_to_the_int8_kernel(qtype):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 96, generator=gen)
+    part = _quantized(w, qtype)
+    qw = QuantizedWeight(40, 96)
+    qw.add(0, part, "w")
+    qw.finalize()
+    assert qw.x8_rows == 40  # decode layout for float32 activations
+    x = torch.randn(12, 96, generator=gen)
+    float_out = qw.linear(x)
+    qw.use_int8_activations(max_rows=8)
+    assert qw.x8_rows == 0 and torch.equal(qw.native_blocks[0], part.data)  # back to the file's layout
+    small = qw.linear(x[:8])
+    assert torch.equal(small, torch.ops.srt_cpu.gguf_linear_q8a(x[:8], part.data, qtype, None))
+    assert not torch.equal(small, float_out[:8])  # int8 rounding changed it ...
+    torch.testing.assert_close(
+        small, float_out[:8], rtol=0, atol=0.05 * float_out.abs().max().item()
+    )  # ... a little
+    assert torch.equal(
+        qw.linear(x), torch.ops.srt_cpu.gguf_linear(x, part.data, qtype, None)
+    )  # 12 rows: float32
+    assert torch.equal(qw.rows(torch.tensor([3, 39])), _dequantized(part)[[3, 39]])
+
+
+@needs_default_model
+def test_default_model_int8_activations_stay_close():
+    """llama.cpp's numerics: not the float32 model's logits, but near them. Rows of at most 8 tokens
+    run every matmul in int8; the first tokens of a sequence carry the largest activation outliers,
+    the worst case for per-block int8 (measured: 4e-3 to 0.35 of the logits' norm, the top token
+    the same in 16 of 18 rows)."""
+    if not {3, 8} <= gguf_kernels.q8a_qtypes():
+        pytest.skip("int8-activation kernels not built")
+    mc = ModelConfig(resolve_model_path(None))
+    model = get_model(mc, quantization="gguf")
+    int8 = get_model(mc, quantization="gguf", int8_activations=True)
+    assert all(m.int8_max_rows == 8 for m in int8.modules() if isinstance(m, QuantizedWeight))
+    seqs = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 107)), [9, 8, 7, 6, 5, 4, 3]]
+    same_top, rows = 0, 0
+    with torch.inference_mode():
+        for i in range(6):  # 3 x (i + 1) tokens: the layers take int8 while that is <= 8
+            fb = extend_batch([s[: i + 1] for s in seqs])
+            got = int8(fb.input_ids, fb.positions, fb).next_token_logits
+            want = model(fb.input_ids, fb.positions, fb).next_token_logits
+            assert not torch.equal(got, want)  # 3 rows of logits: the LM head always takes int8
+            assert (got - want).norm() < 0.5 * want.norm()
+            same_top += int((got.argmax(-1) == want.argmax(-1)).sum())
+            rows += got.shape[0]
+    assert same_top >= 0.8 * rows, (same_top, rows)
+    with pytest.raises(ConfigError, match="int8 activations need GGUF weights kept quantized"):
+        get_model(mc, quantization="none", int8_activations=True)

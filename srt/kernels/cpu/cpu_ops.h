@@ -26,6 +26,9 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
 // gguf_linear.cpp
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                        const c10::optional<at::Tensor>& bias);
+// gguf_q8act.cpp: x quantized to int8 per block of 32 first (numerics in gguf.py)
+at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                           const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
 

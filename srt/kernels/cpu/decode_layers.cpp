@@ -40,7 +40,10 @@ struct QuantLinear {
   int64_t x8_rows;  // N of an x8-packed weight, 0 for GGUF rows
   c10::optional<at::Tensor> bias;
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  // int8_max_rows: inputs of at most that many rows take the int8-activation kernel (as the
+  // Python path's QuantizedWeight.linear does)
+  at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows) const {
+    if (x.size(0) <= int8_max_rows) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }
 };
@@ -98,8 +101,14 @@ void check_index(const at::Tensor& t, int64_t B, const char* name) {
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scaling,
-               at::Tensor cos_sin)
-      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(eps), scaling_(scaling), cos_sin_(std::move(cos_sin)) {
+               at::Tensor cos_sin, int64_t int8_max_rows)
+      : H_(num_heads),
+        Hkv_(num_kv_heads),
+        D_(head_dim),
+        int8_max_rows_(int8_max_rows),
+        eps_(eps),
+        scaling_(scaling),
+        cos_sin_(std::move(cos_sin)) {
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ > 0, "DecodeLayers: bad head shape ", H_, "/", Hkv_,
                 " x ", D_);
   }
@@ -148,7 +157,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers_[i];
       if (i > 0) x = add_rms_norm_(mlp_out, residual, layer.input_norm, eps_);
-      const at::Tensor qkv = layer.qkv(x);
+      const at::Tensor qkv = layer.qkv.apply(x, int8_max_rows_);
       at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
       if (layer.q_norm.has_value()) {
@@ -160,14 +169,15 @@ class DecodeLayers : public torch::CustomClassHolder {
       store_kv(v, v_buffers[i], out_cache_loc);
       const at::Tensor attn = paged_decode_attention(q.view({B, H_, D_}), k_buffers[i], v_buffers[i], req_to_token,
                                                      req_pool_indices, seq_lens, scaling_, 0, "");
-      x = add_rms_norm_(layer.o(attn.view({B, q_size})), residual, layer.post_attention_norm, eps_);
-      mlp_out = layer.down(silu_and_mul(layer.gate_up(x)));
+      x = add_rms_norm_(layer.o.apply(attn.view({B, q_size}), int8_max_rows_), residual, layer.post_attention_norm,
+                        eps_);
+      mlp_out = layer.down.apply(silu_and_mul(layer.gate_up.apply(x, int8_max_rows_)), int8_max_rows_);
     }
     return {mlp_out, residual};
   }
 
  private:
-  int64_t H_, Hkv_, D_;
+  int64_t H_, Hkv_, D_, int8_max_rows_;
   double eps_, scaling_;
   at::Tensor cos_sin_;
   std::vector<Layer> layers_;
@@ -177,7 +187,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.class_<srt_cpu::DecodeLayers>("DecodeLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
       .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
       .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
       .def("forward", &srt_cpu::DecodeLayers::forward);

@@ -17,6 +17,28 @@ batches) it dequantizes tiles of weights into a cache-sized float32 buffer and r
 register-blocked GEMM against x packed once per call. Types without a native kernel (or no
 extension at all) take the references ``dequantize_ref`` / ``quant_linear_ref`` (gguf.quants in
 numpy, then ``F.linear``), which are also the tests' oracle.
+
+With int8-quantized activations (gguf_q8act.cpp: integer dot products, as llama.cpp runs its
+quantized matmuls):
+
+    quant_linear_q8a(x [..., K] f32, data, qtype, bias) -> [..., N]
+    quantize_activations_ref(x [M, K]) -> (q int8 [M, K], d [M, K / 32], s [M, K / 32])
+
+Each row of x is cut into blocks of 32: d = max|x| / 127 (float32), q = round-half-even(x / d)
+clamped to [-127, 127] (d = 0 and q = 0 for a block whose d is 0), s = the float32 sum of the 32
+values (in the fixed order ``_block_sums`` spells out). With dw, m, d, dmin, sc a weight block's
+fp16 and 6/8-bit fields and dx, s those of the matching x block, each block contributes
+
+    Q8_0   (dw dx) sum(q qx)
+    Q4_0   (dw dx) (sum(q qx) - 8 sum(qx))
+    Q4_1   (dw dx) sum(q qx) + m s
+    Q4_K, Q5_K, per sub-block of 32:      ((d sc) dx) sum(q qx) - (dmin m) s
+    Q6_K, per group of 16 (q in 0..63):   ((d sc) dx) (sum16(q qx) - 32 sum16(qx))
+
+The integer sums are exact, so the native op equals ``quant_linear_q8a_ref`` (float64) up to
+float32 summation order; against the float32 ``quant_linear`` it differs by the activations'
+rounding (about 5e-3 of the output's norm for Gaussian x). ``q8a_qtypes()`` lists the types with a
+native int8 path; the native op runs any other type through the float32 ``gguf_linear``.
 """
 
 from __future__ import annotations
@@ -37,9 +59,13 @@ __all__ = [
     "native_qtypes",
     "pack_x8",
     "pack_x8_ref",
+    "q8a_qtypes",
     "quant_linear",
+    "quant_linear_q8a",
+    "quant_linear_q8a_ref",
     "quant_linear_ref",
     "quant_linear_x8",
+    "quantize_activations_ref",
     "unpack_x8",
     "x8_qtypes",
 ]
@@ -48,6 +74,7 @@ __all__ = [
 QTYPE_NAMES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 _native: frozenset[int] | None = None  # cached once the library is loaded (it stays loaded)
+_native_q8a: frozenset[int] | None = None
 
 # The x8 layout (gguf_x8.h): header bytes (2-byte fields) and code bytes per block of the types
 # that have it. Rows go 8 to a group; per block, the 8 rows' header fields side by side, then
@@ -161,3 +188,147 @@ def quant_linear_x8(
     """``quant_linear`` on an x8-packed weight of ``rows`` rows: x [M, K] float32 -> [M, rows]."""
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     return torch.ops.srt_cpu.gguf_linear_x8(x2, packed, qtype, rows, bias)
+
+
+# ---------------------------------------------------------------- int8-quantized activations
+
+Q8A_BLOCK = 32  # activations per quantization block
+
+
+def q8a_qtypes() -> frozenset[int]:
+    """The types ``gguf_linear_q8a`` runs with integer dot products on this CPU; empty without
+    the extension (other types take its float32 path)."""
+    global _native_q8a
+    if _native_q8a is None:
+        if not (native_available() and _op_registered("gguf_linear_q8a")):
+            return frozenset()
+        _native_q8a = frozenset(int(q) for q in torch.ops.srt_cpu.gguf_q8a_qtypes())
+    return _native_q8a
+
+
+def _block_sums(xb: torch.Tensor) -> torch.Tensor:
+    """float32 sums of blocks [..., 32] in the native kernels' order: 8 lane sums of x[l], x[l+8],
+    x[l+16], x[l+24] (in that order), then lanes l and l+4, then (0 + 2) + (1 + 3)."""
+    p = ((xb[..., 0:8] + xb[..., 8:16]) + xb[..., 16:24]) + xb[..., 24:32]
+    h = p[..., :4] + p[..., 4:]
+    return (h[..., 0] + h[..., 2]) + (h[..., 1] + h[..., 3])
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] (K a multiple of 32) -> (q int8 [M, K], d float32 [M, K / 32], s float32
+    [M, K / 32]): bit for bit what the native ops compute (module docstring)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % Q8A_BLOCK:
+        raise ValueError(
+            f"quantize_activations_ref: x must be float32 [M, 32 k], got {x.dtype} {tuple(x.shape)}"
+        )
+    xb = x.detach().cpu().reshape(x.shape[0], -1, Q8A_BLOCK)
+    d = torch.from_numpy(xb.abs().amax(dim=-1).numpy() / np.float32(127))  # IEEE float32 division
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(xb / safe[..., None]).clamp_(-127, 127)  # torch.round: half to even
+    q = torch.where(d[..., None] > 0, q, torch.zeros_like(q))
+    return q.to(torch.int8).reshape(x.shape), d, _block_sums(xb)
+
+
+def _set_fp16(blocks: np.ndarray, offset: int, value: float) -> None:
+    blocks[:, offset : offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+
+
+def _codes_and_scales(
+    data: torch.Tensor, qtype: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The integer codes of a GGUF weight as they enter the int8 dot products, decoded with
+    gguf.quants (the blocks dequantized with unit scales): (codes int64 [N, cols] (Q4_0: q - 8,
+    Q6_K: q - 32, else q), scales float32 [N, groups] (one per 32 weights, per 16 for Q6_K: dw,
+    or d * sc), minimums float32 [N, cols / 32] (Q4_1: m; Q4_K, Q5_K: -(dmin * m)) or None)."""
+    ts = block_info(qtype)[1]
+    raw = data.detach().cpu().contiguous().numpy().reshape(-1, ts)
+    n = data.shape[0]
+    unit = raw.copy()
+    qt = GGMLQuantizationType(qtype)
+    if qtype in (2, 3, 8):  # d = 1 (and m = 0): the codes
+        _set_fp16(unit, 0, 1.0)
+        if qtype == 3:
+            _set_fp16(unit, 2, 0.0)
+        scales = raw[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, -1)
+        mins = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, -1) if qtype == 3 else None
+    elif qtype in (12, 13):  # d = 1, dmin = 0, every 6-bit scale 1 (scale bytes 1,1,1,1, 1,1,1,1, 0x11 x 4)
+        from gguf.quants import Q4_K
+
+        _set_fp16(unit, 0, 1.0)
+        _set_fp16(unit, 2, 0.0)
+        unit[:, 4:12] = 1
+        unit[:, 12:16] = 0x11
+        sc, m = Q4_K.get_scale_min(raw[:, 4:16].copy())
+        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        scales = (d * sc.astype(np.float32)).reshape(n, -1)
+        mins = -(dmin * m.astype(np.float32)).reshape(n, -1)
+    elif qtype == 14:  # d = 1, every int8 group scale 1
+        _set_fp16(unit, 208, 1.0)
+        unit[:, 192:208] = 1
+        d = raw[:, 208:210].copy().view(np.float16).astype(np.float32)
+        scales = (d * raw[:, 192:208].copy().view(np.int8).astype(np.float32)).reshape(n, -1)
+        mins = None
+    else:
+        raise ValueError(f"no int8-activation formula for ggml type {qtype}")
+    codes = _gguf_dequantize(unit, qt).reshape(n, cols)
+    return codes.astype(np.int64), scales, mins
+
+
+def _q8a_dot64(x: torch.Tensor, data: torch.Tensor, qtype: int, absolute: bool = False) -> torch.Tensor:
+    """float64 [M, N]: the int8-activation formula (module docstring) from exact integer sums;
+    with ``absolute``, the sum of the terms' magnitudes at the finest grain the kernels round at
+    (|scale| sum |code qx| per block, |minimum s|): the yardstick of float32 summation error."""
+    cols = x.shape[-1]
+    bpr = _row_bytes(qtype, cols)
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != bpr:
+        raise ValueError(
+            f"expected uint8 rows of {bpr} bytes for {cols} weights, got {data.dtype} {tuple(data.shape)}"
+        )
+    q, d, s = quantize_activations_ref(x)
+    codes, scales, mins = _codes_and_scales(data, qtype, cols)
+    n, m = codes.shape[0], x.shape[0]
+    group = cols // scales.shape[1]  # 32, or 16 for Q6_K
+    qx = q.to(torch.float64).reshape(m, -1, group)
+    cw = torch.from_numpy(codes).to(torch.float64).reshape(n, -1, group)
+    if absolute:
+        qx, cw = qx.abs(), cw.abs()
+    isum = torch.einsum("mgj,ngj->mng", qx, cw)  # exact: integers far below 2^53
+    dx = d.to(torch.float64).repeat_interleave(Q8A_BLOCK // group, dim=1)  # per group
+    sc = torch.from_numpy(scales).to(torch.float64)
+    scale = sc[None, :, :] * dx[:, None, :]
+    y = ((scale.abs() if absolute else scale) * isum).sum(-1)
+    if mins is not None:
+        mn = torch.from_numpy(mins).to(torch.float64)
+        s64 = s.to(torch.float64)
+        y = y + (s64.abs() @ mn.abs().T if absolute else s64 @ mn.T)
+    return y
+
+
+def quant_linear_q8a_ref(
+    x: torch.Tensor, data: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The int8-activation matmul in float64 (codes through gguf.quants, activations through
+    ``quantize_activations_ref``), rounded to float32: x [..., K] -> [..., N] (+ bias)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"quant_linear_q8a: x must be float32, got {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _q8a_dot64(x2, data, qtype)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32).reshape(*x.shape[:-1], data.shape[0])
+
+
+def quant_linear_q8a(
+    x: torch.Tensor, data: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``quant_linear`` with the activations quantized to int8 blocks: the native
+    ``gguf_linear_q8a`` when the extension has it (it runs types outside ``q8a_qtypes()`` in
+    float32), else ``quant_linear_q8a_ref``."""
+    if qtype in native_qtypes() and _op_registered("gguf_linear_q8a"):
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.ops.srt_cpu.gguf_linear_q8a(x2, data, qtype, bias)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+    return quant_linear_q8a_ref(x, data, qtype, bias)

@@ -1,0 +1,221 @@
+// Linear layers on GGUF-quantized weights with int8-quantized activations (numerics and row
+// functions: gguf_q8act_rows.h):
+//
+//   gguf_linear_q8a(x [M, K] f32, data [N, K / bs * ts] u8, qtype, bias?) -> [M, N] f32
+//       x quantized once per call to int8 blocks of 32 (scale d, float sum s per block), then
+//       every output a sum of integer block dot products scaled in float32; the same contract
+//       as gguf_linear otherwise. A type without an int8 path takes gguf_linear (float32).
+//   gguf_q8a_qtypes() -> the types with an int8 path
+//   gguf_q8a_debug(x, data, qtype, scalar) -> (q [M, K] i8, d [M, K / 32], s [M, K / 32], y [M, N])
+//       test hook: the quantized activations and x @ W^T through the scalar (scalar = true) or
+//       this CPU's row functions (AVX2 on AVX2 and AVX-512 CPUs), whatever SRT_GGUF_ISA says.
+//
+// Threads take contiguous ranges of 4-row weight groups (so the weights stream from memory once
+// per call); each group passes over every activation row, 2 at a time. Every output's sum runs
+// in an order fixed by K alone (not by M, N or the thread count). SRT_GGUF_ISA=scalar selects the
+// scalar row functions, as for gguf_linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "gguf_q8act_rows.h"
+
+namespace srt_cpu {
+namespace {
+
+namespace q8 = q8act;
+
+struct Q8aKernels {
+  q8::QuantizeRowFn quantize;
+  q8::Q8aOps ops;
+};
+
+bool use_scalar_env() {
+  static const bool scalar = [] {
+    const char* env = std::getenv("SRT_GGUF_ISA");
+    return env != nullptr && std::strcmp(env, "scalar") == 0;
+  }();
+  return scalar;
+}
+
+// the row functions of a type for the scalar or the vector instruction set; nullptr when the
+// type has no int8 path
+const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
+  namespace qs = q8::scalar;
+  static const Q8aKernels kScalar[] = {
+      {&qs::quantize_row, {32, gguf_simple::kSizeQ4_0, &qs::dot<qs::BlockQ4_0>}},
+      {&qs::quantize_row, {32, gguf_simple::kSizeQ4_1, &qs::dot<qs::BlockQ4_1>}},
+      {&qs::quantize_row, {32, gguf_simple::kSizeQ8_0, &qs::dot<qs::BlockQ8_0>}},
+      {&qs::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qs::dot<qs::BlockQ45K<false>>}},
+      {&qs::quantize_row, {kquant::kQK, kquant::kQ5KBytes, &qs::dot<qs::BlockQ45K<true>>}},
+      {&qs::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qs::dot<qs::BlockQ6K>}},
+  };
+  int i = -1;
+  switch (qtype) {
+    case kGgmlQ4_0: i = 0; break;
+    case kGgmlQ4_1: i = 1; break;
+    case kGgmlQ8_0: i = 2; break;
+    case kGgmlQ4_K: i = 3; break;
+    case kGgmlQ5_K: i = 4; break;
+    case kGgmlQ6_K: i = 5; break;
+    default: return nullptr;
+  }
+#if SRT_CPU_X86
+  if (!scalar && detect_isa() != CpuIsa::kScalar) {  // no AVX-512 functions: AVX-512 CPUs run AVX2
+    namespace qa = q8::avx2;
+    using S = qa::Simple;
+    static const Q8aKernels kAvx2[] = {
+        {&qa::quantize_row, {32, gguf_simple::kSizeQ4_0, &qa::dot_tiles<qa::SimpleTile<S::kQ4_0>::K>}},
+        {&qa::quantize_row, {32, gguf_simple::kSizeQ4_1, &qa::dot_tiles<qa::SimpleTile<S::kQ4_1>::K>}},
+        {&qa::quantize_row, {32, gguf_simple::kSizeQ8_0, &qa::dot_tiles<qa::SimpleTile<S::kQ8_0>::K>}},
+        {&qa::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qa::dot_tiles<qa::Q45KTile<false>::K>}},
+        {&qa::quantize_row, {kquant::kQK, kquant::kQ5KBytes, &qa::dot_tiles<qa::Q45KTile<true>::K>}},
+        {&qa::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qa::dot_tiles<qa::Q6KTile>}},
+    };
+    return &kAvx2[i];
+  }
+#endif
+  (void)scalar;
+  return &kScalar[i];
+}
+
+// the activations of one call, quantized (Acts points into the vectors)
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, ds;
+  q8::Acts acts;
+};
+
+QuantizedX quantize_x(q8::QuantizeRowFn quantize, const float* x, int64_t ldx, int64_t M, int64_t K) {
+  QuantizedX qx;
+  const int64_t nb = K / q8::kXBlock;
+  qx.q.resize(static_cast<size_t>(M * K));
+  qx.d.resize(static_cast<size_t>(M * nb));
+  qx.s.resize(static_cast<size_t>(M * nb));
+  qx.ds.resize(static_cast<size_t>(2 * M * nb));
+  // rows are independent: about 16K values per task
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* d = qx.d.data() + i * nb;
+      float* s = qx.s.data() + i * nb;
+      quantize(x + i * ldx, K, qx.q.data() + i * K, d, s);
+      float* ds = qx.ds.data() + 2 * i * nb;
+      for (int64_t b = 0; b < nb; ++b) {
+        ds[2 * b] = d[b];
+        ds[2 * b + 1] = s[b];
+      }
+    }
+  });
+  qx.acts = {qx.q.data(), qx.d.data(), qx.s.data(), qx.ds.data(), K, nb};
+  return qx;
+}
+
+// out [M, N] = acts @ W^T (+ bias): weight rows in groups of 4 over the threads
+void linear_q8a(const q8::Q8aOps& ops, const uint8_t* w, int64_t bpr, int64_t N, const q8::Acts& a, int64_t M,
+                const float* bias, float* out) {
+  constexpr int64_t G = q8::kMaxWRows;
+  const int64_t groups = (N + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));  // about 64 KiB of weights per task
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = g * G, rows = std::min(G, N - n);
+      for (int64_t i = 0; i < M; i += q8::kMaxXRows) {
+        const int64_t mx = std::min<int64_t>(q8::kMaxXRows, M - i);
+        ops.dot(w + n * bpr, bpr, rows, a, i, mx, out + i * N + n, N);
+      }
+      if (bias != nullptr) {
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t r = 0; r < rows; ++r) out[i * N + n + r] += bias[n + r];
+      }
+    }
+  });
+}
+
+void check_args(const char* op, const at::Tensor& x, const at::Tensor& data, const q8::Q8aOps& ops) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, op,
+              ": x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x's last dim must be contiguous");
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte, op,
+              ": data must be a uint8 CPU tensor, got ", data.scalar_type());
+  TORCH_CHECK(data.dim() == 2, op, ": data must be [N, bytes_per_row], got ", data.dim(), " dims");
+  TORCH_CHECK(data.is_contiguous(), op, ": data must be contiguous");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K > 0 && K % ops.block_size == 0, op, ": the row length ", K,
+              " must be a positive multiple of the block size ", ops.block_size);
+  const int64_t bpr = K / ops.block_size * ops.type_size;
+  TORCH_CHECK(data.size(1) == bpr, op, ": rows of ", K, " weights take ", bpr, " bytes, data rows have ",
+              data.size(1));
+}
+
+}  // namespace
+
+at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                           const c10::optional<at::Tensor>& bias) {
+  const Q8aKernels* k = find_kernels(qtype, use_scalar_env());
+  if (k == nullptr) return gguf_linear(x, data, qtype, bias);  // no int8 path: float32
+  check_args("gguf_linear_q8a", x, data, k->ops);
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "gguf_linear_q8a: bias must be a contiguous float32 tensor of ", N, " elements");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const QuantizedX qx = quantize_x(k->quantize, x.data_ptr<float>(), x.stride(0), M, K);
+  linear_q8a(k->ops, data.data_ptr<uint8_t>(), data.size(1), N, qx.acts, M, bp, out.data_ptr<float>());
+  return out;
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_q8a_debug(const at::Tensor& x, const at::Tensor& data,
+                                                                          int64_t qtype, bool scalar) {
+  const Q8aKernels* k = find_kernels(qtype, scalar);
+  TORCH_CHECK(k != nullptr, "gguf_q8a_debug: ggml type ", qtype, " has no int8 path");
+  check_args("gguf_q8a_debug", x, data, k->ops);
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0), nb = K / q8::kXBlock;
+  const QuantizedX qx = quantize_x(k->quantize, x.data_ptr<float>(), x.stride(0), M, K);
+  at::Tensor y = at::zeros({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    linear_q8a(k->ops, data.data_ptr<uint8_t>(), data.size(1), N, qx.acts, M, nullptr, y.data_ptr<float>());
+  }
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, nb}, x.options());
+  at::Tensor s = at::empty({M, nb}, x.options());
+  std::memcpy(q.data_ptr<int8_t>(), qx.q.data(), qx.q.size());
+  std::memcpy(d.data_ptr<float>(), qx.d.data(), qx.d.size() * sizeof(float));
+  std::memcpy(s.data_ptr<float>(), qx.s.data(), qx.s.size() * sizeof(float));
+  return {q, d, s, y};
+}
+
+std::vector<int64_t> gguf_q8a_qtypes() {
+  std::vector<int64_t> out;
+  for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
+    if (find_kernels(q, use_scalar_env()) != nullptr) out.push_back(q);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("gguf_linear_q8a(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("gguf_q8a_debug(Tensor x, Tensor data, int qtype, bool scalar) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gguf_q8a_qtypes() -> int[]", &srt_cpu::gguf_q8a_qtypes);
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("gguf_linear_q8a", &srt_cpu::gguf_linear_q8a);
+  m.impl("gguf_q8a_debug", &srt_cpu::gguf_q8a_debug);
+}
