@@ -32,4 +32,21 @@ at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t 
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
 
+// Argument checks the GGUF matmul ops share (`op` names the op in the message).
+// x: a float32 CPU tensor [M, K] with a contiguous last dim
+inline void check_activations(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, op,
+              ": x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x's last dim must be contiguous");
+}
+
+// the bias' data (nullptr when absent), checked to be n contiguous float32 values
+inline const float* checked_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                  bias->numel() == n,
+              op, ": bias must be a contiguous float32 tensor of ", n, " elements");
+  return bias->data_ptr<float>();
+}
+
 }  // namespace srt_cpu

@@ -73,8 +73,7 @@ __all__ = [
 # the types with native kernels (ggml type id -> name)
 QTYPE_NAMES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
-_native: frozenset[int] | None = None  # cached once the library is loaded (it stays loaded)
-_native_q8a: frozenset[int] | None = None
+_qtype_cache: dict[str, frozenset[int]] = {}  # lister op -> its types, once the library is loaded
 
 # The x8 layout (gguf_x8.h): header bytes (2-byte fields) and code bytes per block of the types
 # that have it. Rows go 8 to a group; per block, the 8 rows' header fields side by side, then
@@ -90,14 +89,20 @@ def block_info(qtype: int) -> tuple[int, int]:
         raise ValueError(f"unknown ggml quantization type {qtype}") from None
 
 
+def _op_qtypes(op: str, lister: str) -> frozenset[int]:
+    """``torch.ops.srt_cpu.<lister>()`` once the library that has ``op`` is loaded (cached: it
+    stays loaded); empty without the extension."""
+    got = _qtype_cache.get(lister)
+    if got is None:
+        if not (native_available() and _op_registered(op)):
+            return frozenset()
+        got = _qtype_cache[lister] = frozenset(int(q) for q in getattr(torch.ops.srt_cpu, lister)())
+    return got
+
+
 def native_qtypes() -> frozenset[int]:
     """The types the native ops handle on this CPU; empty without the extension."""
-    global _native
-    if _native is None:
-        if not (native_available() and _op_registered("gguf_linear")):
-            return frozenset()
-        _native = frozenset(int(q) for q in torch.ops.srt_cpu.gguf_qtypes())
-    return _native
+    return _op_qtypes("gguf_linear", "gguf_qtypes")
 
 
 def _row_bytes(qtype: int, cols: int) -> int:
@@ -198,12 +203,7 @@ Q8A_BLOCK = 32  # activations per quantization block
 def q8a_qtypes() -> frozenset[int]:
     """The types ``gguf_linear_q8a`` runs with integer dot products on this CPU; empty without
     the extension (other types take its float32 path)."""
-    global _native_q8a
-    if _native_q8a is None:
-        if not (native_available() and _op_registered("gguf_linear_q8a")):
-            return frozenset()
-        _native_q8a = frozenset(int(q) for q in torch.ops.srt_cpu.gguf_q8a_qtypes())
-    return _native_q8a
+    return _op_qtypes("gguf_linear_q8a", "gguf_q8a_qtypes")
 
 
 def _block_sums(xb: torch.Tensor) -> torch.Tensor:

@@ -359,19 +359,11 @@ void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                        const c10::optional<at::Tensor>& bias) {
   const QuantRowOps& ops = ops_or_throw("gguf_linear", qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "gguf_linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "gguf_linear: x's last dim must be contiguous");
+  check_activations("gguf_linear", x);
   TORCH_CHECK(data.dim() == 2, "gguf_linear: data must be [N, bytes_per_row], got ", data.dim(), " dims");
   const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
   check_data("gguf_linear", data, ops, K);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "gguf_linear: bias must be a contiguous float32 tensor of ", N, " elements");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = checked_bias("gguf_linear", bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -479,19 +471,11 @@ at::Tensor gguf_unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t rows,
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias) {
   const QuantRowOps& ops = ops_or_throw("gguf_linear_x8", qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "gguf_linear_x8: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "gguf_linear_x8: x's last dim must be contiguous");
+  check_activations("gguf_linear_x8", x);
   const int64_t M = x.size(0), K = x.size(1), N = rows;
   const int64_t bpr = check_packed("gguf_linear_x8", packed, qtype, rows, K);
   const x8::Layout& layout = *x8::layout(qtype);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "gguf_linear_x8: bias must be a contiguous float32 tensor of ", N, " elements");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = checked_bias("gguf_linear_x8", bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -499,26 +483,9 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t groups = packed.size(0), gbytes = x8::kRows * bpr, nb = K / x8::kBlock;
-  const bool vector = gguf_isa() != CpuIsa::kScalar;
-  // rows [8 g, 8 g + count) in GGUF layout, unpacked into buf
-  auto unpack = [&](int64_t g, int64_t count, std::vector<uint8_t>& buf) {
-    buf.resize(static_cast<size_t>(count * bpr));
-    for (int64_t r = 0; r < count; r += x8::kRows) {
-      const uint8_t* group = pp + (g + r / x8::kRows) * gbytes;
-      const int64_t n = std::min(x8::kRows, count - r);
-#if SRT_CPU_X86
-      if (vector) {
-        x8::unpack_group(layout, group, bpr, n, buf.data() + r * bpr);
-        continue;
-      }
-#endif
-      x8::unpack_rows(layout, group, bpr, 0, n, buf.data() + r * bpr);
-    }
-    return buf.data();
-  };
 
 #if SRT_CPU_X86
-  if (vector) {
+  if (gguf_isa() != CpuIsa::kScalar) {
     if (M < gemm_m_limit()) {  // decode: 8 rows per lane set, straight from the packed bytes
       std::vector<float> xs(static_cast<size_t>(M * nb));
       x8::block_sums(xp, ldx, M, nb, xs.data());
@@ -544,12 +511,14 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
 #endif
   std::vector<float> xs(static_cast<size_t>(M * (K / 16)));
   row_sums16(xp, ldx, M, K, xs.data());
+  // scalar CPUs: each group unpacked to the GGUF layout, then the row dot products
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> buf;
+    std::vector<uint8_t> rows_buf(static_cast<size_t>(x8::kRows * bpr));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * x8::kRows, count = std::min(x8::kRows, N - n);
-      linear_rows_dot(ops, unpack(g, count, buf), bpr, K, xp, ldx, xs.data(), M, bp != nullptr ? bp + n : nullptr,
-                      op + n, N, 0, count);
+      x8::unpack_rows(layout, pp + g * gbytes, bpr, 0, count, rows_buf.data());
+      linear_rows_dot(ops, rows_buf.data(), bpr, K, xp, ldx, xs.data(), M, bp != nullptr ? bp + n : nullptr, op + n,
+                      N, 0, count);
     }
   });
   return out;

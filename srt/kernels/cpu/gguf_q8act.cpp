@@ -139,9 +139,7 @@ void linear_q8a(const q8::Q8aOps& ops, const uint8_t* w, int64_t bpr, int64_t N,
 }
 
 void check_args(const char* op, const at::Tensor& x, const at::Tensor& data, const q8::Q8aOps& ops) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, op,
-              ": x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(), " dims");
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x's last dim must be contiguous");
+  check_activations(op, x);
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte, op,
               ": data must be a uint8 CPU tensor, got ", data.scalar_type());
   TORCH_CHECK(data.dim() == 2, op, ": data must be [N, bytes_per_row], got ", data.dim(), " dims");
@@ -162,13 +160,7 @@ at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t 
   if (k == nullptr) return gguf_linear(x, data, qtype, bias);  // no int8 path: float32
   check_args("gguf_linear_q8a", x, data, k->ops);
   const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "gguf_linear_q8a: bias must be a contiguous float32 tensor of ", N, " elements");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = checked_bias("gguf_linear_q8a", bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const QuantizedX qx = quantize_x(k->quantize, x.data_ptr<float>(), x.stride(0), M, K);

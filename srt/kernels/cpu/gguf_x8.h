@@ -94,51 +94,6 @@ inline void block_sums(const float* x, int64_t ldx, int64_t M, int64_t nb, float
 }
 
 #if SRT_CPU_X86
-// unpack_rows for a whole group (count <= 8 rows written) with SSSE3 byte shuffles: per 128 code
-// bytes (16 code bytes of 8 rows), pshufb pairs code bytes j, j + 1 of each row into 16-bit lanes,
-// then an 8 x 8 transpose of 16-bit lanes gives each row's 16 bytes
-SRT_TARGET_AVX2 inline void transpose_codes16(const uint8_t* src, uint8_t* dst, int64_t ld, int64_t count) {
-  const __m128i pair = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  __m128i y[8];
-  for (int t = 0; t < 8; ++t) {
-    y[t] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * t)), pair);
-  }
-  // 8 x 8 transpose of uint16: row r of the result = lane r of y[0..7]
-  __m128i a[8], b[8];
-  for (int t = 0; t < 4; ++t) {
-    a[2 * t] = _mm_unpacklo_epi16(y[2 * t], y[2 * t + 1]);
-    a[2 * t + 1] = _mm_unpackhi_epi16(y[2 * t], y[2 * t + 1]);
-  }
-  for (int t = 0; t < 2; ++t) {
-    for (int h = 0; h < 2; ++h) {
-      b[4 * t + 2 * h] = _mm_unpacklo_epi32(a[4 * t + h], a[4 * t + 2 + h]);
-      b[4 * t + 2 * h + 1] = _mm_unpackhi_epi32(a[4 * t + h], a[4 * t + 2 + h]);
-    }
-  }
-  // b[0]: rows 0,1 of y0..y3; b[1]: rows 2,3; b[2]: rows 4,5; b[3]: rows 6,7 (same for b[4..7], y4..y7)
-  for (int q = 0; q < 4; ++q) {
-    const __m128i lo = _mm_unpacklo_epi64(b[q], b[4 + q]), hi = _mm_unpackhi_epi64(b[q], b[4 + q]);
-    if (2 * q < count) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * q * ld), lo);
-    if (2 * q + 1 < count) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * q + 1) * ld), hi);
-  }
-}
-
-SRT_TARGET_AVX2 inline void unpack_group(const Layout& L, const uint8_t* group, int64_t bpr, int64_t count,
-                                         uint8_t* rows) {
-  const int ts = L.type_size();
-  const int64_t nb = bpr / ts;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* rec = group + b * kRows * ts;
-    uint8_t* blk = rows + b * ts;
-    for (int64_t r = 0; r < count; ++r) {
-      for (int f = 0; f < L.header / 2; ++f) std::memcpy(blk + r * bpr + 2 * f, rec + 16 * f + 2 * r, 2);
-    }
-    for (int c = 0; c < L.codes; c += 16) {
-      transpose_codes16(rec + kRows * L.header + kRows * c, blk + L.header + c, bpr, count);
-    }
-  }
-}
-
 // out[i * ldo + r] = sum over the group's row r for r < valid (+ bias[r]), i < MR
 template <int QTYPE, int MR>
 SRT_TARGET_AVX2 void dot_group(const uint8_t* group, int64_t nb, const float* x, int64_t ldx, const float* xs,
