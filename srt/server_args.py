@@ -26,6 +26,7 @@ from srt.configs.backends import (
     ATTENTION_BACKENDS,
     LINEAR_BACKENDS,
     resolve_attention_backend,
+    resolve_grammar_backend,
     resolve_linear_backend,
 )
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
@@ -137,6 +138,29 @@ class ServerArgs:
         list(LINEAR_BACKENDS),
     )
 
+    # ---- structured output ----
+    grammar_backend: str = _f(
+        "auto",
+        "Library for constrained decoding (json_schema / regex / ebnf sampling params, "
+        "response_format, forced tool calls). auto = llguidance if installed (srt's dependency), "
+        "else xgrammar if installed, else none; none rejects constrained requests with HTTP 400.",
+        ["auto", "llguidance", "xgrammar", "none"],
+    )
+    tool_call_parser: str | None = _f(
+        None,
+        "How /v1/chat/completions reads tool calls out of the model's text with tool_choice auto "
+        "(llama3: JSON objects; hermes / qwen25: <tool_call> tags; mistral: [TOOL_CALLS]). Without "
+        "it, tool_choice auto is rejected; required and named choices work either way (the grammar "
+        "forces a JSON list of calls).",
+        ["llama3", "hermes", "qwen25", "qwen", "mistral"],
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "Split a reasoning model's <think>...</think> into reasoning_content (deepseek-r1: the output "
+        "starts inside the reasoning; qwen3: only when it opens with <think>).",
+        ["deepseek-r1", "qwen3"],
+    )
+
     # ---- server ----
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -196,6 +220,7 @@ class ServerArgs:
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"
         a.quantization = _resolve_quantization(a)
+        a.grammar_backend = resolve_grammar_backend(a.grammar_backend)
         if a.enable_int8_activations and a.quantization != "gguf":
             raise ConfigError(
                 "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "

@@ -123,3 +123,25 @@ def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
             "(torch.backends.mkldnn); use --linear-backend torch"
         )
     return requested
+
+
+# Grammar backends (``--grammar-backend``, constrained decoding): the package each imports.
+# auto = the first installed of GRAMMAR_BACKENDS' order; none turns constrained decoding off.
+GRAMMAR_BACKENDS: dict[str, str] = {"llguidance": "llguidance", "xgrammar": "xgrammar"}
+
+
+def resolve_grammar_backend(requested: str, importable: Importable = module_importable) -> str:
+    """``auto`` -> the first installed backend (``none`` if neither is); an explicit name must
+    be installed (ConfigError saying how to install it)."""
+    if requested == "none":
+        return "none"
+    if requested == "auto":
+        return next((n for n, pkg in GRAMMAR_BACKENDS.items() if importable(pkg)), "none")
+    pkg = GRAMMAR_BACKENDS.get(requested)
+    if pkg is None:
+        raise ConfigError(
+            f"unknown --grammar-backend {requested!r}; choose auto, none or one of {', '.join(GRAMMAR_BACKENDS)}"
+        )
+    if not importable(pkg):
+        raise ConfigError(f"--grammar-backend {requested} needs the {pkg} package: pip install {pkg}")
+    return requested

@@ -15,6 +15,8 @@ Filters (each keeps ties at its boundary, so none depends on tie order):
   (top-k filtered) total: the smallest descending prefix reaching ``top_p``, plus its ties;
 - min_p: keep weights ``>= min_p * max_weight`` (``max_weight`` is 1 by construction).
 
+Constrained rows (a grammar's token bitmask) have their disallowed logits set to -inf first.
+
 Row groups (`SamplingBatchInfo`): greedy rows take the argmax; top-k rows (small k) work on
 ``torch.topk`` candidates; full-vocab rows work on ``[n, vocab]`` weights, where top_p is done by
 exact rejection sampling instead of a sort: draw i from w; accept iff i is in the nucleus (one
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from srt.constrained.bitmask import apply_bitmask_
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 # full-vocab rows draw by inverse CDF in two levels: sums of blocks of this many tokens, then the
@@ -143,9 +146,11 @@ class Sampler(nn.Module):
         assert bs == info.batch_size, (bs, info.batch_size)
 
         work = logits
-        if not info.adjustments.is_empty:
+        if not info.adjustments.is_empty or info.grammar_bitmask is not None:
             work = self._ws.get("work", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
             info.adjustments.apply_(work)
+            if info.grammar_bitmask is not None:
+                apply_bitmask_(work, info.grammar_rows, info.grammar_bitmask)
 
         if info.is_all_greedy:
             next_ids = work.argmax(dim=-1)

@@ -2,6 +2,7 @@
 
     GenerateReqInput --expand()--> SingleInput per prompt
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
+        --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
         --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
         --check_prompt-----------> vocabulary, the fit rule (`srt.managers.request_fit`), logprob_start_len
         --fan-out----------------> TokenizedGenerateReqInput per output (+ the n > 1 warm-up)
@@ -20,18 +21,24 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from srt.constrained.base import GrammarError, GrammarSpec
+from srt.constrained.registry import backend_class
 from srt.managers.generate_input import GenerateReqInput, SingleInput, parse_sampling_params
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.request_fit import request_fit_error, resolve_max_new_tokens
 from srt.managers.tokenize_batcher import TokenizeBatcher
 from srt.sampling.sampling_params import SamplingParams
 from srt.utils.errors import ContextLengthError, RequestError
+
+# grammars already validated, remembered so that a repeated schema is not checked again
+_VALID_GRAMMARS_KEPT = 1024
 
 
 @dataclass(slots=True)
@@ -74,11 +81,15 @@ class InputLimits:
 class InputProcessor:
     """Turns a `GenerateReqInput` into a `PreparedRequest` (see the module docstring)."""
 
-    def __init__(self, limits: InputLimits, tokenizer: Any, share_prefill: bool) -> None:
+    def __init__(
+        self, limits: InputLimits, tokenizer: Any, share_prefill: bool, grammar_backend: str = "none"
+    ) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill  # n > 1 sends a warm-up prefill (radix cache enabled)
+        self.grammar_backend = grammar_backend  # resolved --grammar-backend
         self._batcher: TokenizeBatcher | None = None
+        self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind the tokenize batcher to the serving event loop."""
@@ -91,6 +102,8 @@ class InputProcessor:
         singles = obj.expand()
         names = obj.param_names
         params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
+        for sp in params:
+            self.check_grammar(sp)
         ids_list = await self._tokenize(singles, obj.add_special_tokens)
         reqs: list[tuple[TokenizedGenerateReqInput, str]] = []
         warmups: list[TokenizedGenerateReqInput] = []
@@ -107,6 +120,23 @@ class InputProcessor:
             seen.add(s.rid)
             self._fan_out(s, sp, ids, obj.stream, now, reqs, warmups)
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch)
+
+    def check_grammar(self, sp: SamplingParams) -> None:
+        """``sp``'s json_schema / regex / ebnf is one the grammar backend accepts (RequestError
+        naming the field otherwise); valid grammars are remembered (the check is not repeated)."""
+        spec = GrammarSpec.from_fields(sp.json_schema, sp.regex, sp.ebnf)
+        if spec is None or spec in self._valid_grammars:
+            return
+        if self.grammar_backend == "none" or self.tokenizer is None:
+            why = "--grammar-backend none" if self.grammar_backend == "none" else "--skip-tokenizer-init"
+            raise RequestError(f"{spec.kind}: constrained decoding is off on this server ({why})", spec.kind)
+        try:
+            backend_class(self.grammar_backend).validate(spec)
+        except GrammarError as e:
+            raise RequestError(str(e), param=e.param) from None
+        self._valid_grammars[spec] = None
+        if len(self._valid_grammars) > _VALID_GRAMMARS_KEPT:
+            self._valid_grammars.popitem(last=False)
 
     async def _tokenize(self, singles: list[SingleInput], add_special_tokens: bool) -> list[list[int]]:
         texts = [s.text for s in singles if s.text is not None]

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt.constrained.base import GrammarSpec
 from srt.managers.io_struct import FinishReason
 from srt.sampling.sampling_params import SamplingParams
 
@@ -87,6 +88,8 @@ class Req:
         "seed",
         "stop_ids",
         "stop_strs",
+        "grammar_spec",
+        "grammar",
         "static_sampling",
         "out_static",
         "return_logprob",
@@ -161,6 +164,11 @@ class Req:
             stop.update(eos_token_ids)
         self.stop_ids: frozenset[int] = frozenset(stop)
         self.stop_strs: list[str] = sampling_params.stop_strs
+        # the constraint (json_schema / regex / ebnf) and, once compiled, its matcher
+        self.grammar_spec: GrammarSpec | None = GrammarSpec.from_fields(
+            sampling_params.json_schema, sampling_params.regex, sampling_params.ebnf
+        )
+        self.grammar: Any = None
         # no per-step logit edits (penalties, min_new_tokens mask): its sampling rows can be reused
         self.static_sampling = (
             sampling_params.repetition_penalty == 1.0

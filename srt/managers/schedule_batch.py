@@ -187,6 +187,18 @@ class ScheduleBatch:
         self.extend_lens.extend(decode.extend_lens)
         self.out_cache_loc = torch.cat([self.out_cache_loc, decode.out_cache_loc])
 
+    def sampling_rows(self) -> list[int]:
+        """The rows whose sampled token is kept: every decode row, and the extend rows that
+        complete their prompt and may still generate."""
+        rows = [
+            i
+            for i in range(self.num_extend_reqs)
+            if self.prefix_lens[i] + self.extend_lens[i] >= self.reqs[i].all_ids_len
+            and self.reqs[i].remaining_new_tokens > 0
+        ]
+        rows.extend(range(self.num_extend_reqs, len(self.reqs)))
+        return rows
+
     @property
     def return_logprob(self) -> bool:
         return any([r.return_logprob for r in self.reqs])

@@ -74,7 +74,12 @@ class TokenizerManager:
         limits = InputLimits.from_scheduler_info(scheduler_info, tokenizer)
         self.context_len = limits.context_len
         self.metrics = TokenizerMetrics(self.model_name)
-        self.inputs = InputProcessor(limits, tokenizer, share_prefill=not server_args.disable_radix_cache)
+        self.inputs = InputProcessor(
+            limits,
+            tokenizer,
+            share_prefill=not server_args.disable_radix_cache,
+            grammar_backend=server_args.grammar_backend,
+        )
         self.registry = ReqRegistry(self.metrics, server_args.max_queued_requests, server_args.log_requests)
         self.ipc = TokenizerIPC(port_args, self._handle_batch_str_out)
         self.dead: EngineDeadError | None = None
@@ -247,6 +252,11 @@ class TokenizerManager:
         return self.metrics.render(state)
 
     # ================================================================== chat
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template uses the ``tools`` it is given (else the caller describes them)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The prompt text of ``messages`` (with the generation prompt appended)."""
         if self.tokenizer is None:

@@ -17,6 +17,7 @@ full       everything else (top_k disabled or large)     whole-vocab weights, fi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -67,10 +68,20 @@ class SamplingBatchInfo:
     need_top_p: bool = False
     need_min_p: bool = False
     adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)
+    # constrained decoding: rows [n] int64 and their token bitmasks [n, ceil(vocab / 32)] int32
+    # (srt/constrained/bitmask.py); tokens a row's mask disallows are never sampled
+    grammar_rows: Tensor | None = None
+    grammar_bitmask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.temperatures.shape[0])
+
+    def with_grammar_masks(self, rows: Tensor, bitmask: Tensor) -> SamplingBatchInfo:
+        """A copy whose rows ``rows`` sample only the tokens ``bitmask`` allows."""
+        return dataclasses.replace(
+            self, grammar_rows=rows.to(self.device), grammar_bitmask=bitmask.to(self.device)
+        )
 
     @property
     def is_all_greedy(self) -> bool:

@@ -67,6 +67,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    # constrained decoding (at most one): a JSON schema (as JSON text), a regex, an EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # runs on construction and on msgpack/json decode
@@ -140,6 +144,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 err(name, "must be a boolean")
+
+        # -- constrained decoding (the grammar itself is checked by the grammar backend)
+        given = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        for name in given:
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v.strip():
+                err(name, "must be a non-empty string")
+        if len(given) > 1:
+            err(
+                given[1], f"cannot be combined with {given[0]} (give at most one of json_schema, regex, ebnf)"
+            )
 
         # -- misc
         if not _is_int(self.n) or self.n < 1:

@@ -31,9 +31,11 @@ def fake_tm():
     return SimpleNamespace(
         tokenizer=FakeTokenizer(),
         model_name="m",
-        apply_chat_template=lambda msgs: (
+        server_args=SimpleNamespace(tool_call_parser=None, reasoning_parser=None),
+        apply_chat_template=lambda msgs, **kw: (
             "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
         ),
+        chat_template_renders_tools=lambda: False,
     )
 
 

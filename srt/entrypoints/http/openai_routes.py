@@ -15,7 +15,11 @@ from fastapi.responses import Response
 from srt.entrypoints.http.deps import Ctx, ServerContext
 from srt.entrypoints.http.serving import parse_body, serve
 from srt.entrypoints.openai.common import error_response, json_response
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    reject_unsupported_fields,
+)
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 
@@ -41,6 +45,7 @@ async def _serve_openai(
 ) -> Response:
     if (not_found := _model_not_found(ctx, req.model)) is not None:
         return not_found
+    reject_unsupported_fields(req)
     obj = serving.build_input(req)
     return await serve(
         request, ctx.tm, obj, partial(serving.build_response, req), partial(serving.stream, req)

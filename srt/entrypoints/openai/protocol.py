@@ -1,27 +1,64 @@
 """OpenAI-compatible request models (pydantic, at the HTTP edge only).
 
 Requests are validated with ``Model.model_validate_json(body, strict=True)``: malformed JSON and
-wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected, unknown fields are
-ignored (clients send many). Value ranges are checked by `SamplingParams.validation_errors` (via
+wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected. Unknown fields
+are ignored with one debug log line (newer clients send fields we have never heard of); fields
+srt knows but cannot honour (``UNSUPPORTED_FIELDS``) are rejected with a 400 naming them. Value ranges are checked by `SamplingParams.validation_errors` (via
 `sampling_params_from_request`) so that the native and the OpenAI APIs agree. Responses are built
 as plain dicts and serialized with orjson (see ``serving_*``).
 
 Besides OpenAI's fields the requests take SGLang's sampling extras: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``,
-``spaces_between_special_tokens``, ``no_stop_trim``, ``stop_token_ids``.
+``spaces_between_special_tokens``, ``no_stop_trim``, ``stop_token_ids``, and the constraints
+``regex`` and ``ebnf`` (``response_format`` is OpenAI's way to ask for JSON).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from srt.utils.errors import RequestError
+
+logger = logging.getLogger("srt.openai")
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Request(BaseModel):
+    """A request body: extra fields are kept (``model_extra``) so that they can be logged."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class JsonSchemaFormat(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_json_schema(self) -> str | None:
+        """The JSON schema (as JSON text) this format constrains the output to, or None."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise RequestError(
+                "response_format of type json_schema needs json_schema.schema", param="response_format"
+            )
+        return json.dumps(self.json_schema.schema_)
 
 
 class StreamOptions(_Model):
@@ -29,7 +66,7 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -53,6 +90,10 @@ class _SamplingFields(_Model):
     no_stop_trim: bool | None = None
     stop_token_ids: list[int] | None = None
     rid: str | None = None
+    # constrained decoding (SGLang extras; response_format is OpenAI's JSON mode)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,10 +110,44 @@ class TextContentPart(_Model):
     text: str
 
 
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Model):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -81,6 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -118,9 +196,48 @@ def sampling_params_from_request(
         "seed": req.seed,
         "logit_bias": req.logit_bias,
     }
-    sp = {k: v for k, v in sp.items() if v is not None or k == "max_new_tokens"}
     names = {"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens"}
+    if req.response_format is not None:
+        sp["json_schema"] = req.response_format.to_json_schema()
+        names["json_schema"] = "response_format"
+    sp["regex"] = req.regex
+    sp["ebnf"] = req.ebnf
+    sp = {k: v for k, v in sp.items() if v is not None or k == "max_new_tokens"}
     return sp, names
+
+
+# OpenAI request fields srt knows but cannot honour, and the values that are harmless to accept
+# (the default, or "off"): any other value gets a 400 naming the field, never a silent drop
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
+_UNSUPPORTED_WHY = {
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+}
+
+
+def reject_unsupported_fields(req: _Request) -> None:
+    """RequestError naming the first field of UNSUPPORTED_FIELDS set to something srt cannot do;
+    logs the unknown fields (debug)."""
+    extra = req.model_extra or {}
+    for name, harmless in UNSUPPORTED_FIELDS.items():
+        if name in extra and extra[name] not in harmless:
+            hint = _UNSUPPORTED_WHY.get(name)
+            raise RequestError(
+                f"{name} is not supported by this server" + (f" ({hint})" if hint else ""), param=name
+            )
+    unknown = [k for k in extra if k not in UNSUPPORTED_FIELDS]
+    if unknown:
+        logger.debug("ignoring unknown request field(s): %s", ", ".join(sorted(unknown)))
 
 
 def check_top_logprobs(value: int | None, name: str) -> int:
@@ -131,7 +248,7 @@ def check_top_logprobs(value: int | None, name: str) -> int:
     return value
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(_Request):
     """Body of the native POST /generate (SGLang's shape; one prompt or a batch)."""
 
     text: str | list[str] | None = None

@@ -8,6 +8,8 @@
                              else cache_unfinished and DECODING (joins the running batch)
     decode row i:                        kv_committed_len += 1, append the sampled token;
                                          finished -> released
+    (a request with a grammar advances its matcher past the token; a complete grammar
+    finishes it)
 
 ``build_batch_output`` collects every request that produced tokens or finished: its new
 tokens since the last output (``Req.num_sent``), its finish reason on the last one, and
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason
 from srt.managers.req import Req, ReqStatus
+from srt.managers.scheduler.grammar import GrammarManager
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import ScheduleBatch
@@ -91,6 +94,8 @@ def _process_extend_rows(
             req.finish(FinishReason.of_length(len(req.output_ids)))
         else:
             req.append_token(next_ids[i])
+            if req.grammar is not None and req.finished_reason is None:
+                GrammarManager.accept(req, next_ids[i])
             generated += 1
             if req.return_logprob and lps is not None:
                 _record_logprob(req, lps[i], tops[i] if tops is not None else [])
@@ -124,9 +129,11 @@ def _process_decode_rows(
             _record_logprob(req, lps[i], tops[i] if tops is not None else [])
         if len(out) >= req.max_new_tokens or t in req.stop_ids:
             req.check_finished(t)
-            if req.finished_reason is not None:
-                release(req)
-                finished = True
+        if req.grammar is not None and req.finished_reason is None:
+            GrammarManager.accept(req, t)
+        if req.finished_reason is not None:
+            release(req)
+            finished = True
     return finished
 
 

@@ -98,6 +98,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     try:
         bind_compute_threads(server_args)
         scheduler = Scheduler(server_args)
+        if scheduler.grammars is not None:
+            scheduler.grammars.warm_up()
         ctx = zmq.Context(io_threads=1)
         recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         send = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)

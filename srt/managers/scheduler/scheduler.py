@@ -9,6 +9,7 @@ It only wires the parts together; each part owns one job and its state:
                    insert, free, evict, flush, integrity)
     output.py      forward results -> Req state; the step's BatchTokenIDOut
     metrics.py     SchedulerMetrics: counters and log lines
+    grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
     process.py     the ZMQ event loop and the process entry point (imports this module)
     runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
 
@@ -61,10 +62,12 @@ from srt.managers.schedule_batch import KVAllocationError, SamplingInfoCache, Sc
 from srt.managers.schedule_policy import NewTokenRatio, SchedulePolicy
 from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.decode import DecodeManager
+from srt.managers.scheduler.grammar import GrammarManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
 from srt.mem_cache.pool_size import process_rss_bytes
+from srt.utils.hf_tokenizer import tokenizer_source
 
 if TYPE_CHECKING:
     from srt.managers.scheduler.runner_protocol import SchedulerModelRunner
@@ -74,6 +77,9 @@ if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
+
+# with nothing to run but requests waiting for their grammars, a step waits this long for one
+GRAMMAR_WAIT_SECONDS = 0.005
 
 
 def _load_model_runner(server_args: ServerArgs) -> SchedulerModelRunner:
@@ -118,6 +124,14 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy)
         self.prefill = PrefillManager(self.cache, self.policy, self.metrics, prefill_config)
         self.sampling_cache = SamplingInfoCache()
+        self.grammars: GrammarManager | None = None
+        if not server_args.skip_tokenizer_init:
+            self.grammars = GrammarManager.create(
+                server_args.grammar_backend,
+                tokenizer_source(server_args),
+                self.vocab_size,
+                self.eos_token_ids,
+            )
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
         self.rng = random.Random(server_args.random_seed)
@@ -196,12 +210,31 @@ class Scheduler:
         self.reqs_by_rid[req.rid] = req
         error = self._arrival_error(msg.input_ids, max_new)
         if error is not None:
-            req.finish(FinishReason.of_abort(error, 400))
-            self.metrics.num_rejected += 1
-            self._release(req)
-            self.finished_outside.append(req)
+            self._reject(req, error)
+            return
+        if req.grammar_spec is not None:
+            if self.grammars is None:  # the tokenizer manager rejects these; input_ids-only clients
+                self._reject(req, "constrained decoding is off (--grammar-backend none or no tokenizer)")
+                return
+            self.grammars.submit(req)
             return
         self.prefill.enqueue(req, self.metrics.num_steps)
+
+    def _reject(self, req: Req, message: str) -> None:
+        req.finish(FinishReason.of_abort(message, 400))
+        self.metrics.num_rejected += 1
+        self._release(req)
+        self.finished_outside.append(req)
+
+    def _admit_grammar_requests(self, timeout: float = 0.0) -> None:
+        """Requests whose grammar is compiled join the waiting queue; failed ones are rejected."""
+        if self.grammars is None or not self.grammars.pending:
+            return
+        ready, failed = self.grammars.poll(timeout)
+        for req in ready:
+            self.prefill.enqueue(req, self.metrics.num_steps)
+        for req, message in failed:
+            self._reject(req, message)
 
     def _arrival_error(self, input_ids: list[int], max_new_tokens: int) -> str | None:
         """Why a request can never run (request_fit.py, token ids outside the vocabulary)."""
@@ -227,8 +260,8 @@ class Scheduler:
         if req is None or req.state == ReqStatus.FINISHED:
             return False
         req.finish(reason)
-        if not self.prefill.discard(req):
-            self.decode.discard(req)
+        if not self.prefill.discard(req) and not self.decode.discard(req) and self.grammars is not None:
+            self.grammars.discard(req)
         self._release(req)
         self.finished_outside.append(req)
         return True
@@ -253,13 +286,21 @@ class Scheduler:
 
     # ================================================================== one iteration
     def is_idle(self) -> bool:
-        return not (self.prefill.has_work() or self.decode.running or self.finished_outside)
+        return not (
+            self.prefill.has_work()
+            or self.decode.running
+            or self.finished_outside
+            or (self.grammars is not None and self.grammars.pending)
+        )
 
     def step(self) -> list[BatchTokenIDOut]:
         """One scheduler iteration: form a batch, run it, process the results.
 
         Returns the step's output (one BatchTokenIDOut, or nothing)."""
         self.metrics.num_steps += 1
+        # nothing else to do: wait (briefly, so that new messages are still read) for a grammar
+        busy = self.prefill.has_work() or self.decode.running or self.finished_outside
+        self._admit_grammar_requests(0.0 if busy else GRAMMAR_WAIT_SECONDS)
         batch = self._next_batch()
         touched: list[Req] = self.finished_outside  # aborted, rejected, retracted too often
         self.finished_outside = []
@@ -267,6 +308,10 @@ class Scheduler:
             fb = batch.get_forward_batch(
                 self.device, self.vocab_size, self.eos_token_ids, self.sampling_cache
             )
+            if self.grammars is not None:
+                masks = self.grammars.fill_masks(batch.reqs, batch.sampling_rows(), self.vocab_size)
+                if masks is not None:
+                    fb.sampling_info = fb.sampling_info.with_grammar_masks(*masks)
             logits_output, sample_output = self.model_runner.forward_batch_generation(fb)
             self.cache.begin_free_group()
             try:

@@ -1,0 +1,239 @@
+"""Constrained decoding below the server: bitmasks, the grammar backends on the default model's
+tokenizer, and the scheduler's GrammarManager (compile off the loop, cache, failures)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from srt.configs.backends import GRAMMAR_BACKENDS, module_importable, resolve_grammar_backend
+from srt.constrained.base import GrammarError, GrammarSpec
+from srt.constrained.bitmask import allocate_bitmask, apply_bitmask_, unpack_bitmask
+from srt.constrained.registry import backend_class, create_grammar_backend
+from srt.utils.errors import ConfigError
+
+INSTALLED = [n for n, pkg in GRAMMAR_BACKENDS.items() if module_importable(pkg)]
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+            },
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "age", "tags", "address"],
+}
+
+
+# ---------------------------------------------------------------- bitmasks
+def test_unpack_bitmask_matches_bit_arithmetic():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 77
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    got = unpack_bitmask(mask, vocab)
+    for r in range(3):
+        for t in range(vocab):
+            word = int(mask[r, t // 32]) & 0xFFFFFFFF
+            assert bool(got[r, t]) == bool((word >> (t % 32)) & 1)
+
+
+def test_apply_bitmask_only_touches_given_rows_and_disallowed_tokens():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 70, generator=gen)
+    before = logits.clone()
+    mask = allocate_bitmask(2, 70)
+    mask[0].zero_()
+    mask[0, 0] = 0b1010  # tokens 1 and 3
+    mask[1, 2] = 0  # tokens 64.. disallowed
+    apply_bitmask_(logits, torch.tensor([1, 3]), mask)
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [1, 3]
+    assert torch.equal(logits[1, [1, 3]], before[1, [1, 3]])
+    assert torch.isinf(logits[3, 64:]).all() and torch.equal(logits[3, :64], before[3, :64])
+
+
+def test_apply_bitmask_disallows_tokens_past_the_mask():
+    logits = torch.zeros(1, 40)
+    apply_bitmask_(logits, torch.tensor([0]), allocate_bitmask(1, 32))  # covers 32 tokens
+    assert torch.isfinite(logits[0, :32]).all() and torch.isinf(logits[0, 32:]).all()
+
+
+# ---------------------------------------------------------------- backend choice
+def test_resolve_grammar_backend():
+    assert resolve_grammar_backend("none") == "none"
+    assert resolve_grammar_backend("auto", lambda pkg: pkg == "xgrammar") == "xgrammar"
+    assert resolve_grammar_backend("auto", lambda pkg: True) == "llguidance"
+    assert resolve_grammar_backend("auto", lambda pkg: False) == "none"
+    with pytest.raises(ConfigError, match="pip install xgrammar"):
+        resolve_grammar_backend("xgrammar", lambda pkg: False)
+    with pytest.raises(ConfigError, match="unknown"):
+        resolve_grammar_backend("outlines")
+
+
+def test_llguidance_is_installed_as_a_dependency():
+    assert "llguidance" in INSTALLED
+
+
+# ---------------------------------------------------------------- backends on the real tokenizer
+@pytest.fixture(scope="module")
+def tokenizer():
+    from srt.server_args import ServerArgs
+    from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+
+    return load_tokenizer(tokenizer_source(ServerArgs()))
+
+
+@pytest.fixture(scope="module", params=INSTALLED)
+def backend(request, tokenizer):
+    return create_grammar_backend(request.param, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def _constrained_sample(backend, tokenizer, spec: GrammarSpec, seed: int, max_steps: int = 300) -> str:
+    """Sample from random logits under the grammar until it terminates (the way the sampler
+    does: masked logits, then a draw)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = backend.matcher(backend.compile(spec))
+    vocab = len(tokenizer)
+    out: list[int] = []
+    eos = tokenizer.eos_token_id
+    for _ in range(max_steps):
+        mask = allocate_bitmask(1, vocab)
+        g.fill_bitmask(mask, 0)
+        logits = torch.randn(1, vocab, generator=gen) * 3
+        apply_bitmask_(logits, torch.tensor([0]), mask)
+        tok = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        assert g.accept_token(tok), g.error()
+        if tok == eos:
+            break
+        out.append(tok)
+        if g.is_terminated():
+            break
+    assert g.is_terminated(), "the grammar did not complete"
+    return tokenizer.decode(out)
+
+
+def test_json_schema_outputs_validate(backend, tokenizer):
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    for seed in range(4):
+        doc = json.loads(_constrained_sample(backend, tokenizer, spec, seed))
+        jsonschema.validate(doc, SCHEMA)
+
+
+def test_regex_outputs_match(backend, tokenizer):
+    import re
+
+    pattern = r"(cat|dog)-[0-9]{2,4}"
+    for seed in range(3):
+        text = _constrained_sample(backend, tokenizer, GrammarSpec("regex", pattern), seed)
+        assert re.fullmatch(pattern, text), text
+
+
+def test_ebnf_outputs_follow_the_grammar(backend, tokenizer):
+    ebnf = 'root ::= "yes" | "no" | "maybe"'
+    for seed in range(3):
+        assert _constrained_sample(backend, tokenizer, GrammarSpec("ebnf", ebnf), seed) in (
+            "yes",
+            "no",
+            "maybe",
+        )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec("json_schema", "{not json"),
+        GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}})),
+        GrammarSpec("regex", "(unclosed"),
+        GrammarSpec("ebnf", "root ::= ( "),
+    ],
+)
+@pytest.mark.parametrize("name", INSTALLED)
+def test_invalid_grammars_raise_grammar_error(name, spec):
+    with pytest.raises(GrammarError) as e:
+        backend_class(name).validate(spec)
+    assert e.value.param == spec.kind and str(e.value)
+
+
+def test_grammar_spec_from_fields():
+    assert GrammarSpec.from_fields(None, None, None) is None
+    assert GrammarSpec.from_fields(None, "a+", None) == GrammarSpec("regex", "a+")
+    assert hash(GrammarSpec("regex", "a+")) == hash(GrammarSpec("regex", "a+"))
+
+
+# ---------------------------------------------------------------- GrammarManager
+class _Req:
+    def __init__(self, rid: str, spec: GrammarSpec) -> None:
+        self.rid = rid
+        self.grammar_spec = spec
+        self.grammar = None
+
+
+class _CountingBackend:
+    """Wraps a real backend and counts compiles (the cache must make repeats free)."""
+
+    def __init__(self, inner, delay: float = 0.0) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.compiles = 0
+
+    def compile(self, spec):
+        self.compiles += 1
+        time.sleep(self.delay)
+        return self.inner.compile(spec)
+
+    def matcher(self, compiled):
+        return self.inner.matcher(compiled)
+
+
+def test_grammar_manager_compiles_off_the_caller_and_caches(tokenizer):
+    from srt.managers.scheduler.grammar import GrammarManager
+
+    inner = create_grammar_backend("llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    counting = _CountingBackend(inner, delay=0.2)
+    gm = GrammarManager(lambda: counting)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    a, b = _Req("a", spec), _Req("b", GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    t0 = time.perf_counter()
+    gm.submit(a)
+    gm.submit(b)
+    assert gm.poll() == ([], [])  # nothing ready yet, and poll did not block
+    assert time.perf_counter() - t0 < 0.15
+    deadline = time.time() + 10
+    ready: list = []
+    while len(ready) < 2 and time.time() < deadline:
+        r, failed = gm.poll(timeout=0.05)
+        assert failed == []
+        ready += r
+    assert {r.rid for r in ready} == {"a", "b"} and counting.compiles == 1
+    assert a.grammar is not None and b.grammar is not None and a.grammar is not b.grammar
+    gm.shutdown()
+
+
+def test_grammar_manager_reports_failures_and_discards(tokenizer):
+    from srt.managers.scheduler.grammar import GrammarManager
+
+    inner = create_grammar_backend("llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    gm = GrammarManager(lambda: inner)
+    bad, gone = _Req("bad", GrammarSpec("regex", "(unclosed")), _Req("gone", GrammarSpec("regex", "x+"))
+    gm.submit(bad)
+    gm.submit(gone)
+    assert gm.discard(gone) and not gm.discard(gone)
+    deadline = time.time() + 10
+    failed: list = []
+    while not failed and time.time() < deadline:
+        _, failed = gm.poll(timeout=0.05)
+    assert [r.rid for r, _ in failed] == ["bad"] and "regex" in failed[0][1]
+    assert gm.pending == []
+    gm.shutdown()
