@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from srt.constrained.bitmask import apply_bitmask_
+from srt.kernels.cpu.elementwise import apply_token_bitmask_
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 # full-vocab rows draw by inverse CDF in two levels: sums of blocks of this many tokens, then the
@@ -150,7 +150,7 @@ class Sampler(nn.Module):
             work = self._ws.get("work", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
             info.adjustments.apply_(work)
             if info.grammar_bitmask is not None:
-                apply_bitmask_(work, info.grammar_rows, info.grammar_bitmask)
+                apply_token_bitmask_(work, info.grammar_rows, info.grammar_bitmask)
 
         if info.is_all_greedy:
             next_ids = work.argmax(dim=-1)

@@ -103,3 +103,32 @@ def test_layers_native_and_fallback_agree(native, monkeypatch):
     fallback_out = run()
     for a, b in zip(native_out, fallback_out):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab,width", [(70, 3), (64, 2), (100, 2), (49152, 1536)])
+def test_apply_token_bitmask_matches_reference(native, vocab, width):
+    """Every kind of word (all allowed, none, mixed), rows in any order, a mask narrower than
+    the vocabulary (the tokens past it are disallowed), strided logits rows."""
+    from srt.constrained.bitmask import apply_bitmask_
+
+    gen = _gen(vocab)
+    wide = torch.randn(5, vocab + 9, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, width), generator=gen, dtype=torch.int64).to(torch.int32)
+    mask[0, 0] = -1
+    mask[1, : width // 2] = 0
+    rows = torch.tensor([4, 0, 2])
+    got = wide[:, 3 : 3 + vocab].clone()
+    want = got.clone()
+    view = wide[:, 3 : 3 + vocab]  # strided rows: the op must write through the view
+    torch.ops.srt_cpu.apply_token_bitmask_(view, rows, mask)
+    apply_bitmask_(want, rows, mask)
+    assert torch.equal(view, want)
+    elementwise.apply_token_bitmask_(got, rows, mask)  # the dispatching wrapper
+    assert torch.equal(got, want)
+
+
+def test_apply_token_bitmask_rejects_bad_rows(native):
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.srt_cpu.apply_token_bitmask_(
+            torch.zeros(2, 32), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32)
+        )

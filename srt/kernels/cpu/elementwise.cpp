@@ -5,6 +5,9 @@
 //       residual += x (in place), then residual * rsqrt(mean(residual^2) + eps) * w
 //   rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T], cos_sin [P, D]) (in place)
 //       per head: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin], cos/sin = cos_sin[pos] halves
+//   apply_token_bitmask_(logits [B, V], rows [n], bitmask [n, W] int32) (in place)
+//       logits[rows[i], t] = -inf where bit t % 32 of bitmask[i][t / 32] is 0, and for t >= 32 W
+//       (constrained decoding; whole words of 0 / of 1 bits are filled / skipped at once)
 //
 // Rows may have any stride (views of a fused projection's output); the last dim must be
 // contiguous. Work is split over rows (at::parallel_for, a grain of about 16k elements so small
@@ -16,6 +19,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 
 #include "cpu_ops.h"
 
@@ -118,9 +123,50 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
                    [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
 }
 
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask_: logits must be float32 [B, V] with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "apply_token_bitmask_: rows must be int64 contiguous [n]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == rows.size(0),
+              "apply_token_bitmask_: bitmask must be int32 contiguous [n, W] with one row per rows entry");
+  const int64_t n = rows.size(0), V = logits.size(1), W = bitmask.size(1), B = logits.size(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < B, "apply_token_bitmask_: row ", r[i], " outside [0, ", B, ")");
+  }
+  float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  const auto* words = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* row = base + r[i] * stride;
+      const uint32_t* w = words + i * W;
+      const int64_t covered = std::min(V, 32 * W);
+      for (int64_t k = 0; 32 * k < covered; ++k) {
+        const uint32_t word = w[k];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t lo = 32 * k, hi = std::min(lo + 32, covered);
+        if (word == 0) {
+          std::fill(row + lo, row + hi, kNegInf);
+        } else if (hi - lo == 32) {  // fixed trip count, a select per token: no branches
+          float* p = row + lo;
+          for (int j = 0; j < 32; ++j) p[j] = ((word >> j) & 1u) ? p[j] : kNegInf;
+        } else {
+          for (int64_t t = lo; t < hi; ++t) row[t] = ((word >> (t - lo)) & 1u) ? row[t] : kNegInf;
+        }
+      }
+      std::fill(row + covered, row + V, kNegInf);
+    }
+  });
+}
+
 }  // namespace srt_cpu
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin, int head_dim) -> ()");
@@ -130,4 +176,5 @@ TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("silu_and_mul", &srt_cpu::silu_and_mul);
   m.impl("add_rms_norm_", &srt_cpu::add_rms_norm_);
   m.impl("rotary_neox_", &srt_cpu::rotary_neox_);
+  m.impl("apply_token_bitmask_", &srt_cpu::apply_token_bitmask_);
 }

@@ -7,6 +7,9 @@ extension is loaded, their pure-torch references otherwise (same contracts).
     rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T] int64, cos_sin [P, D], head_dim)
         rotates every head of q and k in place ("rotate half"): with [cos | sin] = cos_sin[pos],
         [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin]
+    apply_token_bitmask_(logits [B, V], rows [n] int64, bitmask [n, W] int32)
+        constrained decoding: -inf at every token a row's bitmask disallows (in place; the
+        reference is srt.constrained.bitmask.apply_bitmask_, the same results bit for bit)
 
 Inputs are float32 CPU tensors whose rows may be strided (views of a fused projection's
 output) with a contiguous last dim; ``supports(*tensors)`` says whether a call qualifies for the
@@ -18,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from srt.constrained.bitmask import apply_bitmask_
 from srt.kernels.cpu import native_available
 
-__all__ = ["add_rms_norm_", "rotary_neox_", "silu_and_mul", "supports"]
+__all__ = ["add_rms_norm_", "apply_token_bitmask_", "rotary_neox_", "silu_and_mul", "supports"]
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -76,3 +80,10 @@ def rotary_neox_(
         torch.ops.srt_cpu.rotary_neox_(q, k, positions.contiguous(), cos_sin, head_dim)
         return
     rotary_neox_ref(q, k, positions, cos_sin, head_dim)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    if supports(logits) and rows.dtype == torch.int64 and bitmask.dtype == torch.int32:
+        torch.ops.srt_cpu.apply_token_bitmask_(logits, rows.contiguous(), bitmask.contiguous())
+        return
+    apply_bitmask_(logits, rows, bitmask)
