@@ -84,3 +84,8 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> Grammar:
         """A fresh matcher at the start of ``compiled``."""
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: Tensor) -> None:
+        """``grammars[k].fill_bitmask(bitmask, k)`` for every k (a backend may do them in parallel)."""
+        for k, g in enumerate(grammars):
+            g.fill_bitmask(bitmask, k)

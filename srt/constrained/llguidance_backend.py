@@ -10,12 +10,13 @@ JSON schemas are written compactly (`JSON_DEFAULTS`) and tightened where models 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from srt.constrained.base import Grammar, GrammarBackend, GrammarError, GrammarSpec
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 # JSON is written with single spaces after separators and no other whitespace: a weak model given
 # free whitespace can fill its whole budget with newlines (a schema's "x-guidance" overrides this)
@@ -101,6 +102,9 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
+        # a step's masks are computed on every CPU this process may use: nothing else runs then
+        # (the forward waits for them)
+        self._executor = llguidance.LLExecutor(num_threads=max(1, len(os.sched_getaffinity(0))))
 
     @classmethod
     def validate(cls, spec: GrammarSpec) -> None:
@@ -110,6 +114,15 @@ class LLGuidanceBackend(GrammarBackend):
         grammar = _grammar_text(spec)
         _check(spec, grammar, self.tokenizer)
         return grammar
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: Tensor) -> None:
+        if len(grammars) < 2 or not all(isinstance(g, LLGuidanceGrammar) for g in grammars):
+            super().fill_bitmasks(grammars, bitmask)
+            return
+        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
+        row_bytes = bitmask.shape[1] * 4
+        pairs = [(g._m, k) for k, g in enumerate(grammars)]  # type: ignore[attr-defined]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
     def matcher(self, compiled: str) -> Grammar:
         from llguidance import LLMatcher

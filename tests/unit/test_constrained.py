@@ -237,3 +237,24 @@ def test_grammar_manager_reports_failures_and_discards(tokenizer):
     assert [r.rid for r, _ in failed] == ["bad"] and "regex" in failed[0][1]
     assert gm.pending == []
     gm.shutdown()
+
+
+def test_batched_mask_fill_equals_row_by_row(backend, tokenizer):
+    """The backend's batch fill (llguidance: in parallel) gives each row its own matcher's mask."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    compiled = backend.compile(spec)
+    doc = tokenizer.encode(json.dumps({"name": "Al", "age": 3, "tags": ["a"], "address": {"city": "X"}}))
+    grammars = []
+    for n in (0, 2, 5, 9, 14):  # matchers at different points of the same document
+        g = backend.matcher(compiled)
+        for t in doc[:n]:
+            assert g.accept_token(t), g.error()
+        grammars.append(g)
+    vocab = len(tokenizer)
+    batched = allocate_bitmask(len(grammars), vocab)
+    backend.fill_bitmasks(grammars, batched)
+    one = allocate_bitmask(len(grammars), vocab)
+    for k, g in enumerate(grammars):
+        g.fill_bitmask(one, k)
+    assert torch.equal(batched, one)
+    assert len({tuple(r.tolist()) for r in one}) > 1  # the rows really differ

@@ -162,10 +162,11 @@ class GrammarManager:
         if not rows:
             return None
         bitmask = allocate_bitmask(len(rows), vocab_size)
-        closing = self._backend.result().closing_mask if self._backend_future is not None else None
+        backend = self._backend.result()
+        backend.fill_bitmasks([reqs[i].grammar for i in rows], bitmask)
+        closing = backend.closing_mask
         for k, i in enumerate(rows):
             req = reqs[i]
-            req.grammar.fill_bitmask(bitmask, k)
             if closing is not None and req.remaining_new_tokens <= closing_reserve(req.max_new_tokens):
                 for tier in closing:  # the best tier the grammar allows
                     narrowed = bitmask[k] & tier
