@@ -155,6 +155,7 @@ def free_port() -> int:
 
 def srt_spec(model: str, port: int, extra: str) -> ServerSpec:
     argv = [sys.executable, "-m", "srt.launch_server", "--model-path", model, "--port", str(port)]
+    argv.append("--enable-cache-report")  # usage.prompt_tokens_details.cached_tokens, as before the flag
     return ServerSpec("srt", argv + shlex.split(extra), threads="srt default (--cpu-omp-threads-bind auto)")
 
 

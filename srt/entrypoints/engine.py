@@ -12,8 +12,10 @@ under ``asyncio.gather`` are batched together by the scheduler). Cancelling an `
 (or closing a stream early) aborts the request.
 
 Outputs are SGLang-shaped dicts (see `srt.managers.req_output`); a batch (list of prompts) or
-``n > 1`` returns a list ordered prompt-major. Streams yield incremental chunks: ``text`` and
-``output_ids`` are the new part, ``meta_info`` counts are cumulative. Invalid requests raise
+``n > 1`` returns a list ordered prompt-major. Streams yield chunks as SGLang's Engine does:
+each holds the whole output so far (``text``, ``output_ids``, logprobs), or, with
+``incremental_streaming_output=True``, only the new part; ``meta_info`` counts are cumulative
+either way. ``priority`` needs ``enable_priority_scheduling=True``. Invalid requests raise
 `srt.utils.errors.RequestError` (a ``ValueError``); a dead child raises `EngineDeadError`.
 """
 
@@ -70,6 +72,7 @@ def generate_request(
     stream: bool = False,
     logprob_start_len: int = -1,
     rid: str | list[str] | None = None,
+    priority: int | list[int] | None = None,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
     ``Engine.generate`` parameters, written here once (the two methods take exactly these)."""
@@ -82,6 +85,7 @@ def generate_request(
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
         stream=stream,
+        priority=priority,
     )
 
 
@@ -156,7 +160,8 @@ class Engine:
         self, obj: GenerateReqInput
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a list of prompts (a list of dicts);
-        ``stream=True`` returns an iterator of incremental chunks (each has ``index``).
+        ``stream=True`` returns an iterator of chunks (each has ``index``; the output so far, or
+        its new part with ``incremental_streaming_output``).
         Parameters: `generate_request`'s."""
         if obj.stream:
             return self._stream_sync(obj)

@@ -6,7 +6,8 @@
    (`PortArgs.init_new`: a private temporary directory, removed at shutdown / interpreter exit);
 2. spawns the scheduler process (`run_scheduler`: the scheduler module is imported in the child
    only, so the main process never imports torch model code), loads the tokenizer in this process
-   meanwhile, saves a fast-loading copy into the ipc directory and spawns the detokenizer with it;
+   meanwhile (``--chat-template`` replaces its template), saves a fast-loading copy into the ipc
+   directory and spawns the detokenizer with it;
 3. waits for both ready messages (pipe *and* liveness polled: a child that fails or dies at
    start-up raises `LaunchError` carrying the child's traceback, never a hang);
 4. builds the `TokenizerManager` and starts a monitor thread: if a child exits later, the
@@ -30,6 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from srt.configs.chat_templates import load_chat_template
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
@@ -102,9 +104,11 @@ def launch_subprocesses(
         detok_tokenizer_path = None
         if not server_args.skip_tokenizer_init:
             try:
-                tokenizer = load_tokenizer(tokenizer_source(server_args))
+                tokenizer = load_tokenizer(tokenizer_source(server_args), server_args.trust_remote_code)
             except Exception as e:
                 raise LaunchError("main", f"could not load the tokenizer: {e}") from e
+            if server_args.chat_template is not None:
+                tokenizer.chat_template = load_chat_template(server_args.chat_template)
             detok_tokenizer_path = os.path.join(port_args.ipc_dir, "hf_tokenizer")
             tokenizer.save_pretrained(detok_tokenizer_path)
         detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)

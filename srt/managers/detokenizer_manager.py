@@ -242,7 +242,9 @@ def run_detokenizer_process(
     confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "detokenizer")
     tokenizer = None
     if not server_args.skip_tokenizer_init:
-        tokenizer = load_tokenizer(tokenizer_path or tokenizer_source(server_args))
+        tokenizer = load_tokenizer(
+            tokenizer_path or tokenizer_source(server_args), server_args.trust_remote_code
+        )
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context(io_threads=1)
     recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)

@@ -35,6 +35,11 @@ class GenerateReqInput:
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     stream: bool = False
+    # queue priority (higher first; needs --enable-priority-scheduling); None: not given (0)
+    priority: int | list[int] | None = None
+    # streamed chunks hold only the new output (True) or the whole output so far (False); None:
+    # the server's --incremental-streaming-output (the OpenAI routes always ask for deltas)
+    incremental_stream: bool | None = None
     # False for text that already holds the special tokens (chat-templated prompts)
     add_special_tokens: bool = True
     # how the caller names SamplingParams fields in error messages (OpenAI: max_new_tokens -> max_tokens)
@@ -76,6 +81,7 @@ class GenerateReqInput:
         rlp = _per_prompt(self.return_logprob, n, "return_logprob", bool)
         lsl = _per_prompt(self.logprob_start_len, n, "logprob_start_len", int)
         tln = _per_prompt(self.top_logprobs_num, n, "top_logprobs_num", int)
+        pri = _per_prompt(self.priority, n, "priority", int)
         out = []
         for i, p in enumerate(prompts):
             if tln[i] < 0:
@@ -89,6 +95,7 @@ class GenerateReqInput:
                     return_logprob=bool(rlp[i]) or tln[i] > 0,
                     logprob_start_len=lsl[i],
                     top_logprobs_num=tln[i],
+                    priority=pri[i],
                 )
             )
         return out
@@ -103,6 +110,7 @@ class SingleInput:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    priority: int | None = None
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:

@@ -8,7 +8,8 @@
         --fan-out----------------> TokenizedGenerateReqInput per output (+ the n > 1 warm-up)
 
 Every error is raised here, before the scheduler sees anything: `RequestError` (HTTP 400) or
-its subclass `ContextLengthError` (the message gives the numbers). Admission control
+its subclass `ContextLengthError` (the message gives the numbers); a ``priority`` without
+``--enable-priority-scheduling`` is one. Admission control
 (``--max-queued-requests``) is the registry's (`srt.managers.req_state.ReqRegistry.admit`).
 
 ``n > 1``: unless the radix cache is disabled, the prompt is first sent as a prefill-only request
@@ -49,6 +50,7 @@ class PreparedRequest:
     warmups: list[TokenizedGenerateReqInput]  # prefill-only requests to send first (n > 1)
     stream: bool
     is_batch: bool
+    incremental: bool = True  # streamed chunks hold the new output only (else all of it so far)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +84,20 @@ class InputProcessor:
     """Turns a `GenerateReqInput` into a `PreparedRequest` (see the module docstring)."""
 
     def __init__(
-        self, limits: InputLimits, tokenizer: Any, share_prefill: bool, grammar_backend: str = "none"
+        self,
+        limits: InputLimits,
+        tokenizer: Any,
+        share_prefill: bool,
+        grammar_backend: str = "none",
+        enable_priority: bool = False,
+        incremental_stream: bool = True,
     ) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill  # n > 1 sends a warm-up prefill (radix cache enabled)
         self.grammar_backend = grammar_backend  # resolved --grammar-backend
+        self.enable_priority = enable_priority  # --enable-priority-scheduling
+        self.incremental_stream = incremental_stream  # --incremental-streaming-output
         self._batcher: TokenizeBatcher | None = None
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
@@ -100,6 +110,10 @@ class InputProcessor:
         """Validate and tokenize ``obj`` (``in_use(rid)``: the rid belongs to a request in flight).
         Raises `RequestError` / `ContextLengthError`."""
         singles = obj.expand()
+        if not self.enable_priority and any(s.priority is not None for s in singles):
+            raise RequestError(
+                "priority needs a server started with --enable-priority-scheduling", param="priority"
+            )
         names = obj.param_names
         params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
         for sp in params:
@@ -119,7 +133,8 @@ class InputProcessor:
                 raise RequestError(f"rid {s.rid!r} is already in use", param="rid")
             seen.add(s.rid)
             self._fan_out(s, sp, ids, obj.stream, now, reqs, warmups)
-        return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch)
+        incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
+        return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
 
     def check_grammar(self, sp: SamplingParams) -> None:
         """``sp``'s json_schema / regex / ebnf is one the grammar backend accepts (RequestError
@@ -192,6 +207,7 @@ class InputProcessor:
             logprob_start_len=s.logprob_start_len if s.return_logprob else -1,
             top_logprobs_num=s.top_logprobs_num,
             stream=stream,
+            priority=s.priority or 0,
             arrival_time=now,
         )
         if sp.n == 1:

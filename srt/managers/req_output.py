@@ -10,8 +10,10 @@ Output dict (what ``TokenizerManager.run``, ``Engine.generate`` and ``POST /gene
 ``finish_reason`` is None while the request runs, else SGLang's dict
 (``FinishReason.to_dict()``: ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": ...}``,
 ``{"type": "abort", "message": ..., ["status_code": ...]}``). Logprob entries are
-``(logprob, token_id, None)`` tuples (the None is the token text slot). Streaming chunks hold the
-*new* text / ids / logprobs since the previous chunk; meta_info counts are cumulative.
+``(logprob, token_id, None)`` tuples (the None is the token text slot). Streaming chunks hold
+either the *new* text / ids / logprobs since the previous chunk (incremental: the OpenAI routes,
+and /generate and the Engine with ``--incremental-streaming-output``) or everything so far
+(SGLang's default for /generate and the Engine); meta_info counts are cumulative either way.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ def final_output(st: ReqState) -> dict[str, Any]:
     return _output(st, st.text(), st.output_ids, 0, include_input=True)
 
 
-def stream_chunk(st: ReqState) -> dict[str, Any] | None:
-    """What arrived for ``st`` since its previous chunk (advances the streaming cursors);
-    None when nothing did and it is not finished."""
+def stream_chunk(st: ReqState, incremental: bool = True) -> dict[str, Any] | None:
+    """The next streamed chunk of ``st`` (advances the streaming cursors); None when nothing
+    arrived since the previous one and it is not finished. ``incremental``: what arrived since
+    the previous chunk; else everything so far (as `final_output` would give it now)."""
     if not st.has_new_output and not st.finished:
         return None
-    text = "".join(st.text_parts[st.sent_parts :])
-    start = st.sent_ids
-    ids = st.output_ids[start:]
-    include_input = not st.sent_input_logprobs and bool(st.in_logprobs)
-    out = _output(st, text, ids, start, include_input=include_input)
+    if incremental:
+        text = "".join(st.text_parts[st.sent_parts :])
+        start = st.sent_ids
+        include_input = not st.sent_input_logprobs and bool(st.in_logprobs)
+    else:
+        text, start, include_input = st.text(), 0, bool(st.in_logprobs)
+    out = _output(st, text, st.output_ids[start:], start, include_input=include_input)
     st.sent_parts = len(st.text_parts)
     st.sent_ids = len(st.output_ids)
     st.sent_input_logprobs = st.sent_input_logprobs or include_input

@@ -79,6 +79,8 @@ class TokenizerManager:
             tokenizer,
             share_prefill=not server_args.disable_radix_cache,
             grammar_backend=server_args.grammar_backend,
+            enable_priority=server_args.enable_priority_scheduling,
+            incremental_stream=server_args.incremental_streaming_output,
         )
         self.registry = ReqRegistry(self.metrics, server_args.max_queued_requests, server_args.log_requests)
         self.ipc = TokenizerIPC(port_args, self._handle_batch_str_out)
@@ -156,8 +158,9 @@ class TokenizerManager:
         return prep
 
     async def run(self, prep: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
-        """Send ``prep`` and yield its outputs: for streaming, chunks of any index as they arrive;
-        otherwise each index's final output once it finishes (in completion order).
+        """Send ``prep`` and yield its outputs: for streaming, chunks of any index as they arrive
+        (the new output, or with ``prep.incremental`` False all of it so far); otherwise each
+        index's final output once it finishes (in completion order).
 
         Leaving early (cancellation, ``aclose``) aborts every unfinished rid."""
         group = RequestGroup(stream=prep.stream)
@@ -174,7 +177,7 @@ class TokenizerManager:
                 for st in pending:
                     done = st.finished  # snapshot: the state may finish while we are suspended in yield
                     if prep.stream:
-                        chunk = stream_chunk(st)
+                        chunk = stream_chunk(st, prep.incremental)
                         if chunk is not None:
                             yield chunk
                     elif done:

@@ -67,17 +67,20 @@ def _load_gguf_tokenizer(path: str):
     return tok
 
 
-def load_tokenizer(path: str):
-    """A transformers tokenizer from a directory or a ``.gguf`` file (or a directory holding one)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """A transformers tokenizer from a directory or a ``.gguf`` file (or a directory holding one).
+    Local files only (nothing is downloaded); ``trust_remote_code`` (--trust-remote-code) lets a
+    tokenizer class defined by the model repository's own code load."""
     from transformers import AutoTokenizer
 
     if path.endswith(".gguf"):
         return _load_gguf_tokenizer(path)
+    kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if ggufs and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0])
-    return AutoTokenizer.from_pretrained(path)
+            return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0], **kwargs)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def special_token_ids(tokenizer) -> set[int]:

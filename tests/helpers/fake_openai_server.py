@@ -3,8 +3,9 @@
 It generates ``max_tokens`` words ``"w0 w1 ..."`` per request, one SSE chunk per token, after
 ``ttft_s`` seconds and then ``itl_s`` seconds per further token, so that a client's measured
 TTFT/ITL/throughput can be checked against known values. Every ``fail_every``-th request (1-based)
-answers HTTP 500. ``/generate`` streams incremental text like srt, or cumulative text like SGLang
-with ``cumulative_native_text=True``. Runs an aiohttp app on a free loopback port in a daemon thread::
+answers HTTP 500. ``/generate`` streams incremental text and ids (srt and SGLang with
+--incremental-streaming-output), or with ``cumulative_native_text=True`` the output so far (their
+default). Runs an aiohttp app on a free loopback port in a daemon thread::
 
     with FakeOpenAIServer(ttft_s=0.05, itl_s=0.01) as srv:
         ...  # srv.base_url, srv.requests (the JSON bodies received), srv.flush_count
@@ -129,11 +130,14 @@ class FakeOpenAIServer:
         def chunk(i: int | None) -> dict[str, Any] | None:
             if i is None:
                 return None
-            text = "".join(f"w{j} " for j in range(i + 1)) if self.cumulative_native_text else f"w{i} "
+            if self.cumulative_native_text:
+                text, ids = "".join(f"w{j} " for j in range(i + 1)), list(range(i + 1))
+            else:
+                text, ids = f"w{i} ", [i]
             meta = {"prompt_tokens": plen, "completion_tokens": i + 1, "cached_tokens": 0}
             if i == n - 1:
                 meta["finish_reason"] = {"type": "length", "length": n}
-            return {"text": text, "meta_info": meta}
+            return {"text": text, "output_ids": ids, "meta_info": meta}
 
         return await self._stream(request, n, chunk)
 

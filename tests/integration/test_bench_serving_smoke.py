@@ -69,7 +69,9 @@ def test_measures_known_timings_and_counts_failures(backend):
     assert bodies[0].get("max_tokens", bodies[0].get("sampling_params", {}).get("max_new_tokens")) == n_out
 
 
-@pytest.mark.parametrize("backend,cumulative", [("srt", False), ("sglang", True), ("sglang", False)])
+@pytest.mark.parametrize(
+    "backend,cumulative", [("srt", True), ("srt", False), ("sglang", True), ("sglang", False)]
+)
 def test_concurrency_cap_and_native_stream_text(backend, cumulative):
     with FakeOpenAIServer(ttft_s=0.03, itl_s=0.01, cumulative_native_text=cumulative) as srv:
         res = _run(

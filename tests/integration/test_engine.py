@@ -49,8 +49,11 @@ def test_generate_stream(engine):
     full = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
     chunks = list(engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0}, stream=True))
     assert len(chunks) > 1
-    assert "".join(c["text"] for c in chunks) == full["text"]
-    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    # SGLang's Engine: each chunk holds the output so far (--incremental-streaming-output: deltas)
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+    assert all(len(c["output_ids"]) == c["meta_info"]["completion_tokens"] for c in chunks)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
@@ -95,7 +98,7 @@ def test_async_stream(engine):
         return chunks
 
     chunks = asyncio.run(main())
-    assert "".join(c["text"] for c in chunks) == engine.generate("Once upon a time", GREEDY)["text"]
+    assert chunks[-1]["text"] == engine.generate("Once upon a time", GREEDY)["text"]
 
 
 def test_early_stream_close_aborts(engine):
@@ -116,6 +119,12 @@ def test_bad_sampling_params_raise_typed_error(engine):
     assert isinstance(e.value, ValueError) and "temperature" in str(e.value) and "top_p" in str(e.value)
     with pytest.raises(RequestError, match="context length"):
         engine.generate("x", {"max_new_tokens": 10**6})
+
+
+def test_priority_needs_the_flag(engine):
+    with pytest.raises(RequestError, match="--enable-priority-scheduling") as e:
+        engine.generate("x", GREEDY, priority=1)
+    assert e.value.param == "priority"
 
 
 def test_server_info_flush_and_abort(engine):

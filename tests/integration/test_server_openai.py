@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from tests.helpers.server import ServerProcess
+from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -19,7 +19,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    # the usage checks read prompt_tokens_details.cached_tokens, reported with --enable-cache-report
+    with ServerProcess([*DEFAULT_TEST_ARGS, "--enable-cache-report"]) as s:
         yield s
 
 
@@ -260,8 +261,25 @@ def test_native_generate_batch_and_stream(server):
     import json
 
     chunks = [json.loads(e) for e in events[:-1]]
-    assert "".join(c["text"] for c in chunks) == outs[0]["text"]
+    # SGLang's default: each chunk holds the output so far (see test_server_flags for deltas)
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1]["text"] == outs[0]["text"] and chunks[-1]["output_ids"] == outs[0]["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_priority_without_the_flag_is_a_400(server):
+    for path, body in (
+        ("/generate", {"text": "Hi", "priority": 1}),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "priority": 1}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "priority": 1},
+        ),
+    ):
+        r = requests.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--enable-priority-scheduling" in err["message"]
 
 
 def test_metrics_and_server_info(server, client):

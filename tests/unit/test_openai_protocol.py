@@ -27,11 +27,13 @@ class FakeTokenizer:
         return "".join(f"<{i}>" for i in ids)
 
 
-def fake_tm():
+def fake_tm(cache_report: bool = False):
     return SimpleNamespace(
         tokenizer=FakeTokenizer(),
         model_name="m",
-        server_args=SimpleNamespace(tool_call_parser=None, reasoning_parser=None),
+        server_args=SimpleNamespace(
+            tool_call_parser=None, reasoning_parser=None, enable_cache_report=cache_report
+        ),
         apply_chat_template=lambda msgs, **kw: (
             "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
         ),
@@ -278,7 +280,7 @@ def test_completion_response_usage_echo_and_logprobs():
             output_top_logprobs=[[]],
         ),
     ]
-    resp = OpenAIServingCompletion(fake_tm()).build_response(req, outs)
+    resp = OpenAIServingCompletion(fake_tm(cache_report=True)).build_response(req, outs)
     # prompts counted once each, completions of every choice; cached from each prompt's first choice
     assert resp["usage"] == {
         "prompt_tokens": 6,
@@ -334,7 +336,7 @@ def test_chat_stream_shape_with_usage():
     ]
 
     async def collect():
-        return [b async for b in OpenAIServingChat(fake_tm()).stream(req, _agen(chunks))]
+        return [b async for b in OpenAIServingChat(fake_tm(cache_report=True)).stream(req, _agen(chunks))]
 
     ev = _events(asyncio.run(collect()))
     assert ev[-1] == "[DONE]"
@@ -358,3 +360,43 @@ def test_error_body_shape():
     }
     assert error_body("x", 503)["error"]["type"] == "server_error"
     assert usage_of([output(0, "", [1, 2], prompt=5)], 1)["total_tokens"] == 7
+
+
+@pytest.mark.parametrize("cache_report", [False, True])
+def test_cached_tokens_only_with_cache_report(cache_report):
+    """--enable-cache-report: usage.prompt_tokens_details.cached_tokens on both routes, streamed
+    or not; without it prompt_tokens_details is null (SGLang's behaviour)."""
+    want = {"cached_tokens": 2} if cache_report else None
+    tm = fake_tm(cache_report=cache_report)
+    outs = [output(0, "ab", [1, 2], {"type": "length", "length": 2}, cached=2)]
+    cmpl = OpenAIServingCompletion(tm).build_response(parse(CompletionRequest, {"prompt": "p"}), outs)
+    assert cmpl["usage"]["prompt_tokens_details"] == want
+    chat_req = {"messages": [{"role": "user", "content": "x"}]}
+    chat = OpenAIServingChat(tm).build_response(parse(ChatCompletionRequest, chat_req), outs)
+    assert chat["usage"]["prompt_tokens_details"] == want
+    stream_req = parse(
+        ChatCompletionRequest,
+        {
+            **chat_req,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
+
+    async def collect():
+        return [b async for b in OpenAIServingChat(tm).stream(stream_req, _agen(outs))]
+
+    usages = [e["usage"] for e in _events(asyncio.run(collect()))[:-1] if e.get("usage")]
+    assert usages and all(u["prompt_tokens_details"] == want for u in usages)
+
+
+def test_priority_and_delta_streams_reach_the_generate_input():
+    """The OpenAI routes pass priority through and always stream deltas (whatever
+    --incremental-streaming-output says for /generate)."""
+    tm = fake_tm()
+    cmpl = OpenAIServingCompletion(tm).build_input(parse(CompletionRequest, {"prompt": "p", "priority": 3}))
+    assert cmpl.priority == 3 and cmpl.incremental_stream is True
+    chat_req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})
+    chat = OpenAIServingChat(tm).build_input(chat_req)
+    assert chat.priority is None and chat.incremental_stream is True
+    assert parse(GenerateRequest, {"text": "x", "priority": [1, 2]}).priority == [1, 2]

@@ -71,6 +71,10 @@ def test_resolve_gguf_load_format():
         ({"tp_size": 2}, "--tp-size"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"linear_backend": "onednn", "dtype": "bfloat16"}, "--linear-backend"),
+        ({"stream_interval": 0}, "--stream-interval"),
+        ({"chat_template": "no-such-template"}, "--chat-template"),
+        ({"enable_priority_scheduling": True, "schedule_policy": "lpm"}, "--enable-priority-scheduling"),
+        ({"model_path": "no-such-org/no-such-model"}, "--model-path"),
     ],
 )
 def test_resolve_errors_name_the_flag(kwargs, needle):
@@ -107,3 +111,27 @@ def test_configuration_doc_lists_every_flag():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     missing = [f.name for f in dataclasses.fields(ServerArgs) if f"`--{f.name.replace('_', '-')}`" not in doc]
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_priority_flag_and_policy_imply_each_other():
+    on = ServerArgs(device="cpu", enable_priority_scheduling=True).resolve()
+    assert on.schedule_policy == "priority" and on.enable_priority_scheduling
+    policy = ServerArgs(device="cpu", schedule_policy="priority").resolve()
+    assert policy.enable_priority_scheduling
+    off = ServerArgs(device="cpu").resolve()
+    assert off.schedule_policy == "fcfs" and not off.enable_priority_scheduling
+
+
+def test_surface_flags_parse_with_sglang_names():
+    args = _parse(
+        [
+            "--chat-template", "chatml", "--stream-interval", "4", "--enable-cache-report",
+            "--trust-remote-code", "--revision", "v1.0", "--enable-priority-scheduling",
+            "--incremental-streaming-output",
+        ]
+    )  # fmt: skip
+    assert args.chat_template == "chatml" and args.stream_interval == 4 and args.enable_cache_report
+    assert args.trust_remote_code and args.revision == "v1.0" and args.enable_priority_scheduling
+    assert args.incremental_streaming_output
+    d = _parse([])
+    assert d.stream_interval == 1 and not d.enable_cache_report and not d.incremental_streaming_output

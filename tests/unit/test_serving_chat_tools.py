@@ -27,7 +27,7 @@ WEATHER = {
 class _StubTM:
     def __init__(self, tool_call_parser=None, reasoning_parser=None, renders_tools=False) -> None:
         self.server_args = SimpleNamespace(
-            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, enable_cache_report=False
         )
         self.tokenizer = None
         self.model_name = "m"

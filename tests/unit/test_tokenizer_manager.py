@@ -155,8 +155,11 @@ def test_requests_arriving_together_are_tokenized_in_one_call(make_tm):
     ]
 
 
-def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm):
-    tm = make_tm()
+@pytest.mark.parametrize("incremental", [True, False])
+def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm, incremental):
+    """Chunks hold the new output (--incremental-streaming-output) or all of it so far (the
+    default, SGLang's); outputs arriving before the consumer runs are merged either way."""
+    tm = make_tm(incremental_streaming_output=incremental)
 
     async def go():
         await tm.start()
@@ -182,13 +185,29 @@ def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm)
     c1, c2, final = run(go())
     assert (c1["text"], c1["output_ids"], c1["meta_info"]["completion_tokens"]) == ("Hello", [5, 6], 2)
     assert (c2["text"], c2["output_ids"], c2["meta_info"]["finish_reason"]) == (
-        "!",
-        [7],
+        "!" if incremental else "Hello!",
+        [7] if incremental else [5, 6, 7],
         {"type": "length", "length": 3},
     )
     assert final["text"] == "ab" and final["output_ids"] == [1, 2]
     assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": "c"}
     assert tm.rid_to_state == {}
+
+
+def test_priority_needs_the_flag_and_reaches_the_scheduler_message(make_tm):
+    async def go(tm, **kw):
+        await tm.start()
+        return await tm.prepare(GenerateReqInput(text=["ab", "cd"], **kw))
+
+    with pytest.raises(RequestError, match="--enable-priority-scheduling") as e:
+        run(go(make_tm(), priority=3))
+    assert e.value.param == "priority" and e.value.status_code == 400
+    assert [r.priority for r, _ in run(go(make_tm())).reqs] == [0, 0]
+    prep = run(go(make_tm(enable_priority_scheduling=True), priority=[5, -2], sampling_params={"n": 2}))
+    assert [r.priority for r, _ in prep.reqs] == [5, 5, -2, -2]
+    assert sorted(w.priority for w in prep.warmups) == [-2, 5]  # the shared prefill goes with them
+    with pytest.raises(RequestError, match="priority"):
+        run(go(make_tm(enable_priority_scheduling=True), priority=[1]))  # one per prompt
 
 
 def test_leaving_a_stream_early_aborts_the_request(make_tm):

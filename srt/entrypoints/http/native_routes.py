@@ -2,9 +2,10 @@
 /get_server_info.
 
 /generate returns the output dict (SGLang's shape, `srt.managers.req_output`) of a single prompt,
-or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks, an error mid-stream as
-``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``. /health never needs the
-API key and turns 503 once a child process died.
+or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks (each holding the output so
+far, or only its new part with ``--incremental-streaming-output``), an error mid-stream as
+``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``; body fields srt does not
+know are ignored. /health never needs the API key and turns 503 once a child process died.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _generate_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
 @router.post("/generate")
 async def generate(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, GenerateRequest)
-    obj = GenerateReqInput(**req.model_dump())
+    obj = GenerateReqInput(**req.model_dump(include=set(GenerateRequest.model_fields)))
     return await serve(request, ctx.tm, obj, partial(_generate_body, obj), _generate_stream)
 
 

@@ -95,20 +95,23 @@ def matched_stop(finish_reason: FinishReasonDict | None) -> int | str | None:
     return None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details`` is null unless ``cached_tokens`` is given
+    (``--enable-cache-report``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
     }
 
 
-def usage_of(outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+def usage_of(outputs: list[dict[str, Any]], n: int, cache_report: bool = False) -> dict[str, Any]:
     """Usage of a request whose outputs are prompt-major with ``n`` choices per prompt: the
-    prompt is counted once per prompt, the completions of every choice."""
+    prompt is counted once per prompt, the completions of every choice; the cached prompt tokens
+    with ``cache_report``."""
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs[::n])
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outputs[::n])
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outputs[::n]) if cache_report else None
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return usage(prompt, completion, cached)
 
@@ -125,13 +128,15 @@ def stream_error_payload(e: SrtError) -> dict[str, Any]:
 class Envelope:
     """The fields every response object of one request shares: ``id`` (``prefix`` + a uuid),
     ``object``, ``created``, ``model``; streamed chunks and the non-streaming body both carry
-    them, with their ``choices`` and ``usage``."""
+    them, with their ``choices`` and ``usage`` (cached prompt tokens in it with ``cache_report``,
+    i.e. ``--enable-cache-report``)."""
 
-    def __init__(self, prefix: str, obj: str, model: str) -> None:
+    def __init__(self, prefix: str, obj: str, model: str, cache_report: bool = False) -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.object = obj
         self.created = int(time.time())
         self.model = model
+        self.cache_report = cache_report
 
     def body(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -147,17 +152,19 @@ class Envelope:
 
     def chunk(self, choices: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> dict[str, Any]:
         """One streamed chunk; ``meta`` given -> with that output's running usage."""
-        u = (
-            None
-            if meta is None
-            else usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
-        )
-        return self.body(choices, u)
+        if meta is None:
+            return self.body(choices)
+        cached = meta["cached_tokens"] if self.cache_report else None
+        return self.body(choices, usage(meta["prompt_tokens"], meta["completion_tokens"], cached))
+
+    def usage_of(self, outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        """`usage_of` ``outputs`` as this response reports it."""
+        return usage_of(outputs, n, self.cache_report)
 
     def usage_chunk(self, last_meta: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:
         """The final ``include_usage`` chunk: empty choices, the usage of every choice's last output."""
         outs = [{"meta_info": last_meta[i]} for i in sorted(last_meta)]
-        return self.body([], usage_of(outs, n))
+        return self.body([], self.usage_of(outs, n))
 
 
 class ChunkStream:

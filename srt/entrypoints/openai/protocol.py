@@ -9,8 +9,9 @@ as plain dicts and serialized with orjson (see ``serving_*``).
 
 Besides OpenAI's fields the requests take SGLang's sampling extras: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``,
-``spaces_between_special_tokens``, ``no_stop_trim``, ``stop_token_ids``, and the constraints
-``regex`` and ``ebnf`` (``response_format`` is OpenAI's way to ask for JSON).
+``spaces_between_special_tokens``, ``no_stop_trim``, ``stop_token_ids``, the constraints
+``regex`` and ``ebnf`` (``response_format`` is OpenAI's way to ask for JSON), and the request's
+queue ``priority`` (with ``--enable-priority-scheduling``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class _SamplingFields(_Request):
     no_stop_trim: bool | None = None
     stop_token_ids: list[int] | None = None
     rid: str | None = None
+    priority: int | None = None  # SGLang extra: queue priority (--enable-priority-scheduling)
     # constrained decoding (SGLang extras; response_format is OpenAI's JSON mode)
     response_format: ResponseFormat | None = None
     regex: str | None = None
@@ -259,6 +261,7 @@ class GenerateRequest(_Request):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     stream: bool = False
+    priority: int | list[int] | None = None
 
 
 class AbortRequest(_Model):

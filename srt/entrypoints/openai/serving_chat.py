@@ -40,7 +40,6 @@ from srt.entrypoints.openai.common import (
     raise_abort_error,
     stream_error_payload,
     token_text,
-    usage_of,
 )
 from srt.entrypoints.openai.protocol import (
     CHAT_ROLES,
@@ -184,6 +183,9 @@ class OpenAIServingChat:
             create_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
         )
 
+    def _envelope(self, obj: str) -> Envelope:
+        return Envelope("chatcmpl", obj, self.tm.model_name, self.tm.server_args.enable_cache_report)
+
     def output_plan(self, req: ChatCompletionRequest) -> _OutputPlan:
         """How ``req``'s output is read back; RequestError for tool settings that cannot work."""
         choice = req.tool_choice
@@ -259,6 +261,8 @@ class OpenAIServingChat:
             return_logprob=req.logprobs,
             top_logprobs_num=top,
             stream=req.stream,
+            priority=req.priority,
+            incremental_stream=True,
             add_special_tokens=False,
             param_names=names,
         )
@@ -296,9 +300,8 @@ class OpenAIServingChat:
                     "matched_stop": matched_stop(meta["finish_reason"]),
                 }
             )
-        return Envelope("chatcmpl", "chat.completion", self.tm.model_name).body(
-            choices, usage_of(outputs, req.n)
-        )
+        env = self._envelope("chat.completion")
+        return env.body(choices, env.usage_of(outputs, req.n))
 
     def stream(
         self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
@@ -311,9 +314,7 @@ class OpenAIServingChat:
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
-        cs = ChunkStream(
-            Envelope("chatcmpl", "chat.completion.chunk", self.tm.model_name), req.stream_options, req.n
-        )
+        cs = ChunkStream(self._envelope("chat.completion.chunk"), req.stream_options, req.n)
         plan = self.output_plan(req)
         plain = plan.tools is None and plan.reasoning is None
         streams: dict[int, _ChoiceStream] = {}

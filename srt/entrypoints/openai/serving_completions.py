@@ -20,7 +20,6 @@ from srt.entrypoints.openai.common import (
     raise_abort_error,
     stream_error_payload,
     token_text,
-    usage_of,
 )
 from srt.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -62,6 +61,9 @@ class OpenAIServingCompletion:
     def __init__(self, tokenizer_manager: Any) -> None:
         self.tm = tokenizer_manager
 
+    def _envelope(self, obj: str) -> Envelope:
+        return Envelope("cmpl", obj, self.tm.model_name, self.tm.server_args.enable_cache_report)
+
     def build_input(self, req: CompletionRequest) -> GenerateReqInput:
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
@@ -83,6 +85,8 @@ class OpenAIServingCompletion:
             logprob_start_len=0 if (want_lp and req.echo) else -1,
             top_logprobs_num=top,
             stream=req.stream,
+            priority=req.priority,
+            incremental_stream=True,
             param_names=names,
         )
 
@@ -129,7 +133,8 @@ class OpenAIServingCompletion:
         for o in outputs:
             raise_abort_error(o["meta_info"]["finish_reason"])
         choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
-        return Envelope("cmpl", "text_completion", self.tm.model_name).body(choices, usage_of(outputs, req.n))
+        env = self._envelope("text_completion")
+        return env.body(choices, env.usage_of(outputs, req.n))
 
     def stream(self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
@@ -140,7 +145,7 @@ class OpenAIServingCompletion:
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``text_completion`` chunk payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
-        cs = ChunkStream(Envelope("cmpl", "text_completion", self.tm.model_name), req.stream_options, req.n)
+        cs = ChunkStream(self._envelope("text_completion"), req.stream_options, req.n)
         builders: dict[int, CompletionLogprobs | None] = {}
         async for out in chunks:
             idx = out["index"]

@@ -62,7 +62,14 @@ class GrammarManager:
         self.compile_seconds = 0.0  # worker time spent compiling (metrics)
 
     @classmethod
-    def create(cls, backend_name: str, tokenizer_source: str, vocab_size: int, eos_token_ids: list[int]):
+    def create(
+        cls,
+        backend_name: str,
+        tokenizer_source: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        trust_remote_code: bool = False,
+    ):
         """The manager for ``--grammar-backend backend_name`` (None for ``none``); the backend is
         built on first use or `warm_up`."""
         if backend_name == "none":
@@ -73,7 +80,7 @@ class GrammarManager:
 
             t0 = time.perf_counter()
             backend = create_grammar_backend(
-                backend_name, load_tokenizer(tokenizer_source), vocab_size, eos_token_ids
+                backend_name, load_tokenizer(tokenizer_source, trust_remote_code), vocab_size, eos_token_ids
             )
             logger.info("grammar backend: %s (ready in %.1f s)", backend_name, time.perf_counter() - t0)
             return backend

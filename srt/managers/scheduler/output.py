@@ -13,7 +13,8 @@
 
 ``build_batch_output`` collects every request that produced tokens or finished: its new
 tokens since the last output (``Req.num_sent``), its finish reason on the last one, and
-logprobs when asked for (prompt logprobs once, with the first output).
+logprobs when asked for (prompt logprobs once, with the first output). A streaming request
+sends its tokens in groups of ``--stream-interval`` (its first token and its finish at once).
 """
 
 from __future__ import annotations
@@ -165,10 +166,22 @@ def _input_logprobs_per_req(
     return out
 
 
-def build_batch_output(reqs: Iterable[Req]) -> BatchTokenIDOut | None:
-    """One ``BatchTokenIDOut`` for every request in ``reqs`` that has unsent tokens or finished
-    (each request at most once per call); None when there is nothing to send."""
-    emitted = [r for r in reqs if r.num_sent != len(r.output_ids) or r.finished_reason is not None]
+def build_batch_output(reqs: Iterable[Req], stream_interval: int = 1) -> BatchTokenIDOut | None:
+    """One ``BatchTokenIDOut`` for every request in ``reqs`` that finished or has tokens to send
+    (each request at most once per call); None when there is nothing to send.
+
+    A streaming request's tokens are held until ``stream_interval`` of them are unsent
+    (``--stream-interval``), except its first token(s) (time to first token) and its finish; a
+    non-streaming request sends every step (the detokenizer looks for its stop strings)."""
+    emitted = [
+        r
+        for r in reqs
+        if r.finished_reason is not None
+        or (
+            (unsent := len(r.output_ids) - r.num_sent) > 0
+            and (unsent >= stream_interval or not r.stream or r.num_sent == 0)
+        )
+    ]
     if not emitted:
         return None
     rids, prompt_tokens, skip_special, spaces, no_stop_trim, stop_strs = map(

@@ -131,6 +131,7 @@ class Scheduler:
                 tokenizer_source(server_args),
                 self.vocab_size,
                 self.eos_token_ids,
+                server_args.trust_remote_code,
             )
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
@@ -321,7 +322,7 @@ class Scheduler:
             self.metrics.on_generated(result.num_generated)
             self.decode.merge(result.new_decoding, result.decode_finished)
             touched = touched + batch.reqs
-        out = build_batch_output(touched)
+        out = build_batch_output(touched, self.server_args.stream_interval)
         for req in self._finished_reqs:  # reported now: the rid may be reused from here on
             if self.reqs_by_rid.get(req.rid) is req:
                 del self.reqs_by_rid[req.rid]

@@ -1,0 +1,106 @@
+"""--stream-interval and --enable-priority-scheduling on the real scheduler with the KV-checking
+fake model (tests/helpers/scheduler_fakes.py): how often a streaming request's tokens are sent,
+what text the detokenizer makes of them, and the order in which prioritized requests run."""
+
+from __future__ import annotations
+
+import pytest
+
+from srt.managers.detokenizer_manager import DetokenizerManager
+from srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from srt.managers.scheduler import Scheduler
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from tests.helpers.scheduler_fakes import KVEchoRunner, reference_generate
+
+
+def make_scheduler(max_running: int = 8, **kw) -> Scheduler:
+    args = ServerArgs(
+        device="cpu", enable_debug_checks=True, max_running_requests=max_running, **kw
+    ).resolve()
+    return Scheduler(args, KVEchoRunner(max_total_tokens=2048, page_size=1, max_running_requests=max_running))
+
+
+def gen(rid: str, prompt: list[int], max_new: int, stream: bool = True, priority: int = 0):
+    return TokenizedGenerateReqInput(
+        rid=rid,
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True),
+        stream=stream,
+        priority=priority,
+    )
+
+
+def prompt(seed: int, n: int = 12) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 997 for i in range(n)]
+
+
+def per_rid(outs: list[BatchTokenIDOut]) -> dict[str, list[list[int]]]:
+    """rid -> the token groups sent for it, one per output it appeared in."""
+    got: dict[str, list[list[int]]] = {}
+    for o in outs:
+        for rid, ids in zip(o.rids, o.output_ids):
+            got.setdefault(rid, []).append(list(ids))
+    return got
+
+
+@pytest.mark.parametrize("interval", [1, 4, 5])
+def test_stream_interval_groups_a_streams_tokens(interval):
+    s = make_scheduler(stream_interval=interval)
+    s.handle_message(gen("streamed", prompt(1), 16))
+    s.handle_message(gen("plain", prompt(2), 16, stream=False))
+    groups = per_rid(s.run_until_idle())
+    want = reference_generate(prompt(1), 16)
+    assert [t for g in groups["streamed"] for t in g] == want
+    # the first token at once, then groups of `interval`, the rest with the finish
+    assert groups["streamed"][0] == want[:1]
+    assert all(len(g) == interval for g in groups["streamed"][1:-1])
+    assert len(groups["streamed"]) == 1 + -(-15 // interval)
+    # a non-streaming request still sends every step (its stop strings are looked for)
+    assert [len(g) for g in groups["plain"]] == [1] * 16
+
+
+def test_stream_interval_keeps_the_text(tmp_path):
+    """The detokenized text of a stream sent 4 tokens at a time equals the one sent token by token."""
+    from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+
+    tokenizer = load_tokenizer(tokenizer_source(ServerArgs()))
+    texts, counts = {}, {}
+    for interval in (1, 4):
+        s = make_scheduler(stream_interval=interval)
+        s.handle_message(gen("r", prompt(3), 24))
+        detok = DetokenizerManager(tokenizer)
+        pieces = []
+        for out in s.run_until_idle():
+            str_out, _ = detok.handle_batch_token_id_out(out)
+            if str_out is not None:
+                pieces.append(str_out.output_strs[0])
+        texts[interval], counts[interval] = "".join(pieces), len(pieces)
+    assert texts[4] == texts[1] and texts[1]
+    assert counts[1] == 24 and counts[4] == 1 + -(-23 // 4)  # about len / 4
+
+
+def test_priority_scheduling_orders_the_waiting_queue():
+    """With --enable-priority-scheduling, of the requests waiting together the highest priority
+    runs first (ties by arrival); a running request is not preempted."""
+    s = make_scheduler(max_running=1, enable_priority_scheduling=True)
+    assert s.policy.policy == "priority"
+    s.handle_message(gen("first", prompt(0), 4))
+    s.step()  # "first" is running
+    for i, (rid, pri) in enumerate((("low", -1), ("mid-a", 2), ("high", 7), ("mid-b", 2), ("zero", 0))):
+        s.handle_message(gen(rid, prompt(10 + i), 4, priority=pri))
+    order: list[str] = []
+    for out in s.run_until_idle():
+        for rid, reason in zip(out.rids, out.finished_reasons):
+            if reason is not None:
+                order.append(rid)
+    assert order == ["first", "high", "mid-a", "mid-b", "zero", "low"]
+
+
+def test_without_the_flag_the_queue_is_fcfs():
+    s = make_scheduler(max_running=1)
+    assert s.policy.policy == "fcfs"
+    s.handle_message(gen("a", prompt(1), 2, priority=0))
+    s.handle_message(gen("b", prompt(2), 2, priority=9))
+    order = [rid for o in s.run_until_idle() for rid, r in zip(o.rids, o.finished_reasons) if r is not None]
+    assert order == ["a", "b"]
