@@ -163,6 +163,23 @@ class InputProcessor:
         it = iter(encoded)
         return [list(s.input_ids) if s.input_ids is not None else next(it) for s in singles]
 
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """The token ids of each text (POST /tokenize); `RequestError` without a tokenizer."""
+        if self._batcher is None:
+            raise RequestError("the server runs with --skip-tokenizer-init: it cannot tokenize")
+        return await self._batcher.encode(texts, add_special_tokens)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of ``ids`` (POST /detokenize); `RequestError` for ids outside the vocabulary
+        or without a tokenizer."""
+        if self.tokenizer is None:
+            raise RequestError("the server runs with --skip-tokenizer-init: it cannot detokenize")
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
     def check_prompt(
         self, s: SingleInput, max_new: int | None, ids: list[int], names: dict[str, str]
     ) -> None:

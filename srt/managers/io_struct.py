@@ -5,9 +5,11 @@ Token ids travel as ``list[int]``; batched outputs are parallel arrays (index i 
 list belongs to ``rids[i]``).
 
     tokenizer manager --TokenizedGenerateReqInput/AbortReq/FlushCacheReq/GetInternalStateReq--> scheduler
+                        ProfileReq/UpdateWeightsFromDiskReq
     detokenizer       --StopStringHit----------------------------------------------------------> scheduler
     scheduler         --BatchTokenIDOut---------------------------------------------------------> detokenizer
     scheduler         --FlushCacheReqOutput/GetInternalStateReqOutput/SchedulerReady------------> detokenizer
+                        ProfileReqOutput/UpdateWeightsFromDiskReqOutput
                          (the detokenizer forwards non-token messages to the tokenizer manager unchanged)
     detokenizer       --BatchStrOut (+ forwarded messages)--------------------------------------> tokenizer manager
 
@@ -90,6 +92,23 @@ class GetInternalStateReq(_Msg):
     pass
 
 
+class ProfileReq(_Msg):
+    """Start or stop the scheduler's torch profiler (POST /start_profile, /stop_profile)."""
+
+    action: str  # "start" | "stop"
+    output_dir: str | None = None  # start: None = $SRT_TORCH_PROFILER_DIR, else /tmp/srt_profile
+    num_steps: int | None = None  # start: stop (and write the trace) by itself after this many steps
+    activities: list[str] | None = None  # start: "CPU" and/or "GPU" (None: ["CPU"])
+
+
+class UpdateWeightsFromDiskReq(_Msg):
+    """Reload the model's weights from ``model_path`` (same architecture and shapes) once the
+    running requests finished; requests arriving meanwhile wait and run on the new weights."""
+
+    model_path: str
+    load_format: str | None = None  # None: "auto" (the file's format)
+
+
 class StopStringHit(_Msg):
     """The detokenizer found a stop string in rid's output: finish it (no further tokens)."""
 
@@ -142,6 +161,18 @@ class GetInternalStateReqOutput(_Msg):
     state: dict[str, Any]
 
 
+class ProfileReqOutput(_Msg):
+    success: bool
+    message: str = ""
+    # start: the file the trace will be written to; stop: the file written ("" on failure)
+    trace_path: str = ""
+
+
+class UpdateWeightsFromDiskReqOutput(_Msg):
+    success: bool
+    message: str = ""
+
+
 # ---------------- detokenizer -> tokenizer manager ----------------
 class BatchStrOut(_Msg):
     rids: list[str]
@@ -160,9 +191,35 @@ class BatchStrOut(_Msg):
     queue_times: list[float | None] = []
 
 
-SchedulerInput = Union[TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, StopStringHit]
-DetokenizerInput = Union[BatchTokenIDOut, SchedulerReady, FlushCacheReqOutput, GetInternalStateReqOutput]
-TokenizerInput = Union[BatchStrOut, SchedulerReady, FlushCacheReqOutput, GetInternalStateReqOutput]
+SchedulerInput = Union[
+    TokenizedGenerateReqInput,
+    AbortReq,
+    FlushCacheReq,
+    GetInternalStateReq,
+    ProfileReq,
+    UpdateWeightsFromDiskReq,
+    StopStringHit,
+]
+# the scheduler's replies to control requests (forwarded unchanged by the detokenizer)
+ControlReply = Union[
+    FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput, UpdateWeightsFromDiskReqOutput
+]
+DetokenizerInput = Union[
+    BatchTokenIDOut,
+    SchedulerReady,
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    ProfileReqOutput,
+    UpdateWeightsFromDiskReqOutput,
+]
+TokenizerInput = Union[
+    BatchStrOut,
+    SchedulerReady,
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    ProfileReqOutput,
+    UpdateWeightsFromDiskReqOutput,
+]
 
 _encoder = msgspec.msgpack.Encoder()
 scheduler_input_decoder = msgspec.msgpack.Decoder(SchedulerInput)

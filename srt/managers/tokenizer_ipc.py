@@ -1,10 +1,13 @@
 """The tokenizer manager's sockets and receive loop.
 
     TokenizerIPC.send(msg) --PUSH--> scheduler_input_ipc_name   (TokenizedGenerateReqInput, AbortReq,
-                                                                 FlushCacheReq, GetInternalStateReq)
+                                                                 FlushCacheReq, GetInternalStateReq,
+                                                                 ProfileReq, UpdateWeightsFromDiskReq)
     detokenizer --PUSH--> [PULL tokenizer_ipc_name] TokenizerIPC._recv_loop
         BatchStrOut                 -> ``on_batch_str_out(msg)`` (the tokenizer manager's handler)
-        FlushCacheReqOutput         -> the oldest pending `flush_cache` future
+        FlushCacheReqOutput,        -> the oldest pending future of its type (`flush_cache`,
+        ProfileReqOutput,              `profile`, `update_weights_from_disk`; the scheduler answers
+        UpdateWeightsFromDiskReqOutput each type in order)
         GetInternalStateReqOutput   -> the pending `get_internal_state` future (shared by callers)
 
 The PULL socket is bound at construction (before the detokenizer sends anything); the receive
@@ -28,7 +31,11 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     SchedulerInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
     encode,
     tokenizer_input_decoder,
 )
@@ -40,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 _STATE_TIMEOUT_S = 5.0
 _FLUSH_TIMEOUT_S = 30.0
+_PROFILE_TIMEOUT_S = 60.0  # stopping writes the trace file
+# an update first waits for the running requests to finish, then loads a checkpoint
+_UPDATE_WEIGHTS_TIMEOUT_S = 1800.0
+# the replies answered in order, per type, to the oldest waiting future
+_ORDERED_REPLIES = (FlushCacheReqOutput, ProfileReqOutput, UpdateWeightsFromDiskReqOutput)
 
 
 class TokenizerIPC:
@@ -51,7 +63,9 @@ class TokenizerIPC:
         self.recv_sock = get_zmq_socket(self._actx, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
         self._sctx = zmq.Context(io_threads=1)
         self.send_sock = get_zmq_socket(self._sctx, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False)
-        self._flush_futures: collections.deque[asyncio.Future] = collections.deque()
+        self._reply_futures: dict[type, collections.deque[asyncio.Future]] = {
+            t: collections.deque() for t in _ORDERED_REPLIES
+        }
         self._state_future: asyncio.Future | None = None
         self._recv_task: asyncio.Task | None = None
 
@@ -93,9 +107,10 @@ class TokenizerIPC:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOut):
             self.on_batch_str_out(msg)
-        elif isinstance(msg, FlushCacheReqOutput):
-            while self._flush_futures:
-                fut = self._flush_futures.popleft()
+        elif isinstance(msg, _ORDERED_REPLIES):
+            futures = self._reply_futures[type(msg)]
+            while futures:
+                fut = futures.popleft()
                 if not fut.done():
                     fut.set_result(msg)
                     break
@@ -104,13 +119,24 @@ class TokenizerIPC:
                 self._state_future.set_result(msg.state)
 
     # ------------------------------------------------------------------ control requests
+    async def _request(self, msg: SchedulerInput, reply_type: type, timeout: float) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._reply_futures[reply_type].append(fut)
+        self.send(msg)
+        return await asyncio.wait_for(fut, timeout)
+
     async def flush_cache(self) -> FlushCacheReqOutput:
         """Ask the scheduler to flush its prefix cache; its reply (``success`` is False while
         requests run). Times out with ``asyncio.TimeoutError``."""
-        fut = asyncio.get_running_loop().create_future()
-        self._flush_futures.append(fut)
-        self.send(FlushCacheReq())
-        return await asyncio.wait_for(fut, _FLUSH_TIMEOUT_S)
+        return await self._request(FlushCacheReq(), FlushCacheReqOutput, _FLUSH_TIMEOUT_S)
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """Start or stop the scheduler's profiler; its reply."""
+        return await self._request(req, ProfileReqOutput, _PROFILE_TIMEOUT_S)
+
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReq) -> UpdateWeightsFromDiskReqOutput:
+        """Ask the scheduler to reload its weights (once idle); its reply."""
+        return await self._request(req, UpdateWeightsFromDiskReqOutput, _UPDATE_WEIGHTS_TIMEOUT_S)
 
     async def get_internal_state(self) -> dict[str, Any]:
         """The scheduler's live state (concurrent callers share one request)."""
@@ -121,9 +147,10 @@ class TokenizerIPC:
 
     def fail_pending(self, error: EngineDeadError) -> None:
         """Fail every control request still waiting for a reply with ``error``."""
-        for fut in list(self._flush_futures):
-            if not fut.done():
-                fut.set_exception(error)
-        self._flush_futures.clear()
+        for futures in self._reply_futures.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(error)
+            futures.clear()
         if self._state_future is not None and not self._state_future.done():
             self._state_future.set_exception(error)

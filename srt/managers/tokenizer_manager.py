@@ -13,7 +13,8 @@ The parts, each in its own module:
                                      (``--max-queued-requests``: `QueueFullError` with a
                                      Retry-After), per-request metrics, fail-all
     req_output                       the SGLang-shaped output dicts (final output, stream chunks)
-    tokenizer_ipc.TokenizerIPC       the sockets, the receive loop, flush / internal-state replies
+    tokenizer_ipc.TokenizerIPC       the sockets, the receive loop, replies to control requests
+                                     (flush, internal state, profiler, weight updates)
 
 `prepare` rejects a request before the scheduler sees it (`RequestError`, `ContextLengthError`,
 `QueueFullError`, `EngineDeadError`). `run` sends it and yields outputs; leaving it early (client
@@ -37,7 +38,11 @@ from srt.managers.io_struct import (
     BatchStrOut,
     FinishReason,
     FlushCacheReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
 )
 from srt.managers.metrics import TokenizerMetrics
 from srt.managers.req_output import final_output, stream_chunk
@@ -46,7 +51,7 @@ from srt.managers.tokenizer_ipc import TokenizerIPC
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import EngineDeadError, RequestError, SrtError
 
-__all__ = ["PreparedRequest", "TokenizerManager", "served_model_name"]
+__all__ = ["PreparedRequest", "TokenizerManager", "scheduler_load", "served_model_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,19 @@ def served_model_name(server_args: ServerArgs) -> str:
     if server_args.model_path:
         return os.path.basename(os.path.normpath(server_args.model_path)).removesuffix(".gguf")
     return "SmolLM2-135M-Instruct"
+
+
+def scheduler_load(state: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
+    """SGLang's /get_load entry of one scheduler from its internal state: requests running or
+    queued, those queued, and the KV tokens in use (neither free nor evictable cache)."""
+    running, queued = int(state["num_running_reqs"]), int(state["num_queued_reqs"])
+    free = int(state["available_size"]) + int(state["evictable_size"])
+    return {
+        "num_reqs": running + queued,
+        "num_waiting_reqs": queued,
+        "num_tokens": max(0, int(state["max_total_num_tokens"]) - free),
+        "dp_rank": dp_rank,
+    }
 
 
 class TokenizerManager:
@@ -87,6 +105,7 @@ class TokenizerManager:
         self.dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._weights_lock: asyncio.Lock | None = None  # one weight update at a time (serving loop)
         self.launcher: Any = None  # srt.entrypoints.launch.Launcher (set by launch_subprocesses)
 
     @property
@@ -244,6 +263,37 @@ class TokenizerManager:
         """The scheduler's live state (concurrent callers share one request)."""
         self._check_alive()
         return await self.ipc.get_internal_state()
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one `scheduler_load` dict per scheduler (one here, dp rank 0)."""
+        return [scheduler_load(await self.get_internal_state())]
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """Start or stop the scheduler's torch profiler (``success`` False: why not)."""
+        self._check_alive()
+        return await self.ipc.profile(req)
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None
+    ) -> UpdateWeightsFromDiskReqOutput:
+        """Reload the weights from ``model_path`` once the running requests finished (requests
+        arriving meanwhile wait in the scheduler); concurrent calls run one after the other."""
+        self._check_alive()
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        async with self._weights_lock:
+            return await self.ipc.update_weights_from_disk(
+                UpdateWeightsFromDiskReq(model_path=model_path, load_format=load_format)
+            )
+
+    # ================================================================== tokenizer
+    async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text (`RequestError` under --skip-tokenizer-init)."""
+        return await self.inputs.tokenize(texts, add_special_tokens)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (`RequestError` for ids outside the vocabulary, or without a tokenizer)."""
+        return self.inputs.detokenize(ids, skip_special_tokens)
 
     async def render_metrics(self) -> bytes:
         """Prometheus text: the request metrics and the scheduler's live gauges (when it answers)."""

@@ -12,6 +12,9 @@ Start-up (``ModelRunner(server_args)``, server_args already ``resolve()``d):
     -> ReqToTokenPool, MHATokenToKVPool, TokenToKVPoolAllocator
     -> one log line "KV cache: N tokens, X GiB, page size P, max prefill tokens M"
 
+Weights from another checkpoint of the same shapes: ``update_weights_from_disk(model_path,
+load_format)`` (the scheduler calls it only when idle; srt/model_loader/reload.py).
+
 Per step (called by the scheduler): ``forward_batch_generation(forward_batch)`` =
 ``forward`` (attach pools + backend to the batch, ``init_forward_metadata``, model forward under
 ``torch.inference_mode``) then ``sample``. The caller has already allocated the batch's KV slots
@@ -36,7 +39,8 @@ from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
-from srt.model_loader.weight_utils import weight_bytes
+from srt.model_loader.reload import replacement_config, shape_mismatch
+from srt.model_loader.weight_utils import release_free_memory, weight_bytes
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError
 from srt.utils.pages import page_ceil, page_floor
@@ -51,7 +55,8 @@ class ModelRunner:
     ``model_config``, ``req_to_token_pool``, ``token_to_kv_pool``, ``token_to_kv_pool_allocator``,
     ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
     Also: ``model``, ``attn_backend``, ``linear_backend``, ``sampler``, ``kv_cache_dtype``,
-    ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled)."""
+    ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled),
+    ``loaded_model_path`` (the checkpoint the weights came from)."""
 
     def __init__(self, server_args: ServerArgs) -> None:
         self.server_args = server_args
@@ -67,26 +72,14 @@ class ModelRunner:
         self.linear_backend: LinearBackend = create_linear_backend(server_args.linear_backend)
         kv_name = server_args.kv_cache_dtype
         self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
-        self.model: nn.Module = get_model(
-            self.model_config,
-            server_args.load_format,
-            self.device,
-            server_args.random_seed,
-            self.linear_backend,
-            server_args.quantization,
-            server_args.enable_int8_activations,
-        )
+        self.model: nn.Module = self._load_model(self.model_config, server_args.load_format)
         self.load_time_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)
+        self.loaded_model_path: str = self.model_config.model_path  # changed by update_weights_from_disk
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
-        enable_native = getattr(self.model, "enable_native_decode", None)
-        if enable_native is not None:
-            if server_args.disable_native_decode_layers:
-                logger.info("native decode layers off: --disable-native-decode-layers")
-            else:
-                logger.info(enable_native())
+        self._enable_native_decode(self.model)
         logger.info(
             "Model loaded in %.1f s: %.1f MiB of weights (%s, quantization %s), process RSS %.1f MiB; "
             "attention %s, linear %s, %d threads",
@@ -127,6 +120,65 @@ class ModelRunner:
                 self.max_prefill_tokens,
             )
         )
+
+    def _load_model(self, model_config: ModelConfig, load_format: str | None) -> nn.Module:
+        a = self.server_args
+        return get_model(
+            model_config,
+            load_format,
+            self.device,
+            a.random_seed,
+            self.linear_backend,
+            a.quantization,
+            a.enable_int8_activations,
+        )
+
+    def _enable_native_decode(self, model: nn.Module) -> None:
+        """Hand the model's decode layers to the native call where it applies (llama_native.py);
+        the native stack holds its own references to the blocks, so a new model needs its own."""
+        enable_native = getattr(model, "enable_native_decode", None)
+        if enable_native is None:
+            return
+        if self.server_args.disable_native_decode_layers:
+            logger.info("native decode layers off: --disable-native-decode-layers")
+        else:
+            logger.info(enable_native())
+
+    # ------------------------------------------------------------------ weight updates
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
+        """Replace the weights with those of ``model_path`` (same architecture and shapes; see
+        srt/model_loader/reload.py). The new model is loaded beside the old one (peak memory:
+        both sets of weights) and swapped in only once it loaded: on any failure the old weights
+        keep serving and ``(False, why)`` is returned. The caller must not run a batch meanwhile,
+        and must drop KV cached under the old weights."""
+        a = self.server_args
+        t0 = time.perf_counter()
+        try:
+            cfg = replacement_config(
+                self.model_config,
+                model_path,
+                load_format,
+                a.dtype,
+                a.context_length,
+                a.model_override_args,
+                self.device.type,
+            )
+            mismatch = shape_mismatch(self.model_config, cfg)
+            if mismatch is not None:
+                return False, mismatch
+            model = self._load_model(cfg, cfg.load_format)
+        except (ValueError, OSError) as e:  # ConfigError, WeightLoadError, GGUFError, a bad file
+            return False, f"weights not updated: {e}"
+        except Exception as e:  # noqa: BLE001 - a bad checkpoint must not take the scheduler down
+            logger.exception("weight update from %s failed", model_path)
+            return False, f"weights not updated: {type(e).__name__}: {e}"
+        self._enable_native_decode(model)
+        self.model = model  # the old model (and its native decode stack) is freed here
+        release_free_memory()
+        self.weight_bytes = weight_bytes(model)
+        self.loaded_model_path = cfg.model_path
+        seconds = time.perf_counter() - t0
+        return True, f"Weights updated from {cfg.model_path} ({cfg.load_format}) in {seconds:.1f} s."
 
     # ------------------------------------------------------------------ per step
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

@@ -114,6 +114,7 @@ class KVEchoRunner:
     device: str = "cpu"
     num_forwards: int = 0
     modes: list[str] = field(default_factory=list)
+    weight_updates: list[str] = field(default_factory=list)  # model paths, in call order
 
     def __post_init__(self) -> None:
         assert self.context_len <= MAX_CONTEXT
@@ -128,6 +129,13 @@ class KVEchoRunner:
         n = self.max_total_tokens + self.page_size
         self.kv_token = torch.full((n,), -1, dtype=torch.int64)
         self.kv_pos = torch.full((n,), -1, dtype=torch.int64)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None) -> tuple[bool, str]:
+        """Records the call; a path containing "missing" fails (the weights "stay")."""
+        self.weight_updates.append(model_path)
+        if "missing" in model_path:
+            return False, f"{model_path} does not exist"
+        return True, f"weights updated from {model_path}"
 
     def forward_batch_generation(self, fb: ForwardBatch) -> tuple[FakeLogitsOutput, SampleOutput]:
         self.num_forwards += 1

@@ -38,6 +38,9 @@ SAMPLES: list[io._Msg] = [
     io.AbortReq(rid=""),
     io.FlushCacheReq(),
     io.GetInternalStateReq(),
+    io.ProfileReq(action="start", output_dir="/tmp/p", num_steps=5, activities=["CPU"]),
+    io.ProfileReq(action="stop"),
+    io.UpdateWeightsFromDiskReq(model_path="/models/m.gguf", load_format="gguf"),
     io.StopStringHit(rid="r1", matched="\n\n"),
     io.BatchTokenIDOut(
         rids=["a", "b"],
@@ -66,6 +69,8 @@ SAMPLES: list[io._Msg] = [
     ),
     io.FlushCacheReqOutput(success=False, message="busy"),
     io.GetInternalStateReqOutput(state={"num_running_reqs": 3, "token_usage": 0.25, "policy": "fcfs"}),
+    io.ProfileReqOutput(success=True, message="started", trace_path="/tmp/p/srt-1.trace.json.gz"),
+    io.UpdateWeightsFromDiskReqOutput(success=False, message="shapes differ"),
     io.BatchStrOut(
         rids=["a"],
         output_strs=["🎉 ok"],
@@ -86,11 +91,15 @@ DECODERS = {
     io.AbortReq: io.scheduler_input_decoder,
     io.FlushCacheReq: io.scheduler_input_decoder,
     io.GetInternalStateReq: io.scheduler_input_decoder,
+    io.ProfileReq: io.scheduler_input_decoder,
+    io.UpdateWeightsFromDiskReq: io.scheduler_input_decoder,
     io.StopStringHit: io.scheduler_input_decoder,
     io.BatchTokenIDOut: io.detokenizer_input_decoder,
     io.SchedulerReady: io.detokenizer_input_decoder,
     io.FlushCacheReqOutput: io.detokenizer_input_decoder,
     io.GetInternalStateReqOutput: io.detokenizer_input_decoder,
+    io.ProfileReqOutput: io.detokenizer_input_decoder,
+    io.UpdateWeightsFromDiskReqOutput: io.detokenizer_input_decoder,
     io.BatchStrOut: io.tokenizer_input_decoder,
 }
 
@@ -126,7 +135,7 @@ def test_round_trip(msg):
 def test_forwarded_messages_decode_for_the_tokenizer_manager():
     # the detokenizer forwards these raw bytes unchanged; the tokenizer manager must decode them
     for msg in SAMPLES:
-        if isinstance(msg, (io.SchedulerReady, io.FlushCacheReqOutput, io.GetInternalStateReqOutput)):
+        if isinstance(msg, (io.SchedulerReady, *io.ControlReply.__args__)):
             assert _normalize(io.tokenizer_input_decoder.decode(io.encode(msg))) == _normalize(msg)
 
 

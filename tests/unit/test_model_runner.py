@@ -131,3 +131,36 @@ def test_forward_attaches_pools_and_samples(tiny_path):
     no_info = ForwardBatch.build(ForwardMode.DECODE, [1], [row], [len(prompt)], [1], [loc[-1].item() + 1])
     with pytest.raises(ValueError, match="sampling_info"):
         runner.sample(logits_output, no_info)
+
+
+def _params(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
+
+
+def test_update_weights_from_disk(tiny_path, tmp_path):
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=256))
+    before, nbytes = _params(runner), runner.weight_bytes
+    other = save_tiny_model("llama", tmp_path / "other", seed=1)
+    ok, message = runner.update_weights_from_disk(other)
+    assert ok, message
+    after = _params(runner)
+    assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in before)
+    assert runner.loaded_model_path == other and runner.weight_bytes == nbytes
+    ok, _ = runner.update_weights_from_disk(tiny_path, "safetensors")
+    assert ok and all(torch.equal(v, before[k]) for k, v in _params(runner).items())
+
+
+def test_update_weights_refusals_keep_the_old_weights(tiny_path, tmp_path):
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=256))
+    model, before = runner.model, _params(runner)
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        save_tiny_model("qwen2", tmp_path / "qwen2"): "architecture Qwen2ForCausalLM",
+        save_tiny_model("llama", tmp_path / "wide", intermediate_size=192): "intermediate_size 192",
+    }
+    for path, why in cases.items():
+        ok, message = runner.update_weights_from_disk(path)
+        assert not ok and why in message, message
+    ok, message = runner.update_weights_from_disk(tiny_path, "gguf")
+    assert not ok and "gguf" in message
+    assert runner.model is model and all(torch.equal(v, before[k]) for k, v in _params(runner).items())

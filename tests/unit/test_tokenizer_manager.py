@@ -14,10 +14,16 @@ from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
     FinishReason,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
     scheduler_input_decoder,
 )
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer_manager import TokenizerManager, scheduler_load
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
 
@@ -35,6 +41,9 @@ class CharTokenizer:
     def __len__(self) -> int:
         return 200
 
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
 
 class CaptureSocket:
     def __init__(self) -> None:
@@ -51,7 +60,7 @@ class CaptureSocket:
 def make_tm():
     made = []
 
-    def make(**kw) -> TokenizerManager:
+    def make(tokenizer=CharTokenizer, **kw) -> TokenizerManager:
         args = ServerArgs(**kw)
         info = {
             "context_len": 100,
@@ -59,7 +68,7 @@ def make_tm():
             "max_total_num_tokens": 1000,
             "max_running_requests": 8,
         }
-        tm = TokenizerManager(args, PortArgs.init_new(), info, CharTokenizer())
+        tm = TokenizerManager(args, PortArgs.init_new(), info, tokenizer() if tokenizer else None)
         tm.ipc.send_sock.close(linger=0)
         tm.ipc.send_sock = CaptureSocket()
         made.append(tm)
@@ -270,3 +279,79 @@ def test_engine_death_fails_in_flight_and_new_requests(make_tm):
 def test_importing_engine_does_not_import_torch():
     code = "import sys, srt; from srt import Engine; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tokenize_and_detokenize(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        return await tm.tokenize(["hi", "abc"])
+
+    assert run(go()) == [[ord("h"), ord("i")], [97, 98, 99]]
+    assert tm.detokenize([104, 0, 105]) == "hi"
+    assert tm.detokenize([104, 0, 105], skip_special_tokens=False) == "h\x00i"
+    for bad in (200, -1):
+        with pytest.raises(RequestError, match="outside the vocabulary") as e:
+            tm.detokenize([104, bad])
+        assert e.value.param == "tokens" and e.value.status_code == 400
+    assert tm.ipc.send_sock.sent == []
+
+
+def test_tokenize_without_a_tokenizer_is_a_400(make_tm):
+    tm = make_tm(tokenizer=None, skip_tokenizer_init=True)
+
+    async def go():
+        await tm.start()
+        with pytest.raises(RequestError, match="skip-tokenizer-init"):
+            await tm.tokenize(["hi"])
+
+    run(go())
+    with pytest.raises(RequestError, match="skip-tokenizer-init"):
+        tm.detokenize([1, 2])
+
+
+def test_scheduler_load_is_sglangs_shape():
+    state = {
+        "num_running_reqs": 3,
+        "num_queued_reqs": 2,
+        "max_total_num_tokens": 1000,
+        "available_size": 600,
+        "evictable_size": 150,
+    }
+    assert scheduler_load(state) == {"num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 250, "dp_rank": 0}
+
+
+def test_control_requests_get_their_replies_in_order(make_tm):
+    tm = make_tm()
+    state = {
+        "num_running_reqs": 1,
+        "num_queued_reqs": 0,
+        "max_total_num_tokens": 1000,
+        "available_size": 990,
+        "evictable_size": 0,
+    }
+
+    async def go():
+        await tm.start()
+        load = asyncio.ensure_future(tm.get_load())
+        start = asyncio.ensure_future(tm.profile(ProfileReq(action="start", num_steps=3)))
+        update1 = asyncio.ensure_future(tm.update_weights_from_disk("/ckpt/a"))
+        update2 = asyncio.ensure_future(tm.update_weights_from_disk("/ckpt/b", "gguf"))
+        await asyncio.sleep(0)
+        sent = list(tm.ipc.send_sock.sent)
+        # one weight update at a time: the second is sent once the first was answered
+        assert [type(m) for m in sent] == [GetInternalStateReq, ProfileReq, UpdateWeightsFromDiskReq]
+        tm.ipc._dispatch(GetInternalStateReqOutput(state=state))
+        tm.ipc._dispatch(ProfileReqOutput(success=True, message="ok", trace_path="/t/x.json.gz"))
+        tm.ipc._dispatch(UpdateWeightsFromDiskReqOutput(success=True, message="a done"))
+        first = await update1
+        await asyncio.sleep(0)
+        assert tm.ipc.send_sock.sent[-1] == UpdateWeightsFromDiskReq(model_path="/ckpt/b", load_format="gguf")
+        tm.ipc._dispatch(UpdateWeightsFromDiskReqOutput(success=False, message="b failed"))
+        return await load, await start, first, await update2
+
+    load, start, first, second = run(go())
+    assert load == [{"num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 10, "dp_rank": 0}]
+    assert start.trace_path == "/t/x.json.gz"
+    assert first.message == "a done" and not second.success and second.message == "b failed"

@@ -5,8 +5,10 @@
     deps.py            ServerContext (the TokenizerManager and the OpenAI serving objects) on
                        ``app.state``, reached by routes through the ``Ctx`` dependency
     openai_routes.py   /v1/completions, /v1/chat/completions, /v1/models
-    native_routes.py   /generate, /health, /health_generate, /get_model_info, /get_server_info
-    admin_routes.py    /flush_cache, /abort_request, /metrics
+    native_routes.py   /generate, /health, /health_generate, /get_model_info, /get_server_info,
+                       /get_load, /version, /tokenize, /detokenize
+    admin_routes.py    /flush_cache, /abort_request, /metrics, /start_profile, /stop_profile,
+                       /update_weights_from_disk
     serving.py         body parsing, disconnect-aware execution (``serve``), the streaming response
     sse.py             the one server-sent-events helper
 

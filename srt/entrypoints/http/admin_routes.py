@@ -1,4 +1,17 @@
-"""Admin and metrics routes: /flush_cache (GET or POST), POST /abort_request, GET /metrics."""
+"""Admin and metrics routes: /flush_cache (GET or POST), POST /abort_request, GET /metrics,
+POST /start_profile, /stop_profile, /update_weights_from_disk.
+
+    POST /start_profile  {"output_dir"?, "num_steps"?, "activities"?: ["CPU"]}
+                         -> {"message", "trace_path"}: a torch profiler runs around the scheduler's
+                         steps; the Chrome trace (.json.gz) goes to trace_path on /stop_profile or
+                         after num_steps steps (400 when already running)
+    POST /stop_profile   -> {"message", "trace_path"} (400 when not running)
+    POST /update_weights_from_disk {"model_path", "load_format"?} -> {"success", "message"}: the
+                         scheduler lets the admitted requests finish (new ones wait), reloads the
+                         weights, flushes the prefix cache, resumes; 400 (old weights kept, the
+                         body also carries OpenAI's "error") when the path is missing or the
+                         checkpoint's architecture or shapes differ
+"""
 
 from __future__ import annotations
 
@@ -8,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import parse_body
-from srt.entrypoints.openai.common import error_response, json_response
-from srt.entrypoints.openai.protocol import AbortRequest
+from srt.entrypoints.openai.common import error_body, error_response, json_response
+from srt.entrypoints.openai.protocol import AbortRequest, ProfileRequest, UpdateWeightsFromDiskRequest
+from srt.managers.io_struct import ProfileReq, ProfileReqOutput
 from srt.utils.errors import RequestError
 
 router = APIRouter()
@@ -40,3 +54,33 @@ async def metrics(ctx: Ctx) -> Response:
     if not ctx.tm.server_args.enable_metrics:
         return error_response("metrics are disabled (--enable-metrics)", 404)
     return Response(await ctx.tm.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _profile_response(out: ProfileReqOutput) -> Response:
+    if not out.success:
+        return error_response(out.message, 400, code="profiler_state")
+    return json_response({"message": out.message, "trace_path": out.trace_path})
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, ProfileRequest)
+    msg = ProfileReq(
+        action="start", output_dir=req.output_dir, num_steps=req.num_steps, activities=req.activities
+    )
+    return _profile_response(await ctx.tm.profile(msg))
+
+
+@router.post("/stop_profile")
+async def stop_profile(ctx: Ctx) -> Response:
+    return _profile_response(await ctx.tm.profile(ProfileReq(action="stop")))
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, UpdateWeightsFromDiskRequest)
+    out = await ctx.tm.update_weights_from_disk(req.model_path, req.load_format)
+    body = {"success": out.success, "message": out.message}
+    if out.success:
+        return json_response(body)
+    return json_response({**body, **error_body(out.message, 400, "model_path", "weights_not_updated")}, 400)

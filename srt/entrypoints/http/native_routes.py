@@ -1,17 +1,26 @@
 """SGLang's native routes: POST /generate, GET /health, /health_generate, /get_model_info,
-/get_server_info.
+/get_server_info, /get_load, /version, POST /tokenize, /detokenize.
 
 /generate returns the output dict (SGLang's shape, `srt.managers.req_output`) of a single prompt,
 or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks (each holding the output so
 far, or only its new part with ``--incremental-streaming-output``), an error mid-stream as
 ``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``; body fields srt does not
 know are ignored. /health never needs the API key and turns 503 once a child process died.
+
+    POST /tokenize    {"prompt": str | [str], "add_special_tokens": true}
+                      -> {"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}
+    POST /detokenize  {"tokens": [int], "skip_special_tokens": true} -> {"text": str}
+                      (400 for ids outside the vocabulary; both 400 under --skip-tokenizer-init)
+    GET /get_load     [{"num_reqs", "num_waiting_reqs", "num_tokens", "dp_rank"}] per scheduler
+    GET /version      {"version": the srt-engine package version}
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib.metadata
 import os
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,7 +33,7 @@ from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import collect, parse_body, serve
 from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import error_response, json_response, raise_abort_error
-from srt.entrypoints.openai.protocol import GenerateRequest
+from srt.entrypoints.openai.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from srt.managers.generate_input import GenerateReqInput
 from srt.utils.errors import SrtError
 
@@ -112,3 +121,45 @@ async def get_server_info(ctx: Ctx) -> Response:
             "process_pids": {"main": os.getpid(), **pids},
         }
     )
+
+
+@router.get("/get_load")
+async def get_load(ctx: Ctx) -> Response:
+    try:
+        return json_response(await ctx.tm.get_load())
+    except asyncio.TimeoutError:
+        return error_response("the scheduler did not report its load in time", 503)
+
+
+@functools.cache
+def srt_version() -> str:
+    """The installed srt-engine distribution's version (srt.__version__ when not installed)."""
+    try:
+        return importlib.metadata.version("srt-engine")
+    except importlib.metadata.PackageNotFoundError:
+        import srt
+
+        return str(getattr(srt, "__version__", "unknown"))
+
+
+@router.get("/version")
+async def version() -> Response:
+    return json_response({"version": srt_version()})
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, TokenizeRequest)
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    ids = await ctx.tm.tokenize(texts, req.add_special_tokens) if texts else []
+    if isinstance(req.prompt, str):
+        body: dict[str, Any] = {"tokens": ids[0], "count": len(ids[0])}
+    else:
+        body = {"tokens": ids, "count": [len(x) for x in ids]}
+    return json_response({**body, "max_model_len": ctx.tm.context_len})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, DetokenizeRequest)
+    return json_response({"text": ctx.tm.detokenize(req.tokens, req.skip_special_tokens)})

@@ -267,3 +267,32 @@ class GenerateRequest(_Request):
 class AbortRequest(_Model):
     rid: str = ""
     abort_all: bool = False
+
+
+class TokenizeRequest(_Model):
+    """Body of POST /tokenize (SGLang's shape)."""
+
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    """Body of POST /detokenize (SGLang's shape)."""
+
+    tokens: list[int]
+    skip_special_tokens: bool = True
+
+
+class ProfileRequest(_Model):
+    """Body of POST /start_profile (every field optional; the scheduler checks the values)."""
+
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+
+
+class UpdateWeightsFromDiskRequest(_Model):
+    """Body of POST /update_weights_from_disk."""
+
+    model_path: str
+    load_format: str | None = None

@@ -36,10 +36,11 @@ logger = logging.getLogger("srt.scheduler")
 
 
 def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
-    """Serve forever: drain every pending input message (replies to flush / internal-state
-    requests go out at once), run one step while there is work, and block in ``poll`` (no
-    timeout, no spinning) while the scheduler is idle. An undecodable message is logged and
-    dropped; anything else that fails propagates (the process dies loudly)."""
+    """Serve forever: drain every pending input message (replies to control requests go out at
+    once; a weight update's once the step that left the scheduler idle ran it), run one step
+    while there is work, and block in ``poll`` (no timeout, no spinning) while the scheduler is
+    idle. An undecodable message is logged and dropped; anything else that fails propagates (the
+    process dies loudly)."""
     poller = zmq.Poller()
     poller.register(recv_socket, zmq.POLLIN)
     while True:
@@ -60,6 +61,8 @@ def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.S
         if not scheduler.is_idle():
             for out in scheduler.step():
                 send_socket.send(encode(out))
+            for reply in scheduler.take_replies():
+                send_socket.send(encode(reply))
 
 
 def bind_compute_threads(server_args: ServerArgs) -> OmpBinding | None:

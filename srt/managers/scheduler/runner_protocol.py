@@ -56,7 +56,7 @@ class SampleResult(Protocol):
 
 class SchedulerModelRunner(Protocol):
     """The model runner as the scheduler sees it: the KV pools it allocates from, their sizes,
-    the model's limits, and one call per batch."""
+    the model's limits, one call per batch, and the weight reload."""
 
     @property
     def model_config(self) -> ModelConfigView: ...
@@ -80,4 +80,9 @@ class SchedulerModelRunner(Protocol):
 
     def forward_batch_generation(self, forward_batch: ForwardBatch) -> tuple[LogitsResult, SampleResult]:
         """Run the model on one batch and sample the next token of every sequence."""
+        ...
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None) -> tuple[bool, str]:
+        """Replace the weights with ``model_path``'s (same shapes), called only while idle;
+        ``(False, why)`` leaves the old weights in place."""
         ...

@@ -10,6 +10,8 @@ It only wires the parts together; each part owns one job and its state:
     output.py      forward results -> Req state; the step's BatchTokenIDOut
     metrics.py     SchedulerMetrics: counters and log lines
     grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
+    profiler.py    SchedulerProfiler: torch.profiler around steps (/start_profile, /stop_profile)
+    weight_update.py  WeightUpdateGate: a weight update waits for idle, new requests wait for it
     process.py     the ZMQ event loop and the process entry point (imports this module)
     runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
 
@@ -33,7 +35,8 @@ One iteration (``step``)::
        or finished; the integrity check when the scheduler goes idle
 
 In-process API (tests, benchmarks): ``handle_message(msg)`` for every ``SchedulerInput``,
-``step()``, ``is_idle()``, ``run_until_idle()``, ``flush_cache()``, ``get_internal_state()``,
+``step()``, ``take_replies()`` (replies to control requests answered by a step: a deferred weight
+update), ``is_idle()``, ``run_until_idle()``, ``flush_cache()``, ``get_internal_state()``,
 ``check_integrity()``, ``ready_message()``.
 """
 
@@ -46,15 +49,19 @@ from typing import TYPE_CHECKING, Any
 from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    ControlReply,
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
     SchedulerInput,
     SchedulerReady,
     StopStringHit,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
 )
 from srt.managers.req import Req, ReqStatus
 from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
@@ -66,6 +73,8 @@ from srt.managers.scheduler.grammar import GrammarManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
+from srt.managers.scheduler.profiler import SchedulerProfiler
+from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.mem_cache.pool_size import process_rss_bytes
 from srt.utils.hf_tokenizer import tokenizer_source
 
@@ -136,6 +145,9 @@ class Scheduler:
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
         self.rng = random.Random(server_args.random_seed)
+        self.profiler = SchedulerProfiler(self.device)
+        self.weight_gate = WeightUpdateGate()
+        self._replies: list[ControlReply] = []  # answered by a step (take_replies)
 
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet reported finished
         self.finished_outside: list[Req] = []  # finished between steps (abort, reject, stop string)
@@ -169,11 +181,14 @@ class Scheduler:
         return self.cache.tree_cache
 
     # ================================================================== messages
-    def handle_message(self, msg: SchedulerInput) -> list[FlushCacheReqOutput | GetInternalStateReqOutput]:
-        """Apply one input message; returns the replies to send (flush / internal state)."""
+    def handle_message(self, msg: SchedulerInput) -> list[ControlReply]:
+        """Apply one input message; returns the replies to send now (control requests; a weight
+        update that must wait for idle is answered later through ``take_replies``)."""
         if isinstance(msg, TokenizedGenerateReqInput):
-            self._add_request(msg)
+            if not self.weight_gate.hold(msg):
+                self._add_request(msg)
         elif isinstance(msg, AbortReq):
+            self.weight_gate.drop(msg.rid)
             self.abort_request(msg.rid, msg.message, msg.status_code)
         elif isinstance(msg, StopStringHit):
             self._finish_between_steps(msg.rid, FinishReason.of_stop(msg.matched))
@@ -181,6 +196,14 @@ class Scheduler:
             return [self.flush_cache()]
         elif isinstance(msg, GetInternalStateReq):
             return [GetInternalStateReqOutput(state=self.get_internal_state())]
+        elif isinstance(msg, ProfileReq):
+            return [self.profiler.handle(msg)]
+        elif isinstance(msg, UpdateWeightsFromDiskReq):
+            refused = self.weight_gate.submit(msg)
+            if refused is not None:
+                return [refused]
+            if self.is_idle():
+                return [self._update_weights()]
         else:
             logger.warning("ignoring unknown message %r", type(msg).__name__)
         return []
@@ -339,7 +362,15 @@ class Scheduler:
             outs.extend(self.step())
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
 
+    def take_replies(self) -> list[ControlReply]:
+        """Replies produced by steps since the last call (a deferred weight update's)."""
+        replies, self._replies = self._replies, []
+        return replies
+
     def _after_step(self) -> None:
+        self.profiler.on_step()
+        if self.weight_gate.pending is not None and self.is_idle():
+            self._replies.append(self._update_weights())
         idle = self.is_idle()
         if idle and not self._was_idle:
             self.cache.check_idle()
@@ -411,11 +442,26 @@ class Scheduler:
         self.decode.new_token_ratio.reset()
         return FlushCacheReqOutput(success=True, message=message)
 
+    def _update_weights(self) -> UpdateWeightsFromDiskReqOutput:
+        """Run the pending weight update (the scheduler is idle): reload through the model runner,
+        flush the prefix cache (KV of the old weights), then admit the requests held meanwhile."""
+        req, held = self.weight_gate.take()
+        ok, message = self.model_runner.update_weights_from_disk(req.model_path, req.load_format)
+        if ok:
+            flushed = self.flush_cache()
+            assert flushed.success, flushed.message
+            self.check_integrity()
+        logger.log(logging.INFO if ok else logging.WARNING, "weight update: %s", message)
+        for msg in held:
+            self._add_request(msg)
+        return UpdateWeightsFromDiskReqOutput(success=ok, message=message)
+
     def get_internal_state(self) -> dict[str, Any]:
         """Queue and memory state plus every counter of ``SchedulerMetrics`` (plain values)."""
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_queued_reqs": len(self.waiting_queue),
+            # held behind a pending weight update count as queued
+            "num_queued_reqs": len(self.waiting_queue) + len(self.weight_gate.held),
             "token_usage": self.token_usage(),
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.max_running_requests,
@@ -430,6 +476,7 @@ class Scheduler:
             "quantization": self.server_args.quantization,
             # the loaded weights (quantized blocks as stored) and this process's resident memory
             "weight_bytes": getattr(self.model_runner, "weight_bytes", None),
+            "profiling": self.profiler.active,
             "scheduler_rss_bytes": process_rss_bytes(),
             **self.metrics.snapshot(),
         }
