@@ -187,7 +187,9 @@ class ServerArgs:
     reasoning_parser: str | None = _f(
         None,
         "Split a reasoning model's <think>...</think> into reasoning_content (deepseek-r1: the output "
-        "starts inside the reasoning; qwen3: only when it opens with <think>).",
+        "starts inside the reasoning; qwen3: only when it opens with <think>). A request's grammar "
+        "(json_schema, regex, ebnf, forced tool calls) then applies to the answer after the reasoning "
+        "(needs --grammar-backend llguidance).",
         ["deepseek-r1", "qwen3"],
     )
 
@@ -268,6 +270,11 @@ class ServerArgs:
             a.load_format = "gguf"
         a.quantization = _resolve_quantization(a)
         a.grammar_backend = resolve_grammar_backend(a.grammar_backend)
+        if a.reasoning_parser is not None and a.grammar_backend == "xgrammar":
+            raise ConfigError(
+                "--reasoning-parser applies grammars after the reasoning section with the llguidance "
+                "backend only; use --grammar-backend llguidance (or none)."
+            )
         if a.enable_int8_activations and a.quantization != "gguf":
             raise ConfigError(
                 "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "

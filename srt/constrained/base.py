@@ -65,6 +65,11 @@ class Grammar(ABC):
     def error(self) -> str | None:
         """Why the matcher failed, or None."""
 
+    def can_close(self) -> bool:
+        """Whether steering the output to its end makes sense now (False inside free text that
+        only the model can end, e.g. a reasoning section)."""
+        return True
+
 
 class GrammarBackend(ABC):
     """A grammar library bound to one tokenizer (see the module docstring)."""

@@ -4,7 +4,8 @@ llguidance has no compile step worth caching: a grammar is a small JSON text, an
 the Earley parser build token masks lazily while decoding. ``compile`` converts and validates
 against the tokenizer; ``matcher`` builds an ``LLMatcher`` (it drops the GIL while it parses).
 JSON schemas are written compactly (`JSON_DEFAULTS`) and tightened where models go astray
-(`tightened_schema`).
+(`tightened_schema`). With a reasoning parser, grammars apply after the reasoning section
+(`after_reasoning`).
 """
 
 from __future__ import annotations
@@ -73,18 +74,75 @@ def _check(spec: GrammarSpec, grammar: str, tokenizer: Any = None) -> None:
         raise GrammarError(spec.kind, f"invalid {spec.kind}: {err}")
 
 
-class LLGuidanceGrammar(Grammar):
-    __slots__ = ("_m",)
+# With --reasoning-parser, the grammar of a request applies to the answer after the reasoning:
+# the lark grammar here comes first and names the request's own grammar as @answer. The reasoning
+# is free text up to the first </think> (lazy); deepseek-r1 outputs start inside it, qwen3 ones
+# have it only when they open with <think>. At most 8 whitespace characters separate the two.
+THINK_END = "</think>"
+_AFTER_REASONING = {
+    "deepseek-r1": "start: think WS @answer\nthink[lazy]: /(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]{0,8}/\n",
+    "qwen3": (
+        'start: opt_think @answer\nopt_think: "" | /[ \\t\\r\\n]*/ think WS\n'
+        "think[lazy]: /<think>(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]{0,8}/\n"
+    ),
+}
+REASONING_GRAMMARS = tuple(_AFTER_REASONING)
 
-    def __init__(self, matcher: Any) -> None:
+
+def after_reasoning(grammar: str, reasoning_parser: str) -> str:
+    """``grammar`` (llguidance's JSON form) applied after ``reasoning_parser``'s reasoning section."""
+    grammars = json.loads(grammar)["grammars"]
+    grammars[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"lark_grammar": _AFTER_REASONING[reasoning_parser]}, *grammars]})
+
+
+class _ReasoningTracker:
+    """Whether an output is still inside its reasoning section (the closing rule must not act
+    there: reasoning is free text, and only </think> ends it)."""
+
+    __slots__ = ("starts_inside", "text", "done")
+
+    def __init__(self, reasoning_parser: str) -> None:
+        self.starts_inside = reasoning_parser == "deepseek-r1"
+        self.text = ""  # the output so far, kept only until the reasoning is over
+        self.done = False
+
+    def add(self, piece: str) -> None:
+        if self.done:
+            return
+        self.text += piece
+        if THINK_END in self.text:
+            self.done, self.text = True, ""
+        elif not self.starts_inside:
+            head = self.text.lstrip()
+            if head and not (head.startswith("<think>") or "<think>".startswith(head)):
+                self.done, self.text = True, ""  # qwen3 answered without reasoning
+
+    @property
+    def inside(self) -> bool:
+        return not self.done
+
+
+class LLGuidanceGrammar(Grammar):
+    __slots__ = ("_m", "_reasoning", "_tokenizer")
+
+    def __init__(self, matcher: Any, reasoning_parser: str | None = None, tokenizer: Any = None) -> None:
         self._m = matcher
+        self._reasoning = _ReasoningTracker(reasoning_parser) if reasoning_parser else None
+        self._tokenizer = tokenizer
+
+    def can_close(self) -> bool:
+        return self._reasoning is None or not self._reasoning.inside
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def accept_token(self, token: int) -> bool:
-        return bool(self._m.consume_token(token))
+        ok = bool(self._m.consume_token(token))
+        if ok and self._reasoning is not None and self._reasoning.inside:
+            self._reasoning.add(self._tokenizer.decode_str([token]))
+        return ok
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
@@ -96,8 +154,14 @@ class LLGuidanceGrammar(Grammar):
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], reasoning_parser: str | None = None
+    ) -> None:
         import llguidance.hf
+
+        if reasoning_parser is not None and reasoning_parser not in _AFTER_REASONING:
+            raise ValueError(f"no reasoning grammar for {reasoning_parser!r}; known: {REASONING_GRAMMARS}")
+        self.reasoning_parser = reasoning_parser
 
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
@@ -112,6 +176,8 @@ class LLGuidanceBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> str:
         grammar = _grammar_text(spec)
+        if self.reasoning_parser is not None:
+            grammar = after_reasoning(grammar, self.reasoning_parser)
         _check(spec, grammar, self.tokenizer)
         return grammar
 
@@ -130,4 +196,4 @@ class LLGuidanceBackend(GrammarBackend):
         m = LLMatcher(self.tokenizer, compiled, log_level=0)
         if m.is_error():
             raise GrammarError("grammar", m.get_error())
-        return LLGuidanceGrammar(m)
+        return LLGuidanceGrammar(m, self.reasoning_parser, self.tokenizer)

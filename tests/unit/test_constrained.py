@@ -258,3 +258,103 @@ def test_batched_mask_fill_equals_row_by_row(backend, tokenizer):
         g.fill_bitmask(one, k)
     assert torch.equal(batched, one)
     assert len({tuple(r.tolist()) for r in one}) > 1  # the rows really differ
+
+
+# ---------------------------------------------------------------- grammars after the reasoning
+@pytest.fixture(scope="module")
+def reasoning_backends(tokenizer):
+    return {
+        name: create_grammar_backend(
+            "llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id], reasoning_parser=name
+        )
+        for name in ("deepseek-r1", "qwen3")
+    }
+
+
+def _accepts(backend, tokenizer, spec: GrammarSpec, text: str) -> bool:
+    g = backend.matcher(backend.compile(spec))
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return all(g.accept_token(t) for t in ids) and g.is_terminated()
+
+
+@pytest.mark.parametrize(
+    "parser,text,ok",
+    [
+        ("deepseek-r1", "Let me think. {x}</think>\n\ncat-12", True),
+        ("deepseek-r1", "<think>hmm</think>dog-9999", True),
+        ("deepseek-r1", "cat-12", False),  # deepseek-r1 outputs start inside the reasoning
+        ("deepseek-r1", "hmm</think>bird-1", False),  # the answer still follows the grammar
+        ("qwen3", "<think>a</think> cat-12", True),
+        ("qwen3", "cat-12", True),  # no reasoning
+        ("qwen3", "hmm</think>cat-12", False),
+    ],
+)
+def test_grammar_applies_after_the_reasoning(reasoning_backends, tokenizer, parser, text, ok):
+    spec = GrammarSpec("regex", r"(cat|dog)-[0-9]{2,4}")
+    assert _accepts(reasoning_backends[parser], tokenizer, spec, text) is ok
+
+
+def test_sampled_answer_after_reasoning_parses(reasoning_backends, tokenizer):
+    """Reasoning written by the model, then an answer sampled under the mask: the reasoning parser
+    splits it, and the answer validates against the schema."""
+    from srt.parsers.reasoning import create_reasoning_parser
+
+    backend = reasoning_backends["deepseek-r1"]
+    g = backend.matcher(backend.compile(GrammarSpec("json_schema", json.dumps(SCHEMA))))
+    reasoning = tokenizer.encode("The user wants a person. [1, 2] {ok}</think>\n", add_special_tokens=False)
+    for k, t in enumerate(reasoning):
+        # inside the reasoning until its text holds </think>
+        assert g.can_close() is ("</think>" in tokenizer.decode(reasoning[:k]))
+        assert g.accept_token(t), g.error()
+    assert g.can_close() is True
+    gen = torch.Generator().manual_seed(5)
+    out: list[int] = []
+    for _ in range(300):
+        mask = allocate_bitmask(1, len(tokenizer))
+        g.fill_bitmask(mask, 0)
+        logits = torch.randn(1, len(tokenizer), generator=gen) * 3
+        apply_bitmask_(logits, torch.tensor([0]), mask)
+        tok = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        assert g.accept_token(tok), g.error()
+        if tok == tokenizer.eos_token_id:
+            break
+        out.append(tok)
+        if g.is_terminated():
+            break
+    reasoning_text, answer = create_reasoning_parser("deepseek-r1").parse(tokenizer.decode(reasoning + out))
+    assert reasoning_text.startswith("The user wants a person.")
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_closing_rule_waits_for_the_reasoning_to_end(reasoning_backends, tokenizer):
+    from srt.managers.scheduler.grammar import GrammarManager
+
+    backend = reasoning_backends["deepseek-r1"]
+    gm = GrammarManager(lambda: backend)
+    gm.warm_up()
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    req = _Req("r", spec)
+    req.grammar = backend.matcher(backend.compile(spec))
+    req.max_new_tokens, req.remaining_new_tokens = 100, 3  # deep inside the closing reserve
+    _, inside = gm.fill_masks([req], [0], len(tokenizer))
+    free = allocate_bitmask(1, len(tokenizer))
+    req.grammar.fill_bitmask(free, 0)
+    assert torch.equal(inside, free)  # reasoning: not narrowed to closing tokens
+    for t in tokenizer.encode("ok</think>", add_special_tokens=False) + tokenizer.encode(
+        '{"name": "A', add_special_tokens=False
+    ):
+        assert req.grammar.accept_token(t)
+    _, answering = gm.fill_masks([req], [0], len(tokenizer))
+    req.grammar.fill_bitmask(free, 0)
+    assert not torch.equal(answering, free)  # inside the JSON string: narrowed to closing tokens
+    gm.shutdown()
+
+
+def test_reasoning_parser_with_xgrammar_is_refused_at_start_up():
+    from srt.server_args import ServerArgs
+
+    if not module_importable("xgrammar"):
+        pytest.skip("xgrammar is not installed")
+    with pytest.raises(ConfigError, match="llguidance backend only"):
+        ServerArgs(reasoning_parser="qwen3", grammar_backend="xgrammar").resolve()

@@ -69,9 +69,11 @@ class GrammarManager:
         vocab_size: int,
         eos_token_ids: list[int],
         trust_remote_code: bool = False,
+        reasoning_parser: str | None = None,
     ):
         """The manager for ``--grammar-backend backend_name`` (None for ``none``); the backend is
-        built on first use or `warm_up`."""
+        built on first use or `warm_up`. With ``reasoning_parser`` grammars apply after the
+        reasoning section."""
         if backend_name == "none":
             return None
 
@@ -80,7 +82,11 @@ class GrammarManager:
 
             t0 = time.perf_counter()
             backend = create_grammar_backend(
-                backend_name, load_tokenizer(tokenizer_source, trust_remote_code), vocab_size, eos_token_ids
+                backend_name,
+                load_tokenizer(tokenizer_source, trust_remote_code),
+                vocab_size,
+                eos_token_ids,
+                reasoning_parser,
             )
             logger.info("grammar backend: %s (ready in %.1f s)", backend_name, time.perf_counter() - t0)
             return backend
@@ -174,7 +180,11 @@ class GrammarManager:
         closing = backend.closing_mask
         for k, i in enumerate(rows):
             req = reqs[i]
-            if closing is not None and req.remaining_new_tokens <= closing_reserve(req.max_new_tokens):
+            if (
+                closing is not None
+                and req.remaining_new_tokens <= closing_reserve(req.max_new_tokens)
+                and req.grammar.can_close()
+            ):
                 for tier in closing:  # the best tier the grammar allows
                     narrowed = bitmask[k] & tier
                     if bool(narrowed.any()):

@@ -141,6 +141,7 @@ class Scheduler:
                 self.vocab_size,
                 self.eos_token_ids,
                 server_args.trust_remote_code,
+                server_args.reasoning_parser,
             )
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
