@@ -3,6 +3,8 @@ sampled (1 = allowed), the layout llguidance and xgrammar both fill."""
 
 from __future__ import annotations
 
+import string
+
 import torch
 from torch import Tensor
 
@@ -45,19 +47,30 @@ def apply_bitmask_(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
 # characters that close JSON (and most grammars' nesting): a token made only of these (and spaces)
 # moves an output toward its end
 _CLOSING_CHARS = frozenset('"]})')
+_PUNCTUATION = frozenset(string.punctuation)
 
 
 def closing_token_bitmask(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> Tensor:
-    """``[3, width]`` int32 bitmasks of the tokens that bring an output to its end, best first:
-    the EOS tokens; tokens of closing characters (``"``, ``]``, ``}``, ``)``, spaces) that start
-    with ``"`` (inside a JSON string the others are mere content: the string must close first);
-    the other tokens of closing characters, e.g. ``]}``. See srt/managers/scheduler/grammar.py."""
-    tiers = torch.zeros(3, vocab_size, dtype=torch.bool)
+    """``[4, width]`` int32 bitmasks of the tokens that bring an output to its end, best first:
+
+    0. the EOS tokens;
+    1. tokens of closing characters (``"``, ``]``, ``}``, ``)``, spaces) that start with ``"``
+       (inside a JSON string the others are mere content: the string must close first);
+    2. the other tokens of closing characters, e.g. ``]}``;
+    3. tokens of ASCII punctuation only (``@``, ``.``, ``-``, ``:`` ...): the separators a regex or
+       grammar moves on with, where a weak model would repeat letters or digits forever.
+
+    See srt/managers/scheduler/grammar.py."""
+    tiers = torch.zeros(4, vocab_size, dtype=torch.bool)
     texts = tokenizer.batch_decode([[i] for i in range(min(vocab_size, len(tokenizer)))])
     for i, text in enumerate(texts):
         stripped = text.replace(" ", "")
-        if stripped and set(stripped) <= _CLOSING_CHARS:
+        if not stripped:
+            continue
+        if set(stripped) <= _CLOSING_CHARS:
             tiers[1 if stripped[0] == '"' else 2, i] = True
+        elif set(stripped) <= _PUNCTUATION:
+            tiers[3, i] = True
     for e in eos_token_ids:
         if 0 <= e < vocab_size:
             tiers[:, e] = False

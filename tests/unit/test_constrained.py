@@ -358,3 +358,27 @@ def test_reasoning_parser_with_xgrammar_is_refused_at_start_up():
         pytest.skip("xgrammar is not installed")
     with pytest.raises(ConfigError, match="llguidance backend only"):
         ServerArgs(reasoning_parser="qwen3", grammar_backend="xgrammar").resolve()
+
+
+def test_closing_rule_prefers_separators_over_more_letters(tokenizer):
+    """A regex that a weak model could extend forever (``[a-z]+``) moves on to its separator near
+    the end of the budget; outside the reserve the mask is the grammar's own."""
+    from srt.managers.scheduler.grammar import GrammarManager
+
+    backend = create_grammar_backend("llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    gm = GrammarManager(lambda: backend)
+    gm.warm_up()
+    spec = GrammarSpec("regex", r"[a-z]+@[a-z]+\.(com|org)")
+    req = _Req("r", spec)
+    req.grammar = backend.matcher(backend.compile(spec))
+    for t in tokenizer.encode("alice", add_special_tokens=False):
+        assert req.grammar.accept_token(t)
+    req.max_new_tokens, req.remaining_new_tokens = 64, 60
+    _, early = gm.fill_masks([req], [0], len(tokenizer))
+    req.remaining_new_tokens = 4
+    _, late = gm.fill_masks([req], [0], len(tokenizer))
+    allowed_early = unpack_bitmask(early, len(tokenizer))[0].nonzero().flatten().tolist()
+    allowed_late = unpack_bitmask(late, len(tokenizer))[0].nonzero().flatten().tolist()
+    assert len(allowed_early) > 100 and allowed_late
+    assert all(set(tokenizer.decode([t]).strip()) <= set("@") for t in allowed_late)
+    gm.shutdown()

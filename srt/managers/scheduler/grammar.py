@@ -168,9 +168,9 @@ class GrammarManager:
         (``sampling_rows``) and have a grammar, or None when there are none.
 
         A request in the last `closing_reserve` tokens of its budget is steered to its end: when
-        its grammar allows EOS or a closing token (``"``, ``]``, ``}`` ...), only the best tier of
-        those is allowed (bitmask.closing_token_bitmask), so that a structure is closed before
-        ``max_new_tokens`` cuts it."""
+        its grammar allows EOS, a closing token (``"``, ``]``, ``}`` ...) or a punctuation token,
+        only the best tier of those is allowed (bitmask.closing_token_bitmask), so that a structure
+        is closed before ``max_new_tokens`` cuts it."""
         rows = [i for i in sampling_rows if reqs[i].grammar is not None]
         if not rows:
             return None
