@@ -98,14 +98,12 @@ class _ChoiceStream:
 
     def feed(self, text: str, last: bool) -> tuple[str, list[StreamEvent]]:
         """(reasoning delta, content and call events) of a text delta (``last``: the output ended)."""
-        reasoning, content = text, ""
+        reasoning, content = "", text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)
             if last:
                 r, c = self.reasoning.finish()
                 reasoning, content = reasoning + r, content + c
-        else:
-            reasoning, content = "", text
         if self.calls is None:
             return reasoning, [ContentDelta(content)] if content else []
         events = self.calls.feed(content) if content else []

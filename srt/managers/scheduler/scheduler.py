@@ -333,7 +333,8 @@ class Scheduler:
             fb = batch.get_forward_batch(
                 self.device, self.vocab_size, self.eos_token_ids, self.sampling_cache
             )
-            if self.grammars is not None:
+            # (a batch without constrained requests builds no row list: this runs every step)
+            if self.grammars is not None and any(r.grammar is not None for r in batch.reqs):
                 masks = self.grammars.fill_masks(batch.reqs, batch.sampling_rows(), self.vocab_size)
                 if masks is not None:
                     fb.sampling_info = fb.sampling_info.with_grammar_masks(*masks)
