@@ -198,6 +198,17 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as 'Authorization: Bearer <key>'.")
     max_queued_requests: int | None = _f(None, "Reject requests beyond this many waiting with HTTP 429.")
+    max_queue_time: float | None = _f(
+        None,
+        "Refuse a request that waited longer than this many seconds in the scheduler's queue without "
+        "starting: HTTP 503 with Retry-After (a stream ends with an error event). None: no bound.",
+    )
+    graceful_shutdown_timeout: float = _f(
+        30.0,
+        "On SIGTERM/SIGINT: stop accepting (new requests get 503 with Retry-After, /health turns 503), "
+        "let in-flight requests finish for up to this many seconds, abort the rest (finish reason "
+        "abort, 503), then exit 0. A second signal exits at once.",
+    )
     stream_interval: int = _f(
         1,
         "Send a streaming request's output every this many tokens (its first token and its finish "
@@ -282,6 +293,10 @@ class ServerArgs:
             )
         if a.stream_interval < 1:
             raise ConfigError(f"--stream-interval must be >= 1, got {a.stream_interval}.")
+        if a.max_queue_time is not None and not a.max_queue_time > 0:
+            raise ConfigError(f"--max-queue-time must be > 0 seconds, got {a.max_queue_time}.")
+        if not a.graceful_shutdown_timeout >= 0:
+            raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {a.graceful_shutdown_timeout}.")
         _resolve_priority_scheduling(a)
         if a.chat_template is not None:
             load_chat_template(a.chat_template)  # ConfigError now, not at the first chat request

@@ -17,6 +17,10 @@ each holds the whole output so far (``text``, ``output_ids``, logprobs), or, wit
 ``incremental_streaming_output=True``, only the new part; ``meta_info`` counts are cumulative
 either way. ``priority`` needs ``enable_priority_scheduling=True``. Invalid requests raise
 `srt.utils.errors.RequestError` (a ``ValueError``); a dead child raises `EngineDeadError`.
+``timeout`` (seconds from the call) aborts the request wherever it is once passed: a
+non-streaming call raises `RequestTimeoutError`, a stream ends with a chunk whose
+``finish_reason`` is ``{"type": "timeout", ...}``. ``meta_info`` carries the phase timings
+(`srt.managers.req_output`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from srt.entrypoints.launch import launch_subprocesses
 from srt.managers.generate_input import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
-from srt.utils.errors import ConfigError, EngineDeadError
+from srt.utils.errors import ConfigError, EngineDeadError, RequestTimeoutError
 
 _Prompt = str | list[str] | None
 _Ids = list[int] | list[list[int]] | None
@@ -73,6 +77,7 @@ def generate_request(
     logprob_start_len: int = -1,
     rid: str | list[str] | None = None,
     priority: int | list[int] | None = None,
+    timeout: float | None = None,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
     ``Engine.generate`` parameters, written here once (the two methods take exactly these)."""
@@ -86,6 +91,7 @@ def generate_request(
         top_logprobs_num=top_logprobs_num,
         stream=stream,
         priority=priority,
+        timeout=timeout,
     )
 
 
@@ -150,6 +156,10 @@ class Engine:
         prep = await tm.prepare(obj)
         outs = [out async for out in tm.run(prep)]
         outs.sort(key=lambda o: o["index"])
+        for o in outs:
+            reason = o["meta_info"]["finish_reason"]
+            if reason is not None and reason["type"] == "timeout":
+                raise RequestTimeoutError(reason.get("message") or "request timed out")
         if prep.is_batch or len(prep.reqs) > 1:
             return outs
         return outs[0]
@@ -239,12 +249,24 @@ class Engine:
     def child_pids(self) -> dict[str, int | None]:
         return self.tokenizer_manager.launcher.child_pids
 
-    def shutdown(self) -> None:
-        """Abort every request, stop the child processes and the event loop (idempotent)."""
+    def shutdown(self, graceful_timeout: float | None = None) -> None:
+        """Stop the child processes and the event loop (idempotent). With ``graceful_timeout``
+        the requests in flight first get that many seconds to finish; the rest (all of them
+        without it) are failed with `EngineDeadError`."""
         if self._closed:
             return
-        self._closed = True
         tm = self.tokenizer_manager
+        if graceful_timeout and not self._loop.is_closed():
+
+            async def wait_idle(deadline: float) -> None:
+                while tm.num_in_flight and self._loop.time() < deadline:
+                    await asyncio.sleep(0.05)
+
+            try:
+                self._call(wait_idle(self._loop.time() + graceful_timeout), timeout=graceful_timeout + 5)
+            except Exception:  # noqa: BLE001 - shut down regardless
+                pass
+        self._closed = True
 
         async def close() -> None:
             tm.fail_all(EngineDeadError("the engine was shut down"))

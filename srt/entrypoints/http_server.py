@@ -10,6 +10,10 @@ Routes (see `srt.entrypoints.http` for the routers)
     GET  /get_model_info, /get_server_info (server args + live scheduler state), /metrics
     POST /flush_cache, /abort_request
 
+SIGTERM / SIGINT start a graceful drain (`srt.entrypoints.http.drain`): new requests get 503 with
+Retry-After, /health 503, the requests in flight finish for up to --graceful-shutdown-timeout
+seconds, the rest are aborted, and the server exits 0; a second signal exits at once.
+
 If a child process dies, in-flight requests fail (503, or an SSE error event when already
 streaming), /health turns 503 and the server exits with code 1: uvicorn shuts down gracefully
 (``_GRACEFUL_SHUTDOWN_S``) and the process is forced out after ``_FORCED_EXIT_S``.
@@ -29,6 +33,7 @@ from typing import Any
 import uvicorn
 
 from srt.entrypoints.http.app import create_app
+from srt.entrypoints.http.drain import DrainingServer
 from srt.entrypoints.launch import launch_subprocesses
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -38,7 +43,7 @@ __all__ = ["create_app", "launch_server"]
 
 logger = logging.getLogger(__name__)
 
-_GRACEFUL_SHUTDOWN_S = 2
+_GRACEFUL_SHUTDOWN_S = 5  # uvicorn's own, after the drain: closing connections, not requests
 _FORCED_EXIT_S = 4.0
 
 
@@ -52,11 +57,12 @@ def launch_server(server_args: ServerArgs, scheduler_entry: Callable[..., None] 
         tm, _ = launch_subprocesses(server_args, scheduler_entry=scheduler_entry, owns_process=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    server = uvicorn.Server(_uvicorn_config(tm))
+    config = _uvicorn_config(tm)
+    server = DrainingServer(config, config.app.state.drain, tm, tm.server_args.graceful_shutdown_timeout)
     died = threading.Event()
     tm.add_death_callback(partial(_on_child_death, server, tm, died))
-    # uvicorn handles SIGINT/SIGTERM (graceful shutdown) and re-raises the signal afterwards; make
-    # that re-raise a no-op so the children are stopped below and the exit code is 0
+    # the server drains on SIGINT/SIGTERM (DrainingServer); should uvicorn re-raise a signal after
+    # its shutdown, make that a no-op so the children are stopped below and the exit code is 0
     saved = {s: signal.signal(s, _ignore_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     exit_code = 0
     try:

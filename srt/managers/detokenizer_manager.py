@@ -166,6 +166,8 @@ class DetokenizerManager:
             input_token_logprobs=pick(recv.input_token_logprobs),
             input_top_logprobs=pick(recv.input_top_logprobs),
             queue_times=pick(recv.queue_times),
+            prefill_times=pick(recv.prefill_times),
+            decode_times=pick(recv.decode_times),
         )
         return out, hits
 

@@ -40,6 +40,9 @@ class GenerateReqInput:
     # streamed chunks hold only the new output (True) or the whole output so far (False); None:
     # the server's --incremental-streaming-output (the OpenAI routes always ask for deltas)
     incremental_stream: bool | None = None
+    # seconds from the server's receipt after which the request is aborted with a "timeout"
+    # finish reason (HTTP: the body field, else the X-Request-Timeout header); None: no deadline
+    timeout: float | None = None
     # False for text that already holds the special tokens (chat-templated prompts)
     add_special_tokens: bool = True
     # how the caller names SamplingParams fields in error messages (OpenAI: max_new_tokens -> max_tokens)
@@ -50,6 +53,15 @@ class GenerateReqInput:
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def checked_timeout(self) -> float | None:
+        """``timeout`` validated: a finite number of seconds > 0 (`RequestError` otherwise)."""
+        t = self.timeout
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise RequestError(f"timeout must be a number of seconds > 0, got {t!r}", param="timeout")
+        return float(t)
 
     def expand(self) -> list[SingleInput]:
         """One `SingleInput` per prompt (shape errors raise `RequestError`)."""

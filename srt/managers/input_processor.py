@@ -109,6 +109,8 @@ class InputProcessor:
     async def prepare(self, obj: GenerateReqInput, in_use: Callable[[str], bool]) -> PreparedRequest:
         """Validate and tokenize ``obj`` (``in_use(rid)``: the rid belongs to a request in flight).
         Raises `RequestError` / `ContextLengthError`."""
+        now = time.time()  # the server's receipt: the clock of ``timeout`` and ttft starts here
+        timeout = obj.checked_timeout()
         singles = obj.expand()
         if not self.enable_priority and any(s.priority is not None for s in singles):
             raise RequestError(
@@ -122,7 +124,7 @@ class InputProcessor:
         reqs: list[tuple[TokenizedGenerateReqInput, str]] = []
         warmups: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
-        now = time.time()
+        deadline = now + timeout if timeout is not None else 0.0
         for s, sp, ids in zip(singles, params, ids_list):
             if "max_new_tokens" not in s.sampling_params and sp.max_new_tokens is not None:
                 # the default (128) never makes a request fail: cap it to what the context leaves
@@ -132,7 +134,7 @@ class InputProcessor:
             if in_use(s.rid) or s.rid in seen:
                 raise RequestError(f"rid {s.rid!r} is already in use", param="rid")
             seen.add(s.rid)
-            self._fan_out(s, sp, ids, obj.stream, now, reqs, warmups)
+            self._fan_out(s, sp, ids, obj.stream, (now, deadline), reqs, warmups)
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
 
@@ -210,12 +212,12 @@ class InputProcessor:
         sp: SamplingParams,
         ids: list[int],
         stream: bool,
-        now: float,
+        times: tuple[float, float],
         reqs: list[tuple[TokenizedGenerateReqInput, str]],
         warmups: list[TokenizedGenerateReqInput],
     ) -> None:
         """Append the request(s) of one prompt: itself when ``n == 1``, else its n copies (and
-        the warm-up prefill they share)."""
+        the warm-up prefill they share). ``times``: (arrival_time, deadline)."""
         base = TokenizedGenerateReqInput(
             rid=s.rid,
             input_ids=ids,
@@ -225,7 +227,8 @@ class InputProcessor:
             top_logprobs_num=s.top_logprobs_num,
             stream=stream,
             priority=s.priority or 0,
-            arrival_time=now,
+            arrival_time=times[0],
+            deadline=times[1],
         )
         if sp.n == 1:
             reqs.append((base, s.rid))

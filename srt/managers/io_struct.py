@@ -17,7 +17,9 @@ Finish reasons travel as ``FinishReason`` structs, built only through its three 
 ``FinishReason.to_dict()`` gives SGLang's ``meta_info["finish_reason"]`` shape:
     {"type": "length", "length": N}
     {"type": "stop", "matched": <token id or stop string>}
-    {"type": "abort", "message": "...", "status_code": 4xx/5xx (optional)}
+    {"type": "abort", "message": "...", "status_code": 4xx/5xx (optional), "retry_after": s (optional)}
+    {"type": "timeout", "message": "request timed out after X s", "status_code": 408}
+(``timeout``: the request's deadline passed, see `TokenizedGenerateReqInput.deadline`.)
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
 class FinishReason(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Why a request finished. Build it with ``length`` / ``stop`` / ``abort``."""
 
-    type: str  # "length" | "stop" | "abort"
+    type: str  # "length" | "stop" | "abort" | "timeout"
     length: int | None = None  # length: the number of generated tokens
     matched: int | str | None = None  # stop: the stop token id or stop string
     message: str | None = None  # abort: what happened
     status_code: int | None = None  # abort: the HTTP status it maps to (None: not an HTTP error)
+    retry_after: int | None = None  # abort (503): seconds after which a retry may succeed
 
     @classmethod
     def of_length(cls, length: int) -> FinishReason:
@@ -51,8 +54,15 @@ class FinishReason(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         return cls(type="stop", matched=matched)
 
     @classmethod
-    def of_abort(cls, message: str, status_code: int | None = None) -> FinishReason:
-        return cls(type="abort", message=message, status_code=status_code)
+    def of_abort(
+        cls, message: str, status_code: int | None = None, retry_after: int | None = None
+    ) -> FinishReason:
+        return cls(type="abort", message=message, status_code=status_code, retry_after=retry_after)
+
+    @classmethod
+    def of_timeout(cls, timeout: float) -> FinishReason:
+        """The request's deadline (``timeout`` seconds after the server received it) passed."""
+        return cls(type="timeout", message=f"request timed out after {timeout:g} s", status_code=408)
 
     @property
     def is_abort(self) -> bool:
@@ -75,7 +85,10 @@ class TokenizedGenerateReqInput(_Msg):
     top_logprobs_num: int = 0
     stream: bool = False
     priority: int = 0
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.time() when the server received the request
+    # time.time() past which the request is aborted with a "timeout" finish reason (0: none);
+    # the per-request ``timeout`` (or X-Request-Timeout) added to ``arrival_time``
+    deadline: float = 0.0
 
 
 class AbortReq(_Msg):
@@ -140,6 +153,11 @@ class BatchTokenIDOut(_Msg):
     # seconds each request waited in the scheduler queue before its first prefill, given with its
     # first output (None otherwise; empty when the scheduler does not report it)
     queue_times: list[float | None] = []
+    # seconds from the first admission to the first output token, given with the first output
+    # (None otherwise; empty when no entry has one)
+    prefill_times: list[float | None] = []
+    # seconds from the first output token to the finish, given with the finishing output
+    decode_times: list[float | None] = []
 
 
 class SchedulerReady(_Msg):
@@ -189,6 +207,8 @@ class BatchStrOut(_Msg):
     input_token_logprobs: list[list[float | None]] = []
     input_top_logprobs: list[list[list[tuple[int, float]] | None]] = []
     queue_times: list[float | None] = []
+    prefill_times: list[float | None] = []
+    decode_times: list[float | None] = []
 
 
 SchedulerInput = Union[

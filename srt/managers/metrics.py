@@ -6,7 +6,12 @@ Two sources:
   finished requests and aborts by reason;
 - the scheduler's live state (``GetInternalStateReqOutput.state``, fetched at scrape time) becomes
   gauges (running / queued requests, KV token usage, available KV tokens, cache hit rate,
-  generation throughput) and the retraction counter.
+  generation throughput), the retraction counter, and the per-step histograms the scheduler keeps
+  as cumulative bucket counts (`srt.managers.scheduler.step_timing`): scheduling time, forward
+  time and their ratio, plus the overall scheduler-overhead fraction as a gauge.
+
+Aborts are counted by ``reason``: client (disconnect, /abort_request), timeout (the request's
+deadline), queue_time (--max-queue-time), shutdown (graceful drain), error (anything else).
 
 Each TokenizerManager owns its own ``CollectorRegistry`` (several Engines may live in one process).
 """
@@ -17,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
@@ -54,6 +59,46 @@ _SCHEDULER_GAUGES = {
 }
 
 
+# scheduler state["step_histograms"] key -> (metric name, help)
+_STEP_HISTOGRAMS = {
+    "scheduling_seconds": (
+        "srt:step_scheduling_seconds",
+        "Per step: scheduler CPU time outside the forward (batching, masks, output processing).",
+    ),
+    "forward_seconds": ("srt:step_forward_seconds", "Per step: time in the model forward."),
+    "overhead_ratio": (
+        "srt:step_scheduler_overhead_ratio",
+        "Per step: scheduling time / (scheduling + forward time).",
+    ),
+}
+
+
+def _step_histograms(state: dict[str, Any], names: list[str], values: list[str]) -> Iterator[Any]:
+    """The scheduler's per-step histograms (cumulative bucket counts) and the overhead gauge."""
+    hists = state.get("step_histograms")
+    if not isinstance(hists, dict):
+        return
+    for key, (name, help_) in _STEP_HISTOGRAMS.items():
+        h = hists.get(key)
+        if not isinstance(h, dict):
+            continue
+        fam = HistogramMetricFamily(name, help_, labels=names)
+        buckets = [(repr(float(b)), float(c)) for b, c in zip(h["bounds"], h["cumulative"])]
+        buckets.append(("+Inf", float(h["count"])))
+        fam.add_metric(values, buckets, float(h["sum"]))
+        yield fam
+    sched, fwd = hists.get("scheduling_seconds"), hists.get("forward_seconds")
+    if isinstance(sched, dict) and isinstance(fwd, dict):
+        total = float(sched["sum"]) + float(fwd["sum"])
+        g = GaugeMetricFamily(
+            "srt:scheduler_overhead_fraction",
+            "Scheduling time / (scheduling + forward time) over every step since start.",
+            labels=names,
+        )
+        g.add_metric(values, float(sched["sum"]) / total if total > 0 else 0.0)
+        yield g
+
+
 class _SchedulerStateCollector(Collector):
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
@@ -74,6 +119,7 @@ class _SchedulerStateCollector(Collector):
         if isinstance(v, (int, float)):
             c.add_metric(values, float(v))
         yield c
+        yield from _step_histograms(self.state, names, values)
 
 
 class TokenizerMetrics:

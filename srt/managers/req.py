@@ -98,6 +98,7 @@ class Req:
         "stream",
         "priority",
         "arrival_time",
+        "deadline",
         "queue_seq",
         "state",
         "output_ids",
@@ -113,6 +114,8 @@ class Req:
         "admitted_once",
         "wait_start",
         "queue_time",
+        "admit_time",
+        "first_token_time",
         "retract_count",
         "overtaken",
         "enqueue_step",
@@ -139,6 +142,7 @@ class Req:
         stream: bool = False,
         priority: int = 0,
         arrival_time: float = 0.0,
+        deadline: float = 0.0,
         queue_seq: int = 0,
     ) -> None:
         self.rid = rid
@@ -152,7 +156,8 @@ class Req:
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.stream = stream
         self.priority = priority
-        self.arrival_time = arrival_time
+        self.arrival_time = arrival_time  # time.time() when the server received it
+        self.deadline = deadline  # time.time() past which it times out (0: none)
         self.queue_seq = queue_seq  # arrival order: the fcfs key
         self._init_sampling(sampling_params, eos_token_ids)
         self._init_progress()
@@ -206,6 +211,8 @@ class Req:
         self.admitted_once = False
         self.wait_start = time.perf_counter()  # when the scheduler received it
         self.queue_time: float | None = None  # seconds from arrival to the first admission
+        self.admit_time = 0.0  # perf_counter() at the first admission (0: not yet)
+        self.first_token_time = 0.0  # perf_counter() when the first output token was sampled
         self.retract_count = 0
         self.overtaken = 0  # times a later request was admitted while this one did not fit
         self.enqueue_step = 0  # scheduler step at which it (re)entered the waiting queue
@@ -244,6 +251,7 @@ class Req:
             stream=msg.stream,
             priority=msg.priority,
             arrival_time=msg.arrival_time or time.time(),
+            deadline=msg.deadline,
             queue_seq=queue_seq,
         )
 

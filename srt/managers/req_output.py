@@ -4,8 +4,22 @@ Output dict (what ``TokenizerManager.run``, ``Engine.generate`` and ``POST /gene
 
     {"index": k, "text": str, "output_ids": list[int],
      "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
-                   "e2e_latency", ["output_token_logprobs", "output_top_logprobs",
+                   "e2e_latency", "ttft", "queue_time", "prefill_time", "decode_time",
+                   ["output_token_logprobs", "output_top_logprobs",
                    "input_token_logprobs", "input_top_logprobs"]}}
+
+Phase timings (seconds; None until known, e.g. ``decode_time`` before the finish, or a phase a
+request never reached)::
+
+    queue_time    arrival at the scheduler -> first admission (scheduler clock)
+    prefill_time  first admission -> first output token sampled (scheduler clock; every chunk)
+    decode_time   first output token -> finish (scheduler clock; retractions included)
+    ttft          server receipt -> first output token here (main process clock)
+    e2e_latency   server receipt -> finish (or now, while running)
+    cached_tokens prompt tokens served from the prefix cache at the first admission
+
+so ``ttft <= e2e_latency`` and ``queue_time + prefill_time + decode_time`` is ``e2e_latency``
+less the time spent outside the scheduler (tokenization, sockets, detokenization).
 
 ``finish_reason`` is None while the request runs, else SGLang's dict
 (``FinishReason.to_dict()``: ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": ...}``,
@@ -56,7 +70,11 @@ def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: 
         "prompt_tokens": st.prompt_tokens or len(st.req.input_ids),
         "completion_tokens": st.completion_tokens,
         "cached_tokens": st.cached_tokens,
-        "e2e_latency": time.perf_counter() - st.created,
+        "e2e_latency": (st.finish_time or time.perf_counter()) - st.created,
+        "ttft": st.first_token_time - st.created if st.first_token_time else None,
+        "queue_time": st.queue_time,
+        "prefill_time": st.prefill_time,
+        "decode_time": st.decode_time,
     }
     if st.req.return_logprob:
         _add_logprobs(st, meta, ids, start, include_input)

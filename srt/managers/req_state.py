@@ -64,6 +64,11 @@ class ReqState:
     in_top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     first_token_time: float = 0.0
     last_token_time: float = 0.0
+    # phase timings reported by the scheduler (seconds; None until known, see req_output)
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    finish_time: float = 0.0  # perf_counter() when it finished here
     # streaming cursors: how much of text_parts / output_ids / the prompt logprobs was sent
     sent_parts: int = 0
     sent_ids: int = 0
@@ -93,11 +98,33 @@ class ReqState:
             self.out_logprobs.extend(out.output_token_logprobs[i])
         if out.output_top_logprobs:
             self.out_top.extend(out.output_top_logprobs[i])
+        if out.queue_times and out.queue_times[i] is not None:
+            self.queue_time = out.queue_times[i]
+        if out.prefill_times and out.prefill_times[i] is not None:
+            self.prefill_time = out.prefill_times[i]
+        if out.decode_times and out.decode_times[i] is not None:
+            self.decode_time = out.decode_times[i]
         if out.input_token_logprobs and out.input_token_logprobs[i]:
             self.in_logprobs = list(out.input_token_logprobs[i])
             if out.input_top_logprobs:
                 self.in_top = list(out.input_top_logprobs[i])
         return new_ids
+
+
+def abort_label(reason: FinishReason, local: str | None) -> str | None:
+    """The ``reason`` label of the abort counter: ``client`` (disconnect, /abort_request),
+    ``timeout``, ``queue_time`` (--max-queue-time: the one scheduler abort with status 503 and a
+    ``retry_after``), ``shutdown`` (drain), ``error`` (anything else: rejected, retracted too
+    often); ``local``: the label of an abort decided here. None when ``reason`` is not an abort."""
+    if reason.type == "timeout":
+        return "timeout"
+    if not reason.is_abort:
+        return None
+    if local is not None:
+        return local
+    if reason.status_code == 503 and reason.retry_after is not None:
+        return "queue_time"
+    return "client" if reason.status_code == 499 else "error"
 
 
 class ReqRegistry:
@@ -179,13 +206,14 @@ class ReqRegistry:
         """Mark ``st`` finished with ``reason`` and unregister it (the caller wakes its group)."""
         st.finished = True
         st.finish_reason = reason
+        st.finish_time = time.perf_counter()
         self.rid_to_state.pop(st.rid, None)
         self.waiting.discard(st.rid)
         if st.is_warmup:
             return
         self._completions.append(time.monotonic())
-        abort = (st.abort_label or "scheduler") if reason.is_abort else None
-        e2e = time.perf_counter() - st.created
+        abort = abort_label(reason, st.abort_label)
+        e2e = st.finish_time - st.created
         prompt_tokens = st.prompt_tokens or len(st.req.input_ids)
         self.metrics.observe_finished(e2e, prompt_tokens, st.completion_tokens, st.cached_tokens, abort)
         if self.log_requests:

@@ -19,8 +19,12 @@ The parts, each in its own module:
 `prepare` rejects a request before the scheduler sees it (`RequestError`, `ContextLengthError`,
 `QueueFullError`, `EngineDeadError`). `run` sends it and yields outputs; leaving it early (client
 disconnect = task cancellation, generator close) aborts every unfinished rid at once with an
-``AbortReq``. If a child process dies, `on_child_death` (called from the supervisor's thread)
-fails every in-flight request with `EngineDeadError` and refuses new ones.
+``AbortReq``. A request with a deadline is finished by the scheduler when it passes
+(`srt.managers.scheduler.deadlines`); ``run`` keeps a backstop timer that finishes it here with
+the same ``timeout`` reason when the scheduler has not reported it ``DEADLINE_GRACE_S`` later.
+`abort_all` (graceful drain) aborts every request in flight with a given reason. If a child
+process dies, `on_child_death` (called from the supervisor's thread) fails every in-flight
+request with `EngineDeadError` and refuses new ones.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -54,6 +59,10 @@ from srt.utils.errors import EngineDeadError, RequestError, SrtError
 __all__ = ["PreparedRequest", "TokenizerManager", "scheduler_load", "served_model_name"]
 
 logger = logging.getLogger(__name__)
+
+# the tokenizer manager's deadline timer fires this long after a deadline: the scheduler, which
+# frees the request's slots, normally reports the timeout first
+DEADLINE_GRACE_S = 0.25
 
 
 def served_model_name(server_args: ServerArgs) -> str:
@@ -183,15 +192,16 @@ class TokenizerManager:
 
         Leaving early (cancellation, ``aclose``) aborts every unfinished rid."""
         group = RequestGroup(stream=prep.stream)
+        deadline = max((r.deadline for r, _ in prep.reqs), default=0.0)
         try:
             if prep.warmups:
                 group.warmups = [self._send(r, r.rid, -1, group, warmup=True) for r in prep.warmups]
                 while not all(st.finished for st in group.warmups):
-                    await self._wait(group)
+                    await self._wait(group, deadline)
             group.states = [self._send(r, parent, i, group) for i, (r, parent) in enumerate(prep.reqs)]
             pending = list(group.states)
             while pending:
-                await self._wait(group)
+                await self._wait(group, deadline)
                 still = []
                 for st in pending:
                     done = st.finished  # snapshot: the state may finish while we are suspended in yield
@@ -208,7 +218,7 @@ class TokenizerManager:
             unfinished = [st for st in group.warmups + group.states if not st.finished]
             if unfinished and self.dead is None:
                 for st in unfinished:
-                    self._abort_state(st, "client disconnected", "client_disconnect")
+                    self._abort_state(st, "client disconnected", "client")
 
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         """`prepare` + `run`."""
@@ -216,11 +226,29 @@ class TokenizerManager:
         async for out in self.run(prep):
             yield out
 
-    async def _wait(self, group: RequestGroup) -> None:
-        """Until any state of ``group`` changes; raises `EngineDeadError` when the engine died."""
-        await group.event.wait()
+    async def _wait(self, group: RequestGroup, deadline: float = 0.0) -> None:
+        """Until any state of ``group`` changes; raises `EngineDeadError` when the engine died.
+        With a ``deadline`` (time.time()), past it plus the grace the group's unfinished states
+        are finished here with a ``timeout`` reason (and aborted in the scheduler)."""
+        if deadline > 0:
+            left = deadline + DEADLINE_GRACE_S - time.time()
+            try:
+                await asyncio.wait_for(group.event.wait(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                self._time_out(group)
+        else:
+            await group.event.wait()
         group.event.clear()
         self._check_alive()
+
+    def _time_out(self, group: RequestGroup) -> None:
+        for st in group.warmups + group.states:
+            if not st.finished:
+                timeout = max(st.req.deadline - st.req.arrival_time, 0.0)
+                reason = FinishReason.of_timeout(timeout)
+                self.ipc.send(AbortReq(rid=st.rid, message=reason.message or "", status_code=408))
+                self.registry.finish(st, reason)
+        group.event.set()
 
     def _send(
         self,
@@ -232,6 +260,8 @@ class TokenizerManager:
     ) -> ReqState:
         self._check_alive()
         st = ReqState(req=req, index=index, parent_rid=parent, group=group, is_warmup=warmup)
+        if req.arrival_time:  # ttft and e2e count from the server's receipt
+            st.created -= max(time.time() - req.arrival_time, 0.0)
         self.registry.add(st)
         self.ipc.send(req)
         return st
@@ -245,13 +275,28 @@ class TokenizerManager:
         """Abort ``rid`` (and its ``n`` copies); ``""`` aborts everything. Returns how many rids."""
         states = self.registry.matching(rid)
         for st in states:
-            self._abort_state(st, "aborted by request", "user_request")
+            self._abort_state(st, "aborted by request", "client")
         return len(states)
 
-    def _abort_state(self, st: ReqState, message: str, label: str) -> None:
-        self.ipc.send(AbortReq(rid=st.rid, message=message))
+    def abort_all(self, message: str, status_code: int, label: str, retry_after: int | None = None) -> int:
+        """Abort every request in flight: their outputs finish with ``abort`` (``message``,
+        ``status_code``, ``retry_after``), counted under ``label``. Returns how many rids."""
+        states = self.registry.matching("")
+        for st in states:
+            self._abort_state(st, message, label, status_code, retry_after)
+        return len(states)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to the scheduler and not finished (warm-ups included)."""
+        return len(self.registry.rid_to_state)
+
+    def _abort_state(
+        self, st: ReqState, message: str, label: str, status_code: int = 499, retry_after: int | None = None
+    ) -> None:
+        self.ipc.send(AbortReq(rid=st.rid, message=message, status_code=status_code))
         st.abort_label = label
-        self.registry.finish(st, FinishReason.of_abort(message, 499))
+        self.registry.finish(st, FinishReason.of_abort(message, status_code, retry_after))
         st.group.event.set()
 
     # ================================================================== control requests

@@ -16,7 +16,9 @@ typed exception and the HTTP server answers with OpenAI's error body without gue
 
     RequestError        400  the request is invalid (bad sampling parameter, prompt too long ...)
     QueueFullError      429  --max-queued-requests is reached (``retry_after`` seconds)
-    RequestAbortedError 4xx/5xx  the request was aborted (explicitly or by the scheduler)
+    RequestAbortedError 4xx/5xx  the request was aborted (explicitly or by the scheduler; a 503 may
+                        carry ``retry_after``: --max-queue-time, the server shutting down)
+    RequestTimeoutError 408  the request's deadline (``timeout`` / X-Request-Timeout) passed
     EngineDeadError     503  a child process died; the engine is shutting down
     LaunchError         --   a child process failed at start-up (the message holds its traceback)
 """
@@ -59,6 +61,7 @@ class SrtError(Exception):
     error_type: str = "server_error"
     code: str | None = None
     param: str | None = None
+    retry_after: int | None = None  # seconds; sent as the Retry-After header when set
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -102,13 +105,22 @@ class RequestAbortedError(SrtError):
     error_type = "request_aborted"
     code = "aborted"
 
-    def __init__(self, message: str, status_code: int = 499) -> None:
+    def __init__(self, message: str, status_code: int = 499, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.retry_after = retry_after
         if 400 <= status_code < 500 and status_code != 499:
             self.error_type = "invalid_request_error"
         elif status_code >= 500:
             self.error_type = "server_error"
+
+
+class RequestTimeoutError(SrtError, TimeoutError):
+    """The request's deadline passed before it finished (it was aborted wherever it was)."""
+
+    status_code = 408
+    error_type = "timeout_error"
+    code = "request_timeout"
 
 
 class EngineDeadError(SrtError, RuntimeError):

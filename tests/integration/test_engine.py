@@ -6,12 +6,14 @@ One Engine for the module; the last test shuts it down and checks that no child 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import psutil
 import pytest
 
 from srt import Engine
-from srt.utils.errors import EngineDeadError, LaunchError, RequestError
+from srt.utils.errors import EngineDeadError, LaunchError, RequestError, RequestTimeoutError
 from tests.helpers.server import wait_gone
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -127,6 +129,24 @@ def test_priority_needs_the_flag(engine):
     assert e.value.param == "priority"
 
 
+def test_timeout_raises_typed_error_and_ends_a_stream(engine):
+    long = {"max_new_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(RequestTimeoutError, match="timed out after 0.3 s") as e:
+        engine.generate("Count:", long, timeout=0.3)
+    assert e.value.status_code == 408
+    chunks = list(engine.generate("Count:", long, stream=True, timeout=0.3))
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "timeout"
+    with pytest.raises(RequestError, match="timeout"):
+        engine.generate("x", GREEDY, timeout=0)
+    assert engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 0
+
+
+def test_meta_info_has_phase_timings(engine):
+    meta = engine.generate("The capital of France is", GREEDY)["meta_info"]
+    assert 0 <= meta["queue_time"] and 0 < meta["prefill_time"] and 0 <= meta["decode_time"]
+    assert 0 < meta["ttft"] <= meta["e2e_latency"]
+
+
 def test_server_info_flush_and_abort(engine):
     info = engine.get_server_info()
     assert info["max_total_num_tokens"] == 16384 and "internal_states" in info
@@ -154,7 +174,16 @@ def test_shutdown_leaves_no_child(engine):
     pids = engine.child_pids
     procs = [psutil.Process(pid) for pid in pids.values() if pid is not None]
     assert len(procs) == 2
-    engine.shutdown()
+    out: list = []
+    t = threading.Thread(
+        target=lambda: out.append(engine.generate("Hi", {"max_new_tokens": 40, "ignore_eos": True}))
+    )
+    t.start()
+    while not engine.tokenizer_manager.num_in_flight and t.is_alive():
+        time.sleep(0.01)
+    engine.shutdown(graceful_timeout=60)  # the request in flight completes first
+    t.join(timeout=10)
+    assert out and out[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
     assert wait_gone(procs, 5.0) == []
     assert [p for p in psutil.Process().children(recursive=True) if p.pid in pids.values()] == []
     with pytest.raises(EngineDeadError):

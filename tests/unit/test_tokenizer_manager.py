@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,7 +24,7 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     scheduler_input_decoder,
 )
-from srt.managers.tokenizer_manager import TokenizerManager, scheduler_load
+from srt.managers.tokenizer_manager import DEADLINE_GRACE_S, TokenizerManager, scheduler_load
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
 
@@ -355,3 +356,81 @@ def test_control_requests_get_their_replies_in_order(make_tm):
     assert load == [{"num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 10, "dp_rank": 0}]
     assert start.trace_path == "/t/x.json.gz"
     assert first.message == "a done" and not second.success and second.message == "b failed"
+
+
+def test_deadline_travels_and_the_backstop_timer_times_the_request_out(make_tm):
+    """The scheduler (here: nobody) never reports: the tokenizer manager finishes the request with
+    the timeout reason shortly after its deadline and tells the scheduler to drop it."""
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        t0 = time.time()
+        outs = [o async for o in tm.generate(GenerateReqInput(text="abc", rid="d", timeout=0.2))]
+        return t0, time.time(), outs
+
+    t0, t1, outs = run(go())
+    (sent, abort) = tm.ipc.send_sock.sent
+    assert isinstance(sent, TokenizedGenerateReqInput) and t0 <= sent.arrival_time
+    assert sent.deadline == pytest.approx(sent.arrival_time + 0.2)
+    assert isinstance(abort, AbortReq) and abort.rid == "d" and abort.status_code == 408
+    assert 0.2 <= t1 - t0 < 0.2 + DEADLINE_GRACE_S + 2.0
+    (o,) = outs
+    assert o["meta_info"]["finish_reason"] == {
+        "type": "timeout",
+        "message": "request timed out after 0.2 s",
+        "status_code": 408,
+    }
+    assert 'reason="timeout"' in tm.metrics.render(None).decode()
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])
+def test_bad_timeouts_are_400(make_tm, bad):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        with pytest.raises(RequestError) as e:
+            await tm.prepare(GenerateReqInput(text="abc", timeout=bad))
+        return e.value
+
+    assert run(go()).param == "timeout"
+
+
+def test_phase_timings_reach_meta_info_and_abort_all_labels_shutdown(make_tm):
+    tm = make_tm()
+
+    async def go():
+        await tm.start()
+        agen = tm.generate(GenerateReqInput(text="abc", rid="t", stream=True))
+        first = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0.05)
+        o = out("t", "x", [5])
+        o.queue_times, o.prefill_times = [0.01], [0.02]
+        tm._handle_batch_str_out(o)
+        c1 = await first
+        done = out("t", "y", [6], FinishReason.of_length(2), completion=2)
+        done.decode_times = [0.03]
+        tm._handle_batch_str_out(done)
+        c2 = await agen.__anext__()
+        # a second request, aborted by the drain
+        agen2 = tm.generate(GenerateReqInput(text="abc", rid="u"))
+        pending = asyncio.ensure_future(agen2.__anext__())
+        await asyncio.sleep(0.05)
+        assert tm.num_in_flight == 1
+        assert tm.abort_all("the server shut down", 503, "shutdown", retry_after=3) == 1
+        return c1["meta_info"], c2["meta_info"], (await pending)["meta_info"]
+
+    m1, m2, m3 = run(go())
+    assert (m1["queue_time"], m1["prefill_time"], m1["decode_time"]) == (0.01, 0.02, None)
+    assert (m2["queue_time"], m2["prefill_time"], m2["decode_time"]) == (0.01, 0.02, 0.03)
+    assert 0 < m1["ttft"] == m2["ttft"] <= m2["e2e_latency"]
+    assert m3["finish_reason"] == {
+        "type": "abort",
+        "message": "the server shut down",
+        "status_code": 503,
+        "retry_after": 3,
+    }
+    assert m3["ttft"] is None and m3["queue_time"] is None
+    assert tm.ipc.send_sock.sent[-1] == AbortReq(rid="u", message="the server shut down", status_code=503)
+    assert 'reason="shutdown"' in tm.metrics.render(None).decode()

@@ -2,7 +2,9 @@
 
 lifespan          starts the TokenizerManager's receive loop in the serving event loop,
                   closes it on shutdown
-middleware        ``Authorization: Bearer <--api-key>`` on every path but /health
+middleware        ``Authorization: Bearer <--api-key>`` on every path but /health; outermost the
+                  graceful drain's (`drain.DrainMiddleware`: in-flight count, 503 while draining;
+                  its `DrainState` is ``app.state.drain``)
 error handlers    `SrtError` -> OpenAI's error body with its status (429 with Retry-After);
                   `ClientDisconnected` -> 499
 routers           openai_routes, native_routes, admin_routes (dependencies through ``Ctx``)
@@ -20,6 +22,7 @@ from fastapi.responses import Response
 
 from srt.entrypoints.http import admin_routes, native_routes, openai_routes
 from srt.entrypoints.http.deps import ServerContext
+from srt.entrypoints.http.drain import DrainMiddleware, DrainState
 from srt.entrypoints.http.serving import ClientDisconnected
 from srt.entrypoints.openai.common import error_response, srt_error_response
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -71,6 +74,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.state.ctx = ServerContext.create(tm)
     if tm.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.server_args.api_key)
+    app.state.drain = DrainState()
+    app.add_middleware(DrainMiddleware, state=app.state.drain)  # added last: outermost
     app.add_exception_handler(SrtError, _srt_error)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     for module in (openai_routes, native_routes, admin_routes):

@@ -114,12 +114,33 @@ async def collect(agen: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
     return [o async for o in agen]
 
 
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def header_timeout(request: Request) -> float | None:
+    """The ``X-Request-Timeout`` header in seconds (None when absent; `RequestError` when it is
+    not a number: the value is checked like the body's ``timeout``)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise RequestError(
+            f"the X-Request-Timeout header must be a number of seconds, got {raw!r}",
+            param="X-Request-Timeout",
+        ) from None
+
+
 async def serve(
     request: Request, tm: TokenizerManager, obj: GenerateReqInput, build: BuildBody, stream: BuildStream
 ) -> Response:
     """Run ``obj``: a JSON response of ``build(outputs by index)``, or an SSE response of
     ``stream(chunks)``. Errors raised before the first chunk exists (validation, queue full, a
-    dead engine) get their own status code: a streaming response's headers go out with it."""
+    dead engine) get their own status code: a streaming response's headers go out with it.
+    ``obj.timeout`` unset takes the ``X-Request-Timeout`` header (seconds)."""
+    if obj.timeout is None:
+        obj.timeout = header_timeout(request)
     prep = await tm.prepare(obj)
     agen = tm.run(prep)
     if not prep.stream:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi.responses import Response
 
-from srt.utils.errors import QueueFullError, RequestAbortedError, SrtError
+from srt.utils.errors import RequestAbortedError, RequestTimeoutError, SrtError
 
 if TYPE_CHECKING:
     from srt.entrypoints.openai.protocol import StreamOptions
@@ -55,7 +55,7 @@ def error_response(
 
 
 def srt_error_response(e: SrtError) -> Response:
-    headers = {"Retry-After": str(e.retry_after)} if isinstance(e, QueueFullError) else None
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     return error_response(e.message, e.status_code, e.param, e.code, e.error_type, headers)
 
 
@@ -66,11 +66,17 @@ FinishReasonDict = dict[str, Any]
 
 
 def abort_error(finish_reason: FinishReasonDict | None) -> SrtError | None:
-    """The error to report for an output aborted with an HTTP status (None for other finishes)."""
-    if finish_reason is None or finish_reason["type"] != "abort":
+    """The error to report for an output aborted with an HTTP status, or timed out (408); None
+    for other finishes."""
+    if finish_reason is None:
+        return None
+    if finish_reason["type"] == "timeout":
+        return RequestTimeoutError(str(finish_reason.get("message") or "request timed out"))
+    if finish_reason["type"] != "abort":
         return None
     status = int(finish_reason.get("status_code") or 500)
-    return RequestAbortedError(str(finish_reason.get("message") or "request aborted"), status)
+    message = str(finish_reason.get("message") or "request aborted")
+    return RequestAbortedError(message, status, finish_reason.get("retry_after"))
 
 
 def raise_abort_error(finish_reason: FinishReasonDict | None) -> None:
@@ -82,10 +88,11 @@ def raise_abort_error(finish_reason: FinishReasonDict | None) -> None:
 
 
 def openai_finish_reason(finish_reason: FinishReasonDict | None) -> str | None:
-    """OpenAI's ``finish_reason``: ``"length"``, ``"stop"``, ``"abort"``, or None while running."""
+    """OpenAI's ``finish_reason``: ``"length"``, ``"stop"``, ``"timeout"`` (the request's deadline
+    passed), ``"abort"``, or None while running."""
     if finish_reason is None:
         return None
-    return {"length": "length", "stop": "stop"}.get(finish_reason["type"], "abort")
+    return {"length": "length", "stop": "stop", "timeout": "timeout"}.get(finish_reason["type"], "abort")
 
 
 def matched_stop(finish_reason: FinishReasonDict | None) -> int | str | None:
@@ -114,6 +121,22 @@ def usage_of(outputs: list[dict[str, Any]], n: int, cache_report: bool = False) 
     cached = sum(o["meta_info"]["cached_tokens"] for o in outputs[::n]) if cache_report else None
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return usage(prompt, completion, cached)
+
+
+TIMING_KEYS = ("queue_time", "prefill_time", "decode_time", "ttft", "e2e_latency", "cached_tokens")
+
+
+def timings_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The phase timings of one output's ``meta_info`` (`srt.managers.req_output`)."""
+    return {k: meta.get(k) for k in TIMING_KEYS}
+
+
+def with_timings(body: dict[str, Any], outputs: list[dict[str, Any]], wanted: bool) -> dict[str, Any]:
+    """``body`` with a top-level ``metrics`` list (one entry per choice: ``index`` and
+    `timings_of` its output) when the request asked for ``return_timings``."""
+    if wanted:
+        body["metrics"] = [{"index": o["index"], **timings_of(o["meta_info"])} for o in outputs]
+    return body
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -171,8 +194,11 @@ class ChunkStream:
     """What one OpenAI streaming response keeps: its `Envelope`, the ``stream_options`` flags and
     each choice's latest ``meta_info`` (for the final usage chunk)."""
 
-    def __init__(self, env: Envelope, stream_options: StreamOptions | None, n: int) -> None:
+    def __init__(
+        self, env: Envelope, stream_options: StreamOptions | None, n: int, return_timings: bool = False
+    ) -> None:
         self.env = env
+        self.return_timings = return_timings
         self.n = n
         self.include_usage = stream_options is not None and stream_options.include_usage
         self.continuous = stream_options is not None and stream_options.continuous_usage_stats
@@ -180,15 +206,24 @@ class ChunkStream:
 
     def see(self, out: dict[str, Any]) -> dict[str, Any]:
         """Record output chunk ``out``; returns its meta_info. Raises the error of an output
-        aborted with a status."""
+        aborted with a status (a timed-out output is not an error here: its chunk carries
+        ``finish_reason: "timeout"``)."""
         meta = out["meta_info"]
         self.last_meta[out["index"]] = meta
-        raise_abort_error(meta["finish_reason"])
+        reason = meta["finish_reason"]
+        if reason is None or reason["type"] != "timeout":  # a timeout ends the stream as a finish
+            raise_abort_error(reason)
         return meta
 
     def chunk(self, choices: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-        """One chunk of ``choices`` (with the running usage under ``continuous_usage_stats``)."""
-        return self.env.chunk(choices, meta if self.continuous else None)
+        """One chunk of ``choices`` (with the running usage under ``continuous_usage_stats``; with
+        ``return_timings`` the chunk finishing a choice carries its ``metrics``)."""
+        out = self.env.chunk(choices, meta if self.continuous else None)
+        if self.return_timings:
+            finished = [c["index"] for c in choices if c.get("finish_reason") is not None]
+            if finished:
+                out["metrics"] = [{"index": i, **timings_of(meta)} for i in finished]
+        return out
 
     def closing_chunks(self) -> list[dict[str, Any]]:
         """The chunks after the last output: the usage chunk with ``include_usage``."""

@@ -92,6 +92,10 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     rid: str | None = None
     priority: int | None = None  # SGLang extra: queue priority (--enable-priority-scheduling)
+    # srt extras: a deadline in seconds from receipt (finish_reason "timeout" past it; the
+    # X-Request-Timeout header when absent) and the per-choice phase timings ("metrics")
+    timeout: float | None = None
+    return_timings: bool = False
     # constrained decoding (SGLang extras; response_format is OpenAI's JSON mode)
     response_format: ResponseFormat | None = None
     regex: str | None = None
@@ -262,6 +266,7 @@ class GenerateRequest(_Request):
     top_logprobs_num: int | list[int] = 0
     stream: bool = False
     priority: int | list[int] | None = None
+    timeout: float | None = None  # seconds from receipt (X-Request-Timeout when absent)
 
 
 class AbortRequest(_Model):

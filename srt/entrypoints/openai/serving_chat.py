@@ -40,6 +40,7 @@ from srt.entrypoints.openai.common import (
     raise_abort_error,
     stream_error_payload,
     token_text,
+    with_timings,
 )
 from srt.entrypoints.openai.protocol import (
     CHAT_ROLES,
@@ -260,6 +261,7 @@ class OpenAIServingChat:
             top_logprobs_num=top,
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
             incremental_stream=True,
             add_special_tokens=False,
             param_names=names,
@@ -299,7 +301,7 @@ class OpenAIServingChat:
                 }
             )
         env = self._envelope("chat.completion")
-        return env.body(choices, env.usage_of(outputs, req.n))
+        return with_timings(env.body(choices, env.usage_of(outputs, req.n)), outputs, req.return_timings)
 
     def stream(
         self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
@@ -312,7 +314,9 @@ class OpenAIServingChat:
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
-        cs = ChunkStream(self._envelope("chat.completion.chunk"), req.stream_options, req.n)
+        cs = ChunkStream(
+            self._envelope("chat.completion.chunk"), req.stream_options, req.n, req.return_timings
+        )
         plan = self.output_plan(req)
         plain = plan.tools is None and plan.reasoning is None
         streams: dict[int, _ChoiceStream] = {}

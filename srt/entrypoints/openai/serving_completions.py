@@ -20,6 +20,7 @@ from srt.entrypoints.openai.common import (
     raise_abort_error,
     stream_error_payload,
     token_text,
+    with_timings,
 )
 from srt.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -86,6 +87,7 @@ class OpenAIServingCompletion:
             top_logprobs_num=top,
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
             incremental_stream=True,
             param_names=names,
         )
@@ -134,7 +136,7 @@ class OpenAIServingCompletion:
             raise_abort_error(o["meta_info"]["finish_reason"])
         choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
         env = self._envelope("text_completion")
-        return env.body(choices, env.usage_of(outputs, req.n))
+        return with_timings(env.body(choices, env.usage_of(outputs, req.n)), outputs, req.return_timings)
 
     def stream(self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
@@ -145,7 +147,7 @@ class OpenAIServingCompletion:
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``text_completion`` chunk payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
-        cs = ChunkStream(self._envelope("text_completion"), req.stream_options, req.n)
+        cs = ChunkStream(self._envelope("text_completion"), req.stream_options, req.n, req.return_timings)
         builders: dict[int, CompletionLogprobs | None] = {}
         async for out in chunks:
             idx = out["index"]

@@ -15,10 +15,13 @@
 tokens since the last output (``Req.num_sent``), its finish reason on the last one, and
 logprobs when asked for (prompt logprobs once, with the first output). A streaming request
 sends its tokens in groups of ``--stream-interval`` (its first token and its finish at once).
+Phase timings ride along only where they are new: ``queue_times`` and ``prefill_times`` with a
+request's first output, ``decode_times`` with its finishing one (empty lists otherwise).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -95,6 +98,8 @@ def _process_extend_rows(
             req.finish(FinishReason.of_length(len(req.output_ids)))
         else:
             req.append_token(next_ids[i])
+            if not req.first_token_time:
+                req.first_token_time = time.perf_counter()
             if req.grammar is not None and req.finished_reason is None:
                 GrammarManager.accept(req, next_ids[i])
             generated += 1
@@ -205,9 +210,23 @@ def build_batch_output(reqs: Iterable[Req], stream_interval: int = 1) -> BatchTo
     )
     if any(first):
         out.queue_times = [r.queue_time if f else None for r, f in zip(emitted, first)]
+        out.prefill_times = [_prefill_time(r) if f else None for r, f in zip(emitted, first)]
+    if any([r.finished_reason is not None for r in emitted]):
+        now = time.perf_counter()
+        out.decode_times = [
+            now - r.first_token_time if r.finished_reason is not None and r.first_token_time else None
+            for r in emitted
+        ]
     if any([r.return_logprob for r in emitted]):
         _attach_logprobs(out, emitted)
     return out
+
+
+def _prefill_time(r: Req) -> float | None:
+    """First admission -> first output token (None when it has no token or was never admitted)."""
+    if r.first_token_time and r.admit_time:
+        return r.first_token_time - r.admit_time
+    return None
 
 
 def _attach_logprobs(out: BatchTokenIDOut, emitted: list[Req]) -> None:

@@ -109,9 +109,13 @@ class PrefillManager:
         bisect.insort(self.waiting_queue, req, key=lambda r: r.queue_seq)
 
     def discard(self, req: Req) -> bool:
-        """Remove a request finished between steps; False if it is neither waiting nor mid-prompt."""
+        """Remove a request finished between steps; False if it is neither queued nor mid-prompt
+        (a WAITING request may not be queued yet: it waits for its grammar)."""
         if req.state == ReqStatus.WAITING:
-            self.waiting_queue.remove(req)
+            try:
+                self.waiting_queue.remove(req)
+            except ValueError:
+                return False
         elif req is self.chunked_req:
             self.chunked_req = None
         else:
@@ -272,7 +276,8 @@ class PrefillManager:
         if not req.admitted_once:
             req.admitted_once = True
             req.cached_tokens = prefix_len
-            req.queue_time = time.perf_counter() - req.wait_start
+            req.admit_time = time.perf_counter()
+            req.queue_time = req.admit_time - req.wait_start
         rnd.cached += prefix_len
         rnd.admitted.add(id(req))
         if rnd.in_batch is not None:

@@ -9,6 +9,8 @@ It only wires the parts together; each part owns one job and its state:
                    insert, free, evict, flush, integrity)
     output.py      forward results -> Req state; the step's BatchTokenIDOut
     metrics.py     SchedulerMetrics: counters and log lines
+    deadlines.py   DeadlineTracker: per-request deadlines and --max-queue-time, checked each step
+    step_timing.py StepTimings: per-step scheduling / forward time histograms
     grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
     profiler.py    SchedulerProfiler: torch.profiler around steps (/start_profile, /stop_profile)
     weight_update.py  WeightUpdateGate: a weight update waits for idle, new requests wait for it
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import TYPE_CHECKING, Any
 
 from srt.managers.io_struct import (
@@ -68,12 +71,14 @@ from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
 from srt.managers.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
 from srt.managers.schedule_policy import NewTokenRatio, SchedulePolicy
 from srt.managers.scheduler.cache import CacheManager
+from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.decode import DecodeManager
 from srt.managers.scheduler.grammar import GrammarManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
 from srt.managers.scheduler.profiler import SchedulerProfiler
+from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.mem_cache.pool_size import process_rss_bytes
 from srt.utils.hf_tokenizer import tokenizer_source
@@ -148,6 +153,8 @@ class Scheduler:
         self.rng = random.Random(server_args.random_seed)
         self.profiler = SchedulerProfiler(self.device)
         self.weight_gate = WeightUpdateGate()
+        self.deadlines = DeadlineTracker(server_args.max_queue_time)
+        self.step_timings = StepTimings()
         self._replies: list[ControlReply] = []  # answered by a step (take_replies)
 
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet reported finished
@@ -237,6 +244,7 @@ class Scheduler:
         if error is not None:
             self._reject(req, error)
             return
+        self.deadlines.track(req)
         if req.grammar_spec is not None:
             if self.grammars is None:  # the tokenizer manager rejects these; input_ids-only clients
                 self._reject(req, "constrained decoding is off (--grammar-backend none or no tokenizer)")
@@ -322,7 +330,9 @@ class Scheduler:
         """One scheduler iteration: form a batch, run it, process the results.
 
         Returns the step's output (one BatchTokenIDOut, or nothing)."""
+        step_start = time.perf_counter()
         self.metrics.num_steps += 1
+        self._expire_deadlines()
         # nothing else to do: wait (briefly, so that new messages are still read) for a grammar
         busy = self.prefill.has_work() or self.decode.running or self.finished_outside
         self._admit_grammar_requests(0.0 if busy else GRAMMAR_WAIT_SECONDS)
@@ -338,7 +348,9 @@ class Scheduler:
                 masks = self.grammars.fill_masks(batch.reqs, batch.sampling_rows(), self.vocab_size)
                 if masks is not None:
                     fb.sampling_info = fb.sampling_info.with_grammar_masks(*masks)
+            forward_start = time.perf_counter()
             logits_output, sample_output = self.model_runner.forward_batch_generation(fb)
+            forward_seconds = time.perf_counter() - forward_start
             self.cache.begin_free_group()
             try:
                 result = process_batch_result(batch, logits_output, sample_output, self.cache, self._release)
@@ -353,7 +365,15 @@ class Scheduler:
                 del self.reqs_by_rid[req.rid]
         self._finished_reqs.clear()
         self._after_step()
+        if batch is not None:
+            self.step_timings.observe(time.perf_counter() - step_start, forward_seconds)
         return [out] if out is not None else []
+
+    def _expire_deadlines(self) -> None:
+        """Finish the requests whose deadline or --max-queue-time passed (deadlines.py)."""
+        for req, reason in self.deadlines.expired():
+            if self.reqs_by_rid.get(req.rid) is req:
+                self._finish_between_steps(req.rid, reason)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[BatchTokenIDOut]:
         """Step until idle (tests); raises RuntimeError after max_steps (a livelock)."""
@@ -481,6 +501,9 @@ class Scheduler:
             "profiling": self.profiler.active,
             "scheduler_rss_bytes": process_rss_bytes(),
             **self.metrics.snapshot(),
+            "num_timeouts": self.deadlines.num_timeouts,
+            "num_queue_time_refusals": self.deadlines.num_queue_refusals,
+            "step_histograms": self.step_timings.snapshot(),
         }
 
     def ready_message(self) -> SchedulerReady:
