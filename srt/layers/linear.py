@@ -16,6 +16,10 @@ loader calls ``prepare_weights()``, which lets the backend make a prepacked copy
 named by ``--linear-backend`` and passes it down through the model's constructor; see
 ``srt/layers/linear_backend.py``.
 
+Tensor parallelism cuts a layer to a rank's part before loading (``shard``, ``shard_outputs``,
+``shard_heads``; called by ``srt/model_loader/sharding.py``); the all-reduce after a row-parallel
+layer is a forward hook installed there, so ``forward`` is the same with and without TP.
+
 With ``--quantization gguf`` the loader hands a layer ``GGUFTensor`` parts (the file's blocks)
 instead of float32 tensors: the first one moves the layer to a ``QuantizedWeight`` (``qweight``;
 rows already loaded as float32 move with it) and releases the float32 ``weight`` (left as an empty
@@ -87,6 +91,16 @@ class Linear(nn.Module):
             return
         self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
 
+    def shard(self, in_features: int, out_features: int, keep_bias: bool = True) -> None:
+        """Tensor parallelism, before loading: become this rank's ``[out_features, in_features]``
+        part (parameters re-created uninitialized on the weight's device). ``keep_bias=False``
+        drops the bias: a row-parallel layer's bias is added by one rank only."""
+        device, dtype = self.weight.device, self.weight.dtype
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = empty_param(out_features, in_features, dtype=dtype).to(device)
+        if self.bias is not None:
+            self.bias = empty_param(out_features, dtype=dtype).to(device) if keep_bias else None
+
     def extra_repr(self) -> str:
         kind = "gguf" if self.qweight is not None else self.linear_backend.name
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, backend={kind}"
@@ -106,6 +120,13 @@ class MergedColumnLinear(Linear):
         super().__init__(in_features, sum(output_sizes), bias, dtype, linear_backend)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def shard_outputs(self, in_features: int, output_sizes: list[int]) -> None:
+        """Tensor parallelism, before loading: each part keeps ``output_sizes[i]`` rows (this
+        rank's slice of it); ``load_shard`` then expects parts of these sizes."""
+        self.output_sizes = list(output_sizes)
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.shard(in_features, sum(output_sizes))
 
     def _shard_index(self, shard_id: int | str) -> int:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
@@ -157,6 +178,13 @@ class QKVLinear(MergedColumnLinear):
         self.num_kv_heads = num_kv_heads
         self.q_size = q_size
         self.kv_size = kv_size
+
+    def shard_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Tensor parallelism, before loading: keep ``num_heads`` query and ``num_kv_heads`` KV
+        heads (this rank's; the loader hands it exactly those rows)."""
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.shard_outputs(self.in_features, [self.q_size, self.kv_size, self.kv_size])
 
     def _shard_index(self, shard_id: int | str) -> int:
         if shard_id not in self._SHARDS:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from srt.distributed.communication import TPInfo
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 
 if TYPE_CHECKING:
@@ -80,6 +81,13 @@ class LogitsProcessor(nn.Module):
         self.linear_backend = linear_backend or TORCH_LINEAR
         self.head_packed: torch.Tensor | None  # the backend's prepacked LM head, if any
         self.register_buffer("head_packed", None, persistent=False)
+        self.tp: TPInfo | None = None  # tensor parallelism: the head holds vocab_sizes[rank] rows
+        self.vocab_sizes: list[int] = [vocab_size]
+
+    def shard_vocab(self, vocab_sizes: list[int], tp: TPInfo) -> None:
+        """Tensor parallelism: the LM head holds rank r's ``vocab_sizes[r]`` rows (in rank
+        order); the local logits are gathered into the whole vocabulary."""
+        self.tp, self.vocab_sizes = tp, list(vocab_sizes)
 
     def prepare_weights(self, lm_head_weight: torch.Tensor) -> None:
         """Keep the backend's prepacked copy of the loaded LM head weight, if it makes one."""
@@ -107,8 +115,12 @@ class LogitsProcessor(nn.Module):
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         qweight = getattr(lm_head, "qweight", None)
         if qweight is not None:
-            return qweight.linear(hidden)
-        return self.linear_backend.apply(hidden, lm_head.weight, None, self.head_packed).float()
+            logits = qweight.linear(hidden)
+        else:
+            logits = self.linear_backend.apply(hidden, lm_head.weight, None, self.head_packed).float()
+        if self.tp is not None:
+            return self.tp.all_gather_last_dim(logits, self.vocab_sizes)
+        return logits
 
     # ------------------------------------------------------------------
     @staticmethod

@@ -3,6 +3,11 @@
 Either may hold its weight as GGUF blocks (``load_quantized``, ``--quantization gguf``): the
 embedding then dequantizes only the looked-up rows, and the LM head's matmul runs on the blocks
 (``qweight``; see ``srt/layers/quantized_weight.py``).
+
+Tensor parallelism (``shard_vocab``, before loading): each rank holds the rows
+``[vocab_start, vocab_start + rows)`` of the weight. The embedding looks up the ids in its range
+(the others read row 0 and are zeroed) and all-reduces, so every rank gets every token's row;
+the LM head's logits of the local rows are gathered by ``LogitsProcessor``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.distributed.communication import TPInfo
 from srt.layers.parameter import empty_param
 from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
 
@@ -22,6 +28,14 @@ class _VocabWeight(nn.Module):
         super().__init__()
         self.weight = empty_param(num_rows, dim, dtype=dtype)
         self.qweight: QuantizedWeight | None = None
+        self.vocab_start = 0
+        self.tp: TPInfo | None = None  # set by shard_vocab
+
+    def shard_vocab(self, vocab_start: int, num_rows: int, tp: TPInfo) -> None:
+        """Keep rows ``[vocab_start, vocab_start + num_rows)`` (re-created uninitialized)."""
+        dim = self.weight.shape[1]
+        self.weight = empty_param(num_rows, dim, dtype=self.weight.dtype).to(self.weight.device)
+        self.vocab_start, self.tp = vocab_start, tp
 
     def load_quantized(self, loaded: GGUFTensor, name: str = "weight") -> None:
         """Keep the weight as GGUF blocks; the float32 parameter becomes an empty placeholder."""
@@ -42,9 +56,22 @@ class VocabEmbedding(_VocabWeight):
         self.embedding_dim = embedding_dim
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self._parallel_forward(input_ids)
         if self.qweight is not None:
             return self.qweight.rows(input_ids)
         return F.embedding(input_ids, self.weight)
+
+    def _parallel_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Masked lookup of the local rows, then the sum over the ranks."""
+        assert self.tp is not None
+        rows = self.qweight.out_features if self.qweight is not None else self.weight.shape[0]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= rows)
+        local = local.masked_fill(outside, 0)
+        out = self.qweight.rows(local) if self.qweight is not None else F.embedding(local, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"

@@ -12,6 +12,12 @@ Start-up (``ModelRunner(server_args)``, server_args already ``resolve()``d):
     -> ReqToTokenPool, MHATokenToKVPool, TokenToKVPoolAllocator
     -> one log line "KV cache: N tokens, X GiB, page size P, max prefill tokens M"
 
+Tensor parallelism (``ModelRunner(server_args, tp_rank=r)`` with ``server_args.tp_size`` > 1, the
+default torch.distributed group being the TP group): the model is this rank's shard
+(srt/model_loader/sharding.py), the KV pool holds the rank's KV heads, the pool size is the
+minimum over the ranks, and the native decode-layer call is off (it cannot all-reduce between
+layers). Every rank must run the same batches.
+
 Weights from another checkpoint of the same shapes: ``update_weights_from_disk(model_path,
 load_format)`` (the scheduler calls it only when idle; srt/model_loader/reload.py).
 
@@ -30,6 +36,7 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import ModelConfig
+from srt.distributed import TPInfo, head_shard
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
@@ -56,10 +63,13 @@ class ModelRunner:
     ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
     Also: ``model``, ``attn_backend``, ``linear_backend``, ``sampler``, ``kv_cache_dtype``,
     ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled),
-    ``loaded_model_path`` (the checkpoint the weights came from)."""
+    ``loaded_model_path`` (the checkpoint the weights came from), ``tp`` (``TPInfo``) and
+    ``num_kv_heads`` (this rank's KV heads: what the KV pool holds)."""
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0) -> None:
         self.server_args = server_args
+        self.tp = TPInfo(tp_rank, server_args.tp_size)
+        self.tp.check_group()
         self.device = torch.device(server_args.device)
         self.page_size = server_args.page_size
         if server_args.num_threads:
@@ -95,11 +105,16 @@ class ModelRunner:
 
         cfg = self.model_config
         self.context_len: int = cfg.context_len
+        self.num_kv_heads = cfg.num_key_value_heads  # this rank's
+        if self.tp.enabled:
+            self.num_kv_heads = head_shard(
+                cfg.num_attention_heads, cfg.num_key_value_heads, self.tp.size, self.tp.rank
+            ).kv_count
         self.bytes_per_token = pool_size.kv_bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype.itemsize
+            cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.kv_cache_dtype.itemsize
         )
         self.activation_peak_bytes = 0
-        self.max_total_num_tokens = self._resolve_max_total_num_tokens()
+        self.max_total_num_tokens = self.tp.all_reduce_min(self._resolve_max_total_num_tokens())
         self.max_running_requests = (
             server_args.max_running_requests
             or pool_size.default_max_running_requests(self.max_total_num_tokens, self.device.type)
@@ -131,6 +146,7 @@ class ModelRunner:
             self.linear_backend,
             a.quantization,
             a.enable_int8_activations,
+            self.tp,
         )
 
     def _enable_native_decode(self, model: nn.Module) -> None:
@@ -141,6 +157,8 @@ class ModelRunner:
             return
         if self.server_args.disable_native_decode_layers:
             logger.info("native decode layers off: --disable-native-decode-layers")
+        elif self.tp.enabled:
+            logger.info("native decode layers off: tensor parallelism all-reduces between layers")
         else:
             logger.info(enable_native())
 
@@ -231,7 +249,7 @@ class ModelRunner:
             size,
             self.page_size,
             self.kv_cache_dtype,
-            cfg.num_key_value_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             cfg.num_hidden_layers,
             self.device,

@@ -9,6 +9,11 @@
         dummy:       init_dummy_weights(model, seed)           (seeded random, nothing read)
     -> eval mode, no gradients -> weights prepacked for the linear backend (``prepare_weights``).
 
+With tensor parallelism (``tp`` of size > 1) the built model is first cut to the rank's shapes
+(``sharding.shard_model``) and the readers of ``shard_reader.py`` read only the rank's slice of
+each tensor; dummy weights are drawn whole and cut the same way (``ShardPlan.views``), so every
+load format gives a rank exactly its part of the single-rank model.
+
 Peak memory is the parameters plus one checkpoint tensor (and its dequantization
 temporaries); no state dict is ever materialized.
 """
@@ -22,12 +27,15 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
+from srt.distributed.communication import TPInfo
 from srt.kernels import cpu as cpu_kernels
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.quantized_weight import QuantizedWeight
+from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
+from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
     init_dummy_weights,
     release_free_memory,
@@ -64,6 +72,7 @@ def get_model(
     linear_backend: LinearBackend | None = None,
     quantization: str = "none",
     int8_activations: bool = False,
+    tp: TPInfo | None = None,
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
@@ -72,7 +81,8 @@ def get_model(
         runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
         file's matrices in their blocks wherever a native kernel covers the type ("none":
         everything dequantized to float32). ``int8_activations`` (with "gguf"): small-batch matmuls
-    quantize their input to int8 (``QuantizedWeight.use_int8_activations``)."""
+    quantize their input to int8 (``QuantizedWeight.use_int8_activations``). ``tp`` (size > 1):
+    the model of rank ``tp.rank``, reading only its shard (see the module docstring)."""
     fmt = model_config.load_format if load_format in (None, "auto") else load_format
     if fmt not in LOAD_FORMATS:
         raise ConfigError(f"unknown load format {fmt!r}")
@@ -88,8 +98,9 @@ def get_model(
     t0 = time.perf_counter()
     with torch.device(device):
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
+        plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
     if fmt == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, views=None if plan is None else plan.views)
     elif fmt == "gguf":
         from srt.model_loader.gguf import gguf_weights_iterator
 
@@ -98,7 +109,14 @@ def get_model(
             keep = gguf_kernels.native_qtypes()
             if not keep:
                 _check_float32_fits(model_config.gguf_file)
-        model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
+        if plan is not None:
+            model.load_weights(
+                sharded_gguf_iterator(model_config.gguf_file, model_config.hf_config, keep, plan)
+            )
+        else:
+            model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
+    elif plan is not None:
+        model.load_weights(sharded_safetensors_iterator(model_config.model_path, plan))
     else:
         model.load_weights(safetensors_weights_iterator(model_config.model_path))
     model.eval()

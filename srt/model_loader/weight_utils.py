@@ -101,19 +101,27 @@ def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02, views: dict | None = None) -> None:
     """Seeded random weights in place: norm weights 1, every other tensor ``N(0, std)``.
 
     Each parameter draws from its own generator seeded by ``(seed, parameter name)``, so the
     values depend only on the seed, the name and the shape (not on parameter order), and are
     drawn in float32 on the CPU then copied (identical across dtypes up to rounding and across
-    devices)."""
+    devices). ``views`` (tensor parallelism: parameter name -> ``sharding.ParamView``): such a
+    parameter draws its whole-model shape and keeps its ranges, so a rank's weights are exactly
+    its part of the single-rank model's."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
             gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            view = (views or {}).get(name)
+            if view is not None:
+                full = torch.empty(view.full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                param.copy_(torch.cat([full.narrow(view.dim, a, n) for a, n in view.ranges], dim=view.dim))
+                del full
+                continue
             if param.dtype == torch.float32 and param.device.type == "cpu":
                 param.normal_(0.0, std, generator=gen)
                 continue
