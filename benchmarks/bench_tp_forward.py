@@ -11,7 +11,7 @@ embedding, 1 gather of the logits), which is what TP adds to a step on one host.
     python benchmarks/bench_tp_forward.py [--tp-size 2] [--threads-per-rank 1] [--batch-sizes 1,32]
         [--quantization auto|gguf|none] [--json]
 
-Why TP=2 is slower than TP=1 on one 2-core host (measured: a decode step spends most of its
+Why TP=2 is slower than TP=1 on one 2-core host with gloo (measured: a decode step spends most of its
 time inside the collectives): a decode step makes 62 blocking collectives on the default model
 (30 layers x 2 all_reduces, the embedding's, the logits gather), each a gloo round trip over TCP
 loopback plus a wait for the slower rank (the ranks are uneven: 2 and 1 of the 3 KV heads);
@@ -46,7 +46,9 @@ from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.server_args import ServerArgs  # noqa: E402
 
 
-def _server_args(a: argparse.Namespace, tp_size: int, threads: int, native_off: bool = False) -> ServerArgs:
+def _server_args(
+    a: argparse.Namespace, tp_size: int, threads: int, native_off: bool = False, gloo: bool = False
+) -> ServerArgs:
     bs = max(int(x) for x in a.batch_sizes.split(","))
     args = ServerArgs(
         model_path=a.model_path,
@@ -55,15 +57,22 @@ def _server_args(a: argparse.Namespace, tp_size: int, threads: int, native_off: 
         num_threads=threads,
         quantization=a.quantization,
         disable_native_decode_layers=native_off,
+        disable_custom_all_reduce=gloo,
     ).resolve()
     return dataclasses.replace(args, tp_size=tp_size)  # ServerArgs refuses tp > 1 until launch supports it
 
 
 def decode_times(
-    a: argparse.Namespace, tp_size: int, threads: int, tp_rank: int = 0, native_off: bool = False
+    a: argparse.Namespace,
+    tp_size: int,
+    threads: int,
+    tp_rank: int = 0,
+    native_off: bool = False,
+    gloo: bool = False,
 ) -> dict[str, float]:
-    """Median decode step (ms) per batch size on this rank."""
-    runner = ModelRunner(_server_args(a, tp_size, threads, native_off), tp_rank=tp_rank)
+    """Median decode step (ms) per batch size on this rank (``gloo``: TP collectives over gloo,
+    not shared memory)."""
+    runner = ModelRunner(_server_args(a, tp_size, threads, native_off, gloo), tp_rank=tp_rank)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     rows = _fill_context(runner, max(sizes), a.context, 0)
     out = {}
@@ -74,28 +83,35 @@ def decode_times(
     return out
 
 
-def allreduce_us(sizes: list[int], hidden: int, repeats: int = 200) -> dict[str, float]:
+def allreduce_us(sizes: list[int], hidden: int, reduce, repeats: int = 200) -> dict[str, float]:
+    """Median microseconds of ``reduce(x)`` for x ``[bs, hidden]`` per batch size."""
     out = {}
     for bs in sizes:
         x = torch.randn(bs, hidden)
-        dist.all_reduce(x)
+        reduce(x)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            dist.all_reduce(x)
+            reduce(x)
             times.append(time.perf_counter() - t)
         out[str(bs)] = statistics.median(times) * 1e6
     return out
 
 
 def _rank(rank: int, a: argparse.Namespace, port: int, queue) -> None:
+    from srt.distributed import TPInfo
+
     torch.set_num_threads(a.threads_per_rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=a.tp_size)
     try:
         times = decode_times(a, a.tp_size, a.threads_per_rank, rank)
-        comm = allreduce_us([int(x) for x in a.batch_sizes.split(",")], a.hidden)
+        times_gloo = decode_times(a, a.tp_size, a.threads_per_rank, rank, gloo=True)
+        sizes = [int(x) for x in a.batch_sizes.split(",")]
+        shm = TPInfo(rank, a.tp_size).with_shared_memory("cpu")
+        comm = allreduce_us(sizes, a.hidden, dist.all_reduce)
+        comm_shm = allreduce_us(sizes, a.hidden, shm.all_reduce)
         if rank == 0:
-            queue.put((times, comm))
+            queue.put((times, times_gloo, comm, comm_shm))
     finally:
         dist.destroy_process_group()
 
@@ -128,21 +144,24 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, a, port, queue)) for r in range(a.tp_size)]
     for p in procs:
         p.start()
-    tpn, comm = queue.get(timeout=1800)
+    tpn, tpn_gloo, comm, comm_shm = queue.get(timeout=1800)
     for p in procs:
         p.join()
     for bs in tp1:
         print(
             f"decode bs={bs:>3} ctx={a.context}: tp=1 x {threads_tp1} threads {tp1[bs]:7.1f} ms "
             f"(layer by layer {tp1_layers[bs]:7.1f} ms) | tp={a.tp_size} x {a.threads_per_rank} thread(s) "
-            f"{tpn[bs]:7.1f} ms (one all_reduce of [{bs}, {a.hidden}]: {comm[bs]:.0f} us)"
+            f"{tpn[bs]:7.1f} ms shared memory, {tpn_gloo[bs]:7.1f} ms gloo (one all_reduce of "
+            f"[{bs}, {a.hidden}]: {comm_shm[bs]:.0f} us shared memory, {comm[bs]:.0f} us gloo)"
         )
     if a.json:
         result = {
             "tp1_ms": tp1,
             "tp1_layer_by_layer_ms": tp1_layers,
             f"tp{a.tp_size}_ms": tpn,
-            "allreduce_us": comm,
+            f"tp{a.tp_size}_gloo_ms": tpn_gloo,
+            "allreduce_us": comm_shm,
+            "allreduce_gloo_us": comm,
         }
         print(json.dumps(result))
 

@@ -233,6 +233,12 @@ class ServerArgs:
         False, "Run expensive invariant checks (radix cache integrity every step, double-free guard)."
     )
     tp_size: int = _f(1, "Tensor-parallel size (only 1 is supported).")
+    disable_custom_all_reduce: bool = _f(
+        False,
+        "Tensor parallelism on CPU: use gloo's all-reduce and all-gather even when every rank runs "
+        "on this host. By default such ranks exchange activations through shared memory "
+        "(srt/distributed/shm_comm.py), much faster than gloo over TCP loopback.",
+    )
 
     # ------------------------------------------------------------------
     def resolve(self) -> ServerArgs:

@@ -12,18 +12,28 @@ all ranks run identical batches).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from srt.distributed.shm_comm import ShmComm
+from srt.distributed.shm_comm import supported as shm_supported
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class TPInfo:
-    """Rank ``rank`` of ``size`` ranks (``0 <= rank < size``)."""
+    """Rank ``rank`` of ``size`` ranks (``0 <= rank < size``). ``shm``: the shared-memory
+    collectives (`with_shared_memory`) that replace gloo's all-reduce and all-gather when every
+    rank runs on this host."""
 
     rank: int = 0
     size: int = 1
+    shm: ShmComm | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -47,8 +57,25 @@ class TPInfo:
                 f"expected rank {self.rank} of {self.size}"
             )
 
+    def with_shared_memory(self, device: str, enabled: bool = True) -> TPInfo:
+        """This TPInfo with shared-memory collectives when ``enabled``, the tensors live on the CPU,
+        the host supports them and every rank is on this host (decided by a collective, so every
+        rank decides the same); otherwise this TPInfo unchanged (gloo / NCCL). Logs which."""
+        if not self.enabled:
+            return self
+        if not enabled or device != "cpu" or not shm_supported():
+            logger.info("tensor-parallel collectives: %s", dist.get_backend())
+            return self
+        if not ShmComm.same_host():
+            logger.info("tensor-parallel collectives: gloo (ranks on more than one host)")
+            return self
+        logger.info("tensor-parallel collectives: shared memory (all ranks on this host)")
+        return dataclasses.replace(self, shm=ShmComm.create(self.rank, self.size))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         if self.enabled:
             dist.all_reduce(x)
         return x
@@ -62,8 +89,10 @@ class TPInfo:
         local = x.contiguous()
         if local.shape[-1] < width:
             local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local)
+        parts = self.shm.all_gather(local) if self.shm is not None else None
+        if parts is None:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(parts, local)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
 
     def all_reduce_min(self, value: int) -> int:

@@ -70,6 +70,7 @@ class ModelRunner:
         self.server_args = server_args
         self.tp = TPInfo(tp_rank, server_args.tp_size)
         self.tp.check_group()
+        self.tp = self.tp.with_shared_memory(server_args.device, not server_args.disable_custom_all_reduce)
         self.device = torch.device(server_args.device)
         self.page_size = server_args.page_size
         if server_args.num_threads:

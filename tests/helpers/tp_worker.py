@@ -122,10 +122,42 @@ def collectives(rank: int, tp_size: int) -> dict[str, Any]:
     sizes = [r + 1 for r in range(tp_size)]
     part = torch.full((2, rank + 1), float(rank))
     summed = tp.all_reduce(torch.full((3,), float(rank + 1)))
-    return {
+    out = {
         "min": tp.all_reduce_min(100 - 7 * rank),
         "gather": tp.all_gather_last_dim(part, sizes).numpy(),
         "sum": summed.numpy(),
+    }
+    return out | shm_collectives(rank, tp_size)
+
+
+def shm_collectives(rank: int, tp_size: int) -> dict[str, Any]:
+    """The shared-memory collectives against gloo's on the same inputs: a sum, an uneven gather,
+    a sum larger than a slot (several rounds), a non-contiguous tensor, and 50 rounds in a row
+    (the double buffer reused many times)."""
+    from srt.distributed import TPInfo
+    from srt.distributed.shm_comm import ShmComm
+
+    tp = TPInfo(rank, tp_size).with_shared_memory("cpu")
+    small = ShmComm.create(rank, tp_size, slot_bytes=256)  # 64 float32 per round
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, 300, generator=gen)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    chunked = small.all_reduce(x.clone())
+    strided = x.clone().t()
+    tp.all_reduce(strided)
+    repeated = torch.full((7,), float(rank))
+    for _ in range(50):
+        tp.all_reduce(repeated)
+    part = torch.full((2, rank + 1), float(rank))
+    return {
+        "shm_used": tp.shm is not None,
+        "shm_sum": tp.all_reduce(x.clone()).numpy(),
+        "gloo_sum": ref.numpy(),
+        "shm_chunked": chunked.numpy(),
+        "shm_strided": strided.t().numpy(),
+        "shm_repeated": repeated.numpy(),
+        "shm_gather": tp.all_gather_last_dim(part, [r + 1 for r in range(tp_size)]).numpy(),
     }
 
 

@@ -143,6 +143,20 @@ def test_collectives_over_gloo(tp_results):
         np.testing.assert_array_equal(c["sum"], np.full(3, 3.0))
 
 
+def test_shared_memory_collectives_equal_gloo(tp_results):
+    _, ranks = tp_results
+    for r in ranks:
+        c = r["collectives"]
+        assert c["shm_used"]  # both ranks on this x86-64 host
+        for key in ("shm_sum", "shm_chunked", "shm_strided"):
+            np.testing.assert_allclose(c[key], c["gloo_sum"], rtol=1e-6, atol=1e-6, err_msg=key)
+        np.testing.assert_array_equal(
+            c["shm_repeated"], np.full(7, float(2**49))
+        )  # 0 + 1, then doubled 49 times
+        np.testing.assert_array_equal(c["shm_gather"], np.array([[0.0, 1.0, 1.0]] * 2))
+    np.testing.assert_array_equal(ranks[0]["collectives"]["shm_sum"], ranks[1]["collectives"]["shm_sum"])
+
+
 def _args(model_path: str | None, **kw) -> ServerArgs:
     return ServerArgs(
         model_path=model_path,
@@ -165,6 +179,7 @@ def scenarios(tmp_path_factory) -> list[tuple[str, ServerArgs]]:
     return [
         ("default_gguf", _args(None)),
         ("default_none", _args(None, quantization="none")),
+        ("default_gguf_gloo", _args(None, disable_custom_all_reduce=True)),
         ("qwen2_kv1", _args(qwen2_rep)),
         ("qwen2_gguf_unaligned", _args(gguf_path)),
         ("llama_untied_uneven_vocab", _args(llama)),
@@ -185,6 +200,7 @@ def tp_results(scenarios):
     [
         "default_gguf",
         "default_none",
+        "default_gguf_gloo",
         "qwen2_kv1",
         "qwen2_gguf_unaligned",
         "llama_untied_uneven_vocab",

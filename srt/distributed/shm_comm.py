@@ -1,0 +1,158 @@
+"""``ShmComm``: all-reduce and all-gather through shared memory, for TP ranks on one host.
+
+gloo's collectives go through TCP loopback: about half a millisecond each, and a decode step of
+a 30-layer model makes 62 of them. Ranks that share a host can instead exchange activations
+through one shared-memory segment and meet at a barrier made of sequence flags:
+
+    segment = flags[size] (int64, one per rank) | 2 rounds x size slots x ``slot_bytes``
+
+A collective is one round ``seq`` (counting up, the same on every rank): each rank copies its
+part into its slot of buffer ``seq % 2``, stores ``seq`` in its flag, spins until every flag is
+``>= seq``, then reads every slot (sum in rank order 0, 1, ..., so every rank computes the same
+bits; or the concatenation for a gather). Two buffers make that safe without a second barrier: a
+rank can only reuse buffer ``seq % 2`` in round ``seq + 2`` after every rank has set its flag for
+``seq + 1``, i.e. after every rank finished reading round ``seq``. Tensors larger than a slot go
+in slot-sized pieces, one round each.
+
+Memory ordering: a rank's slot is written (torch copy) before its flag (a separate store), and
+read after the other flags were seen; x86's total store order keeps those in order, so this is
+enabled on x86-64 only (`supported`), and everywhere else the caller keeps gloo.
+
+The waiting rank spins on the flags and yields its CPU (``os.sched_yield``) after a few thousand
+polls, so an oversubscribed host still makes progress. A peer that dies mid-collective would make
+the others wait forever; the spin therefore gives up after ``timeout_s`` with a RuntimeError
+(the scheduler process then dies and takes its group down, as a failed gloo collective does).
+
+The segment is a file under /dev/shm created by rank 0 and unlinked as soon as every rank has
+mapped it, so nothing is left behind whatever way the processes end.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DEFAULT_SLOT_BYTES = 4 << 20
+_SPINS_BEFORE_YIELD = 2000
+
+
+def supported() -> bool:
+    """True where the flag protocol's ordering holds (x86-64) and /dev/shm exists."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+class ShmComm:
+    """Shared-memory collectives of rank ``rank`` of ``size`` (see the module docstring).
+    Build it with `create` (a collective over the default gloo group); every rank must call the
+    same collectives in the same order."""
+
+    def __init__(self, rank: int, size: int, buf: mmap.mmap, slot_bytes: int, timeout_s: float) -> None:
+        self.rank, self.size = rank, size
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self._mm = buf
+        header = 8 * size
+        self._flags = np.frombuffer(buf, dtype=np.int64, count=size)
+        data = torch.frombuffer(buf, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
+        self._slots = data.view(2, size, slot_bytes)
+        self._seq = 0
+
+    @classmethod
+    def create(
+        cls, rank: int, size: int, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 300.0
+    ) -> ShmComm:
+        """Map one segment on every rank (rank 0 creates it; the name travels over the default
+        group, which must be initialised)."""
+        total = 8 * size + 2 * size * slot_bytes
+        names: list[str | None] = [None]
+        if rank == 0:
+            path = os.path.join("/dev/shm", f"srt-tp-{uuid.uuid4().hex}")
+            with open(path, "wb") as f:
+                f.truncate(total)
+            names[0] = path
+        dist.broadcast_object_list(names, src=0)
+        path = names[0]
+        assert path is not None
+        with open(path, "r+b") as f:
+            buf = mmap.mmap(f.fileno(), total)
+        dist.barrier()  # every rank mapped it: the name is no longer needed
+        if rank == 0:
+            os.unlink(path)
+        return cls(rank, size, buf, slot_bytes, timeout_s)
+
+    @staticmethod
+    def same_host() -> bool:
+        """True when every rank of the default group runs on this host (a collective)."""
+        hosts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname() + ":" + _boot_id())
+        return len(set(hosts)) == 1
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (CPU, contiguous or not) over the ranks, in place; returns ``x``."""
+        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        step = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), step):
+            part = flat[start : start + step]
+            slots = self._round(part)
+            part.copy_(slots[0])
+            for r in range(1, self.size):
+                part.add_(slots[r])
+        if flat.data_ptr() != x.data_ptr():
+            x.copy_(flat.view_as(x))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (same shape and dtype on every rank), in rank order; None when
+        ``x`` does not fit in one slot (the caller then uses gloo)."""
+        flat = x.contiguous().view(-1)
+        if flat.numel() * flat.element_size() > self.slot_bytes:
+            return None
+        slots = self._round(flat)
+        return [s.clone().view_as(x) for s in slots]
+
+    def _round(self, part: torch.Tensor) -> list[torch.Tensor]:
+        """One round: publish ``part`` (flat, at most a slot), wait for every rank, return the
+        ranks' parts as views of the shared buffer (valid until the round after next)."""
+        self._seq += 1
+        seq = self._seq
+        nbytes = part.numel() * part.element_size()
+        bufs = self._slots[seq % 2]
+        views = [bufs[r, :nbytes].view(part.dtype) for r in range(self.size)]
+        views[self.rank].copy_(part)
+        self._flags[self.rank] = seq
+        self._wait(seq)
+        return views
+
+    def _wait(self, seq: int) -> None:
+        flags = self._flags
+        spins = 0
+        deadline = 0.0
+        while int(flags.min()) < seq:
+            spins += 1
+            if spins < _SPINS_BEFORE_YIELD:
+                continue
+            os.sched_yield()
+            if deadline == 0.0:
+                deadline = time.monotonic() + self.timeout_s
+            elif time.monotonic() > deadline:
+                late = [r for r in range(self.size) if int(flags[r]) < seq]
+                raise RuntimeError(f"tensor-parallel shared-memory collective: rank(s) {late} did not arrive")
+
+
+def _boot_id() -> str:
+    """This machine's boot id (two containers may share a hostname, not a /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return tempfile.gettempdir()
