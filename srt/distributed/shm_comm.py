@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 DEFAULT_SLOT_BYTES = 4 << 20
 _SPINS_BEFORE_YIELD = 2000
+_MAX_CACHED_VIEWS = 256
 
 
 def supported() -> bool:
@@ -65,6 +66,7 @@ class ShmComm:
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=header, count=2 * size * slot_bytes)
         self._slots = data.view(2, size, slot_bytes)
         self._seq = 0
+        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}  # (parity, numel, dtype)
 
     @classmethod
     def create(
@@ -99,15 +101,17 @@ class ShmComm:
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` (CPU, contiguous or not) over the ranks, in place; returns ``x``."""
-        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        contiguous = x.is_contiguous()
+        flat = x.view(-1) if contiguous else x.contiguous().view(-1)
         step = self.slot_bytes // flat.element_size()
-        for start in range(0, flat.numel(), step):
-            part = flat[start : start + step]
+        n = flat.numel()
+        for start in range(0, n, step):
+            part = flat if n <= step else flat[start : start + step]
             slots = self._round(part)
-            part.copy_(slots[0])
-            for r in range(1, self.size):
+            torch.add(slots[0], slots[1], out=part)
+            for r in range(2, self.size):
                 part.add_(slots[r])
-        if flat.data_ptr() != x.data_ptr():
+        if not contiguous:
             x.copy_(flat.view_as(x))
         return x
 
@@ -125,9 +129,14 @@ class ShmComm:
         ranks' parts as views of the shared buffer (valid until the round after next)."""
         self._seq += 1
         seq = self._seq
-        nbytes = part.numel() * part.element_size()
-        bufs = self._slots[seq % 2]
-        views = [bufs[r, :nbytes].view(part.dtype) for r in range(self.size)]
+        key = (seq & 1, part.numel(), part.dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            nbytes = part.numel() * part.element_size()
+            bufs = self._slots[seq & 1]
+            views = self._views[key] = [bufs[r, :nbytes].view(part.dtype) for r in range(self.size)]
         views[self.rank].copy_(part)
         self._flags[self.rank] = seq
         self._wait(seq)
