@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(server_args.log_level, "main")
     log = logging.getLogger("srt.launch_server")
     try:
+        if server_args.node_rank > 0:  # scheduler ranks only, no HTTP server
+            from srt.entrypoints.worker_node import run_worker_node
+
+            return run_worker_node(server_args)
         return launch_server(server_args)
     except ConfigError as e:
         log.error("invalid configuration: %s", e)

@@ -33,6 +33,7 @@ from srt.configs.chat_templates import load_chat_template
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
 from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
+from srt.utils.tp_layout import validate_parallelism
 
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
@@ -232,7 +233,32 @@ class ServerArgs:
     enable_debug_checks: bool = _f(
         False, "Run expensive invariant checks (radix cache integrity every step, double-free guard)."
     )
-    tp_size: int = _f(1, "Tensor-parallel size (only 1 is supported).")
+    tp_size: int = _f(
+        1,
+        "Tensor-parallel size: the model is sharded over this many scheduler processes (ranks), one "
+        "per device on CUDA; on CPU the ranks of a node split --cpu-omp-threads-bind's CPUs between them.",
+    )
+    nnodes: int = _f(
+        1,
+        "Number of nodes (launches) the tensor-parallel group spans; --tp-size must be a multiple of "
+        "it (node k runs ranks k*tp/nnodes ... (k+1)*tp/nnodes-1).",
+    )
+    node_rank: int = _f(
+        0,
+        "This launch's node rank: 0 serves HTTP and runs the first ranks; > 0 runs only its scheduler "
+        "ranks (no HTTP server, no tokenizer) and exits with code 0 when rank 0 goes away.",
+    )
+    dist_init_addr: str | None = _f(
+        None,
+        "host:port of rank 0's torch.distributed rendezvous (a TCP store on node 0); required with "
+        "--nnodes > 1, the same on every node (default with one node: a free loopback port).",
+    )
+    dist_timeout: float = _f(
+        60.0,
+        "Seconds the ranks wait for each other: at the rendezvous (then rank 0 fails naming the ranks "
+        "that never joined) and in every collective (a hung peer fails the group after this long; a "
+        "peer that exits is noticed at once).",
+    )
     disable_custom_all_reduce: bool = _f(
         False,
         "Tensor parallelism on CPU: use gloo's all-reduce and all-gather even when every rank runs "
@@ -280,8 +306,15 @@ class ServerArgs:
         )
         if not 0 <= a.aux_process_nice <= MAX_NICE:
             raise ConfigError(f"--aux-process-nice must be in [0, {MAX_NICE}], got {a.aux_process_nice}.")
-        if a.tp_size != 1:
-            raise ConfigError("--tp-size > 1 is not supported yet; use --tp-size 1.")
+        validate_parallelism(
+            a.tp_size,
+            a.nnodes,
+            a.node_rank,
+            a.dist_init_addr,
+            a.dist_timeout,
+            a.cpu_omp_threads_bind,
+            a.device,
+        )
         _resolve_model_location(a)
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"

@@ -20,8 +20,10 @@ enabled on x86-64 only (`supported`), and everywhere else the caller keeps gloo.
 
 The waiting rank spins on the flags and yields its CPU (``os.sched_yield``) after a few thousand
 polls, so an oversubscribed host still makes progress. A peer that dies mid-collective would make
-the others wait forever; the spin therefore gives up after ``timeout_s`` with a RuntimeError
-(the scheduler process then dies and takes its group down, as a failed gloo collective does).
+the others wait forever: while yielding, the waiting rank checks every ``_LIVENESS_S`` that the
+late ranks' processes (pids exchanged at `create`) still exist, and raises a RuntimeError naming
+the dead ones at once; a peer that is alive but stuck fails the wait after ``timeout_s``. Either
+way the scheduler process then dies and takes its group down, as a failed gloo collective does.
 
 The segment is a file under /dev/shm created by rank 0 and unlinked as soon as every rank has
 mapped it, so nothing is left behind whatever way the processes end.
@@ -44,6 +46,7 @@ import torch.distributed as dist
 DEFAULT_SLOT_BYTES = 4 << 20
 _SPINS_BEFORE_YIELD = 2000
 _MAX_CACHED_VIEWS = 256
+_LIVENESS_S = 0.2
 
 
 def supported() -> bool:
@@ -67,6 +70,7 @@ class ShmComm:
         self._slots = data.view(2, size, slot_bytes)
         self._seq = 0
         self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}  # (parity, numel, dtype)
+        self.pids: list[int] | None = None  # the ranks' pids, when this process can see them
 
     @classmethod
     def create(
@@ -89,7 +93,12 @@ class ShmComm:
         dist.barrier()  # every rank mapped it: the name is no longer needed
         if rank == 0:
             os.unlink(path)
-        return cls(rank, size, buf, slot_bytes, timeout_s)
+        pids: list[int | None] = [None] * size
+        dist.all_gather_object(pids, os.getpid())
+        comm = cls(rank, size, buf, slot_bytes, timeout_s)
+        if all(p is not None and _alive(p) for p in pids):  # else another pid namespace: no checks
+            comm.pids = [int(p) for p in pids if p is not None]
+        return comm
 
     @staticmethod
     def same_host() -> bool:
@@ -145,17 +154,24 @@ class ShmComm:
     def _wait(self, seq: int) -> None:
         flags = self._flags
         spins = 0
-        deadline = 0.0
+        deadline = next_check = 0.0
         while int(flags.min()) < seq:
             spins += 1
             if spins < _SPINS_BEFORE_YIELD:
                 continue
             os.sched_yield()
+            now = time.monotonic()
             if deadline == 0.0:
-                deadline = time.monotonic() + self.timeout_s
-            elif time.monotonic() > deadline:
+                deadline, next_check = now + self.timeout_s, now + _LIVENESS_S
+                continue
+            if now > deadline:
                 late = [r for r in range(self.size) if int(flags[r]) < seq]
                 raise RuntimeError(f"tensor-parallel shared-memory collective: rank(s) {late} did not arrive")
+            if self.pids is not None and now > next_check:
+                next_check = now + _LIVENESS_S
+                dead = [r for r in range(self.size) if int(flags[r]) < seq and not _alive(self.pids[r])]
+                if dead:
+                    raise RuntimeError(f"tensor-parallel shared-memory collective: rank(s) {dead} exited")
 
 
 def _boot_id() -> str:
@@ -165,3 +181,12 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -32,11 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 from srt.configs.chat_templates import load_chat_template
+from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
-from srt.utils.errors import LaunchError
+from srt.utils.errors import ConfigError, LaunchError
 from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
 from srt.utils.logging_utils import configure_logging
 from srt.utils.process import ProcessSupervisor
@@ -46,12 +47,20 @@ logger = logging.getLogger(__name__)
 SchedulerEntry = Callable[..., None]
 
 
-def run_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
-    """Entry of the scheduler child: ``run_scheduler_process``, imported in the child only.
+def run_scheduler(
+    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any, tp_rank: int = 0, dist_init_addr: str = ""
+) -> None:
+    """Entry of the scheduler child: ``run_scheduler_process``, imported in the child only
+    (``run_tp_scheduler_process`` for rank ``tp_rank`` with ``--tp-size`` > 1).
 
     The scheduler pulls in torch and the model code; importing it here, at call time in the
     spawned child, keeps the main process (tokenizer manager, HTTP server, Engine front end) free
-    of both. This is the one edge from srt.entrypoints to the scheduler (a process boundary)."""
+    of both. These are the only edges from srt.entrypoints to the scheduler (a process boundary)."""
+    if server_args.tp_size > 1:
+        from srt.managers.scheduler.tp_process import run_tp_scheduler_process
+
+        run_tp_scheduler_process(server_args, port_args, pipe_writer, tp_rank, dist_init_addr)
+        return
     from srt.managers.scheduler.process import run_scheduler_process
 
     run_scheduler_process(server_args, port_args, pipe_writer)
@@ -94,12 +103,16 @@ def launch_subprocesses(
     """
     configure_logging(server_args.log_level, "main")
     server_args = server_args.resolve()
+    if server_args.node_rank > 0:
+        raise ConfigError(
+            f"--node-rank {server_args.node_rank} runs scheduler ranks only: start it with "
+            "python -m srt.launch_server (the Engine and the HTTP server run on node rank 0)."
+        )
     port_args = PortArgs.init_new()
     launcher = Launcher(server_args, port_args)
     sup = launcher.supervisor
     try:
-        entry = scheduler_entry or run_scheduler
-        sup.start("scheduler", entry, (server_args, port_args))
+        start_scheduler_ranks(sup, server_args, port_args, scheduler_entry or run_scheduler)
         tokenizer = None
         detok_tokenizer_path = None
         if not server_args.skip_tokenizer_init:

@@ -60,6 +60,7 @@ class GrammarManager:
         self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
         self.pending: list[tuple[Req, Future[Any]]] = []
         self.compile_seconds = 0.0  # worker time spent compiling (metrics)
+        self.wait_all = False  # poll waits for every pending compile (tensor-parallel lock step)
 
     @classmethod
     def create(
@@ -131,9 +132,12 @@ class GrammarManager:
 
     def poll(self, timeout: float = 0.0) -> tuple[list[Req], list[tuple[Req, str]]]:
         """(requests whose grammar is ready, each given its matcher; (request, error) pairs of
-        those whose grammar failed). Waits up to ``timeout`` seconds for the first to finish."""
+        those whose grammar failed). Waits up to ``timeout`` seconds for the first to finish; with
+        ``wait_all`` for every pending one, however long (the outcome must not depend on timing)."""
         if not self.pending:
             return [], []
+        if self.wait_all:
+            wait_futures([f for _, f in self.pending])
         if timeout > 0 and not any(f.done() for _, f in self.pending):
             wait_futures([f for _, f in self.pending], timeout=timeout, return_when="FIRST_COMPLETED")
         ready: list[Req] = []

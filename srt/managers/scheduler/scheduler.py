@@ -96,19 +96,23 @@ logger = logging.getLogger("srt.scheduler")
 GRAMMAR_WAIT_SECONDS = 0.005
 
 
-def _load_model_runner(server_args: ServerArgs) -> SchedulerModelRunner:
+def _load_model_runner(server_args: ServerArgs, tp_rank: int) -> SchedulerModelRunner:
     from srt.model_executor.model_runner import ModelRunner
 
-    return ModelRunner(server_args)
+    return ModelRunner(server_args, tp_rank=tp_rank)
 
 
 class Scheduler:
     """See the module docstring. ``server_args`` must be resolved; ``model_runner`` defaults to
-    a ``ModelRunner(server_args)`` (tests and benchmarks pass their own)."""
+    a ``ModelRunner(server_args, tp_rank=tp_rank)`` (tests and benchmarks pass their own). With
+    ``--tp-size`` > 1 every rank builds one and they must stay in lock step (tp_process.py)."""
 
-    def __init__(self, server_args: ServerArgs, model_runner: SchedulerModelRunner | None = None) -> None:
+    def __init__(
+        self, server_args: ServerArgs, model_runner: SchedulerModelRunner | None = None, tp_rank: int = 0
+    ) -> None:
         self.server_args = server_args
-        runner = model_runner if model_runner is not None else _load_model_runner(server_args)
+        self.tp_rank = tp_rank
+        runner = model_runner if model_runner is not None else _load_model_runner(server_args, tp_rank)
         self.model_runner = runner
         cfg = runner.model_config
         self.vocab_size: int = cfg.vocab_size
@@ -148,12 +152,17 @@ class Scheduler:
                 server_args.trust_remote_code,
                 server_args.reasoning_parser,
             )
+            # ranks must admit a request at the same step: no timing-dependent grammar readiness
+            self.grammars.wait_all = server_args.tp_size > 1
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
         self.rng = random.Random(server_args.random_seed)
         self.profiler = SchedulerProfiler(self.device)
         self.weight_gate = WeightUpdateGate()
         self.deadlines = DeadlineTracker(server_args.max_queue_time)
+        # time.time() of the deadlines when set: tensor-parallel ranks use rank 0's, broadcast
+        # with the inputs, so that they expire the same requests at the same step
+        self.step_clock: float | None = None
         self.step_timings = StepTimings()
         self._replies: list[ControlReply] = []  # answered by a step (take_replies)
 
@@ -244,7 +253,7 @@ class Scheduler:
         if error is not None:
             self._reject(req, error)
             return
-        self.deadlines.track(req)
+        self.deadlines.track(req, self.step_clock)
         if req.grammar_spec is not None:
             if self.grammars is None:  # the tokenizer manager rejects these; input_ids-only clients
                 self._reject(req, "constrained decoding is off (--grammar-backend none or no tokenizer)")
@@ -371,7 +380,7 @@ class Scheduler:
 
     def _expire_deadlines(self) -> None:
         """Finish the requests whose deadline or --max-queue-time passed (deadlines.py)."""
-        for req, reason in self.deadlines.expired():
+        for req, reason in self.deadlines.expired(self.step_clock):
             if self.reqs_by_rid.get(req.rid) is req:
                 self._finish_between_steps(req.rid, reason)
 
