@@ -35,6 +35,9 @@ from srt.utils.errors import ConfigError
 from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
 from srt.utils.tp_layout import validate_parallelism
 
+# the data-parallel controller's routing policies (srt/managers/dp_policy.py)
+LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
+
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -265,6 +268,21 @@ class ServerArgs:
         "on this host. By default such ranks exchange activations through shared memory "
         "(srt/distributed/shm_comm.py), much faster than gloo over TCP loopback.",
     )
+    dp_size: int = _f(
+        1,
+        "Data-parallel size: N scheduler groups, each with its own model copy, KV pool and prefix "
+        "cache, behind one controller process that routes each request to a group. On one machine "
+        "the groups split --mem-fraction-static (each gets 1/N) and the CPUs of "
+        "--cpu-omp-threads-bind (contiguous shares); --max-total-tokens applies to each group.",
+    )
+    load_balance_method: str = _f(
+        "minimum_tokens",
+        "How the data-parallel controller picks a group (--dp-size > 1): minimum_tokens = the group "
+        "with the fewest queued + running tokens (as reported by the groups, plus what was routed "
+        "since); round_robin; prefix_aware = the group that already holds the longest prefix of "
+        "the prompt when the loads are close, else minimum_tokens.",
+        list(LOAD_BALANCE_METHODS),
+    )
 
     # ------------------------------------------------------------------
     def resolve(self) -> ServerArgs:
@@ -315,6 +333,18 @@ class ServerArgs:
             a.cpu_omp_threads_bind,
             a.device,
         )
+        if a.dp_size < 1:
+            raise ConfigError(f"--dp-size must be >= 1, got {a.dp_size}.")
+        if a.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ConfigError(
+                f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
+                f"got {a.load_balance_method!r}."
+            )
+        if a.dp_size > 1 and (a.tp_size > 1 or a.nnodes > 1):
+            raise ConfigError(
+                "--dp-size > 1 runs one scheduler process per group: combining it with --tp-size > 1 "
+                "or --nnodes > 1 is not supported yet."
+            )
         _resolve_model_location(a)
         if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
             a.load_format = "gguf"
@@ -437,6 +467,10 @@ class PortArgs:
     tokenizer_ipc_name: str  # detokenizer -> tokenizer manager
     scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
     detokenizer_ipc_name: str  # scheduler -> detokenizer
+    # --dp-size > 1: scheduler groups -> data-parallel controller (load reports, control replies);
+    # a group's own PortArgs names its input socket in scheduler_input_ipc_name and its dp_rank
+    dp_controller_ipc_name: str = ""
+    dp_rank: int | None = None  # None: this scheduler is not a data-parallel group
 
     @classmethod
     def init_new(cls) -> PortArgs:
@@ -447,4 +481,5 @@ class PortArgs:
             tokenizer_ipc_name=f"ipc://{d}/tokenizer",
             scheduler_input_ipc_name=f"ipc://{d}/scheduler",
             detokenizer_ipc_name=f"ipc://{d}/detokenizer",
+            dp_controller_ipc_name=f"ipc://{d}/dp_controller",
         )

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from srt.entrypoints.launch import launch_subprocesses
+from srt.managers.dp_replies import split_dp_state
 from srt.managers.generate_input import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -226,10 +227,12 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         """Resolved server args, the scheduler's capacity and its live internal state."""
         state = self._call(self.tokenizer_manager.get_internal_state())
+        states, dp_controller = split_dp_state(state)
         return {
             **dataclasses.asdict(self.server_args),
             **self.scheduler_info,
-            "internal_states": [state],
+            "internal_states": states,
+            **({"dp_controller": dp_controller} if dp_controller is not None else {}),
         }
 
     def flush_cache(self) -> dict[str, Any]:

@@ -16,6 +16,9 @@
    process aside from the scheduler's compute CPUs like the detokenizer (`confine_aux_process`),
    after the children are started so that they do not inherit it.
 
+With ``--dp-size N`` step 2 starts N scheduler groups and the data-parallel controller between
+them and the tokenizer manager instead (`start_dp_groups`); ``scheduler_info`` is group 0's.
+
 It returns ``(tokenizer_manager, scheduler_info)``; ``tokenizer_manager.launcher`` is the
 `Launcher` whose `shutdown()` stops the children and removes the ipc directory.
 """
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from srt.configs.chat_templates import load_chat_template
+from srt.entrypoints.dp_launch import start_dp_groups
 from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -112,7 +116,11 @@ def launch_subprocesses(
     launcher = Launcher(server_args, port_args)
     sup = launcher.supervisor
     try:
-        start_scheduler_ranks(sup, server_args, port_args, scheduler_entry or run_scheduler)
+        entry = scheduler_entry or run_scheduler
+        if server_args.dp_size > 1:
+            scheduler_name = start_dp_groups(sup, server_args, port_args, entry)[0]
+        else:
+            scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
         tokenizer = None
         detok_tokenizer_path = None
         if not server_args.skip_tokenizer_init:
@@ -130,7 +138,7 @@ def launch_subprocesses(
     except BaseException:
         launcher.shutdown()
         raise
-    scheduler_info = {k: v for k, v in ready["scheduler"].items() if k != "status"}
+    scheduler_info = {k: v for k, v in ready[scheduler_name].items() if k != "status"}
     tm = TokenizerManager(server_args, port_args, scheduler_info, tokenizer)
     tm.launcher = launcher
 

@@ -13,6 +13,12 @@ list belongs to ``rids[i]``).
                          (the detokenizer forwards non-token messages to the tokenizer manager unchanged)
     detokenizer       --BatchStrOut (+ forwarded messages)--------------------------------------> tokenizer manager
 
+With ``--dp-size N`` the data-parallel controller takes the scheduler's place for the tokenizer
+manager and the detokenizer (it forwards each ``SchedulerInput`` to one group or to all), and
+each group sends its control replies and load to the controller instead:
+    scheduler group   --DpLoadReport / DpControlReply------------------------------------------> controller
+    controller        --merged control replies-------------------------------------------------> tokenizer manager
+
 Finish reasons travel as ``FinishReason`` structs, built only through its three constructors;
 ``FinishReason.to_dict()`` gives SGLang's ``meta_info["finish_reason"]`` shape:
     {"type": "length", "length": N}
@@ -241,10 +247,38 @@ TokenizerInput = Union[
     UpdateWeightsFromDiskReqOutput,
 ]
 
+
+# ---------------- scheduler group -> data-parallel controller (--dp-size > 1) ----------------
+class DpLoadReport(_Msg):
+    """A scheduler group's load, pushed after steps that changed it (rate-limited) and when it
+    goes idle. ``num_received`` counts every message the group took from its input socket, so the
+    controller knows which of the requests it routed the report already includes."""
+
+    dp_rank: int
+    num_received: int
+    num_queued_reqs: int
+    num_running_reqs: int
+    queued_tokens: int  # prompt tokens of the requests waiting (queue, grammar, weight update)
+    running_tokens: int  # prompt + output tokens of the requests running
+    idle: bool = False
+    # requests reported finished since the previous report (the controller forgets their group)
+    finished_rids: list[str] = []
+
+
+class DpControlReply(_Msg):
+    """A group's reply to a control request, for the controller to merge with the other groups'."""
+
+    dp_rank: int
+    reply: ControlReply
+
+
+DpControllerInput = Union[DpLoadReport, DpControlReply]
+
 _encoder = msgspec.msgpack.Encoder()
 scheduler_input_decoder = msgspec.msgpack.Decoder(SchedulerInput)
 detokenizer_input_decoder = msgspec.msgpack.Decoder(DetokenizerInput)
 tokenizer_input_decoder = msgspec.msgpack.Decoder(TokenizerInput)
+dp_controller_input_decoder = msgspec.msgpack.Decoder(DpControllerInput)
 
 
 def encode(msg: _Msg) -> bytes:

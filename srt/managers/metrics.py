@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from srt.managers.dp_metrics import dp_controller_families
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -120,6 +122,7 @@ class _SchedulerStateCollector(Collector):
             c.add_metric(values, float(v))
         yield c
         yield from _step_histograms(self.state, names, values)
+        yield from dp_controller_families(self.state.get("dp_controller"), names, values)
 
 
 class TokenizerMetrics:

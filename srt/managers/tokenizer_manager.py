@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from srt.managers.dp_replies import split_dp_state
 from srt.managers.generate_input import GenerateReqInput
 from srt.managers.input_processor import InputLimits, InputProcessor, PreparedRequest
 from srt.managers.io_struct import (
@@ -310,8 +311,9 @@ class TokenizerManager:
         return await self.ipc.get_internal_state()
 
     async def get_load(self) -> list[dict[str, Any]]:
-        """SGLang's /get_load: one `scheduler_load` dict per scheduler (one here, dp rank 0)."""
-        return [scheduler_load(await self.get_internal_state())]
+        """SGLang's /get_load: one `scheduler_load` dict per scheduler (group), by dp rank."""
+        states, _ = split_dp_state(await self.get_internal_state())
+        return [scheduler_load(s, rank) for rank, s in enumerate(states)]
 
     async def profile(self, req: ProfileReq) -> ProfileReqOutput:
         """Start or stop the scheduler's torch profiler (``success`` False: why not)."""

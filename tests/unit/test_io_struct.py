@@ -83,6 +83,17 @@ SAMPLES: list[io._Msg] = [
         output_top_logprobs=[[[(5, -0.5)]]],
         queue_times=[0.5],
     ),
+    io.DpLoadReport(
+        dp_rank=1,
+        num_received=7,
+        num_queued_reqs=2,
+        num_running_reqs=3,
+        queued_tokens=40,
+        running_tokens=300,
+        idle=False,
+        finished_rids=["a", "b"],
+    ),
+    io.DpControlReply(dp_rank=0, reply=io.FlushCacheReqOutput(success=True, message="Cache flushed.")),
 ]
 
 # which decoder the receiving process uses for each message type
@@ -101,6 +112,8 @@ DECODERS = {
     io.ProfileReqOutput: io.detokenizer_input_decoder,
     io.UpdateWeightsFromDiskReqOutput: io.detokenizer_input_decoder,
     io.BatchStrOut: io.tokenizer_input_decoder,
+    io.DpLoadReport: io.dp_controller_input_decoder,
+    io.DpControlReply: io.dp_controller_input_decoder,
 }
 
 

@@ -34,6 +34,7 @@ from srt.entrypoints.http.serving import collect, parse_body, serve
 from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import error_response, json_response, raise_abort_error
 from srt.entrypoints.openai.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from srt.managers.dp_replies import split_dp_state
 from srt.managers.generate_input import GenerateReqInput
 from srt.utils.errors import SrtError
 
@@ -113,12 +114,14 @@ async def get_server_info(ctx: Ctx) -> Response:
     except asyncio.TimeoutError:
         state = {}
     pids = tm.launcher.child_pids if tm.launcher is not None else {}
+    states, dp_controller = split_dp_state(state)
     return json_response(
         {
             **dataclasses.asdict(tm.server_args),
             **tm.scheduler_info,
-            "internal_states": [state],
+            "internal_states": states,
             "process_pids": {"main": os.getpid(), **pids},
+            **({"dp_controller": dp_controller} if dp_controller is not None else {}),
         }
     )
 

@@ -3,6 +3,8 @@ imports the scheduler; the scheduler never imports it).
 
     tokenizer manager / detokenizer --PUSH--> [PULL scheduler_input_ipc_name] Scheduler
     Scheduler [PUSH --> detokenizer_ipc_name] --> detokenizer
+    Scheduler [PUSH --> dp_controller_ipc_name] --> controller   (``--dp-size`` groups only:
+                                                   control replies, load reports; dp_link.py)
 
 ``run_scheduler_process`` first pins its compute threads (``bind_compute_threads``: one OpenMP
 thread per CPU of ``--cpu-omp-threads-bind``, before the model loads so that loading runs on them
@@ -23,6 +25,7 @@ import zmq
 
 from srt.kernels.cpu import OmpBinding, bind_omp_threads
 from srt.managers.io_struct import encode, scheduler_input_decoder
+from srt.managers.scheduler.dp_link import DpGroupLink
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.utils.cpu_affinity import bound_cpus
 from srt.utils.zmq import get_zmq_socket
@@ -35,34 +38,45 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srt.scheduler")
 
 
-def event_loop(scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
+def event_loop(
+    scheduler: Scheduler, recv_socket: zmq.Socket, send_socket: zmq.Socket, dp: DpGroupLink | None = None
+) -> None:
     """Serve forever: drain every pending input message (replies to control requests go out at
     once; a weight update's once the step that left the scheduler idle ran it), run one step
     while there is work, and block in ``poll`` (no timeout, no spinning) while the scheduler is
     idle. An undecodable message is logged and dropped; anything else that fails propagates (the
-    process dies loudly)."""
+    process dies loudly). With ``dp`` (a data-parallel group) control replies go to the
+    controller instead, and the group reports its load to it (`DpGroupLink`)."""
+    send_reply = (lambda r: send_socket.send(encode(r))) if dp is None else dp.send_reply
     poller = zmq.Poller()
     poller.register(recv_socket, zmq.POLLIN)
     while True:
         if scheduler.is_idle():
+            if dp is not None:
+                dp.on_idle(scheduler)
             poller.poll()
         while True:
             try:
                 raw = recv_socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if dp is not None:
+                dp.on_message()
             try:
                 msg = scheduler_input_decoder.decode(raw)
             except msgspec.DecodeError as e:
                 logger.error("dropping an undecodable message: %s", e)
                 continue
             for reply in scheduler.handle_message(msg):
-                send_socket.send(encode(reply))
+                send_reply(reply)
         if not scheduler.is_idle():
-            for out in scheduler.step():
+            outs = scheduler.step()
+            for out in outs:
                 send_socket.send(encode(out))
             for reply in scheduler.take_replies():
-                send_socket.send(encode(reply))
+                send_reply(reply)
+            if dp is not None:
+                dp.after_step(scheduler, outs)
 
 
 def bind_compute_threads(server_args: ServerArgs) -> OmpBinding | None:
@@ -106,9 +120,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         ctx = zmq.Context(io_threads=1)
         recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         send = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        dp = None
+        if port_args.dp_rank is not None:
+            dp = DpGroupLink(port_args.dp_rank, ctx, port_args.dp_controller_ipc_name)
         pipe_writer.send({"status": "ready", **msgspec.structs.asdict(scheduler.ready_message())})
         ready_sent = True
-        event_loop(scheduler, recv, send)
+        event_loop(scheduler, recv, send, dp)
     except Exception:
         tb = traceback.format_exc()
         logger.error("scheduler failed:\n%s", tb)
