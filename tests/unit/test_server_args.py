@@ -141,3 +141,8 @@ def test_surface_flags_parse_with_sglang_names():
     assert args.incremental_streaming_output
     d = _parse([])
     assert d.stream_interval == 1 and not d.enable_cache_report and not d.incremental_streaming_output
+
+
+def test_dp_with_tp_is_refused():
+    with pytest.raises(ConfigError, match="--dp-size"):
+        ServerArgs(dp_size=2, tp_size=2, device="cpu", load_format="dummy").resolve()
