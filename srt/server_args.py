@@ -132,6 +132,12 @@ class ServerArgs:
     )
     disable_radix_cache: bool = _f(False, "Disable prefix sharing through the radix cache.")
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk together with the running decodes (MIXED).")
+    watchdog_timeout: float = _f(
+        300.0,
+        "Hang watchdog: if the scheduler makes no progress (starts no step) for this many seconds "
+        "while it has work, log the Python stacks of every srt process and the scheduler's state, fail "
+        "in-flight requests and exit non-zero. 0 or negative disables it.",
+    )
     attention_backend: str | None = _f(
         None,
         "Attention backend (auto: fused_cpu on CPU, torch_native on CUDA until srt has its "

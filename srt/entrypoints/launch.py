@@ -12,6 +12,9 @@
    start-up raises `LaunchError` carrying the child's traceback, never a hang);
 4. builds the `TokenizerManager` and starts a monitor thread: if a child exits later, the
    tokenizer manager fails every in-flight request and the ``on_child_death`` hooks run;
+   with ``--watchdog-timeout`` > 0 a watchdog thread reads the scheduler's heartbeat (shared
+   memory, srt/utils/watchdog.py) and, on a hang, dumps every process's stacks, fails in-flight
+   requests the same way and stops the children;
 5. with ``owns_process`` (launch_server, not an `Engine` inside a user's program), steps this
    process aside from the scheduler's compute CPUs like the detokenizer (`confine_aux_process`),
    after the children are started so that they do not inherit it.
@@ -41,10 +44,17 @@ from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
-from srt.utils.errors import ConfigError, LaunchError
+from srt.utils.errors import ConfigError, EngineDeadError, LaunchError
 from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
 from srt.utils.logging_utils import configure_logging
 from srt.utils.process import ProcessSupervisor
+from srt.utils.watchdog import (
+    HeartbeatReader,
+    Watchdog,
+    create_heartbeat_file,
+    heartbeat_path,
+    register_stack_dump_signal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,7 @@ class Launcher:
         self.supervisor = ProcessSupervisor(log_level=server_args.log_level)
         self._lock = threading.Lock()
         self._done = False
+        self.watchdogs: list[Watchdog] = []  # the hang watchdogs (--watchdog-timeout), one per DP group
         atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
@@ -86,6 +97,8 @@ class Launcher:
             if self._done:
                 return
             self._done = True
+        for watchdog in self.watchdogs:
+            watchdog.stop()
         self.supervisor.stop()
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
         atexit.unregister(self.shutdown)
@@ -115,6 +128,9 @@ def launch_subprocesses(
     port_args = PortArgs.init_new()
     launcher = Launcher(server_args, port_args)
     sup = launcher.supervisor
+    if server_args.watchdog_timeout > 0:
+        for group in range(server_args.dp_size):
+            create_heartbeat_file(heartbeat_path(port_args.ipc_dir, group))
     try:
         entry = scheduler_entry or run_scheduler
         if server_args.dp_size > 1:
@@ -147,6 +163,12 @@ def launch_subprocesses(
         launcher.shutdown()  # stop the surviving child too
 
     sup.start_monitor(on_death)
+    if server_args.watchdog_timeout > 0:
+        launcher.watchdogs = [
+            _start_watchdog(server_args, launcher, tm, g) for g in range(server_args.dp_size)
+        ]
+    if owns_process:  # `kill -USR1 <pid>` prints this process's stacks, as for the children
+        register_stack_dump_signal()
     if owns_process:
         confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "main")
     logger.info(
@@ -156,3 +178,19 @@ def launch_subprocesses(
         scheduler_info.get("max_running_requests"),
     )
     return tm, scheduler_info
+
+
+def _start_watchdog(
+    server_args: ServerArgs, launcher: Launcher, tm: TokenizerManager, group: int
+) -> Watchdog:
+    """The hang watchdog over the heartbeat of data-parallel group ``group`` (its scheduler, or
+    its TP rank 0, which steps in lock step with the other ranks); on a hang (after the stack
+    dumps of every process) it fails in-flight requests with `EngineDeadError` and stops the
+    children."""
+
+    def on_hang(message: str) -> None:
+        tm.on_engine_dead(EngineDeadError(message))
+        launcher.shutdown()
+
+    reader = HeartbeatReader(heartbeat_path(launcher.port_args.ipc_dir, group))
+    return Watchdog(reader, server_args.watchdog_timeout, launcher.supervisor.pids, on_hang).start()

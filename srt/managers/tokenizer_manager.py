@@ -140,10 +140,17 @@ class TokenizerManager:
 
     def on_child_death(self, name: str, exitcode: int | None) -> None:
         """A child process exited unexpectedly (called from any thread)."""
-        self.dead = EngineDeadError(
-            f"the {name} process died unexpectedly (exit code {exitcode}); in-flight requests are "
-            "failed and the engine is shutting down"
+        self.on_engine_dead(
+            EngineDeadError(
+                f"the {name} process died unexpectedly (exit code {exitcode}); in-flight requests are "
+                "failed and the engine is shutting down"
+            )
         )
+
+    def on_engine_dead(self, error: EngineDeadError) -> None:
+        """The engine cannot serve any more (a child died, or the hang watchdog fired; called
+        from any thread): fail every in-flight request, refuse new ones, run the death callbacks."""
+        self.dead = error
         logger.error("%s", self.dead.message)
         if self._loop is not None and not self._loop.is_closed():
             try:

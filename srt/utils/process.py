@@ -37,6 +37,7 @@ import psutil
 
 from srt.utils.errors import LaunchError
 from srt.utils.logging_utils import configure_logging
+from srt.utils.watchdog import register_stack_dump_signal
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def run_child(spec: ChildSpec, pipe_writer: multiprocessing.connection.Connectio
         os._exit(1)
     start_parent_watchdog(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    register_stack_dump_signal()  # the hang watchdog's stack dump (srt/utils/watchdog.py)
     configure_logging(spec.log_level, process_name=spec.name, logger_name="")
     try:
         spec.target(*spec.args, pipe_writer)

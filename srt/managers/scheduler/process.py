@@ -26,8 +26,10 @@ import zmq
 from srt.kernels.cpu import OmpBinding, bind_omp_threads
 from srt.managers.io_struct import encode, scheduler_input_decoder
 from srt.managers.scheduler.dp_link import DpGroupLink
+from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.utils.cpu_affinity import bound_cpus
+from srt.utils.watchdog import heartbeat_path
 from srt.utils.zmq import get_zmq_socket
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ def event_loop(
         if scheduler.is_idle():
             if dp is not None:
                 dp.on_idle(scheduler)
+            if scheduler.heartbeat is not None:
+                scheduler.heartbeat.on_idle(scheduler)
             poller.poll()
         while True:
             try:
@@ -115,6 +119,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     try:
         bind_compute_threads(server_args)
         scheduler = Scheduler(server_args)
+        if server_args.watchdog_timeout > 0:  # one heartbeat file per data-parallel group
+            path = heartbeat_path(port_args.ipc_dir, port_args.dp_rank or 0)
+            scheduler.heartbeat = SchedulerHeartbeat.open(path)
         if scheduler.grammars is not None:
             scheduler.grammars.warm_up()
         ctx = zmq.Context(io_threads=1)

@@ -14,6 +14,7 @@ It only wires the parts together; each part owns one job and its state:
     grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
     profiler.py    SchedulerProfiler: torch.profiler around steps (/start_profile, /stop_profile)
     weight_update.py  WeightUpdateGate: a weight update waits for idle, new requests wait for it
+    heartbeat.py   SchedulerHeartbeat: progress and a state summary for the hang watchdog
     process.py     the ZMQ event loop and the process entry point (imports this module)
     runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
 
@@ -81,9 +82,11 @@ from srt.managers.scheduler.profiler import SchedulerProfiler
 from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.mem_cache.pool_size import process_rss_bytes
+from srt.utils.fault import FaultHook
 from srt.utils.hf_tokenizer import tokenizer_source
 
 if TYPE_CHECKING:
+    from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
     from srt.managers.scheduler.runner_protocol import SchedulerModelRunner
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -171,6 +174,9 @@ class Scheduler:
         self._finished_reqs: list[Req] = []  # released since the last output was built
         self._next_queue_seq = 0
         self._was_idle = True
+        # hang watchdog: progress published each step (set by process.py); test-only fault hook
+        self.heartbeat: SchedulerHeartbeat | None = None
+        self.fault = FaultHook.from_env()
 
     # the parts' state, read by tests and benchmarks
     @property
@@ -346,9 +352,12 @@ class Scheduler:
         busy = self.prefill.has_work() or self.decode.running or self.finished_outside
         self._admit_grammar_requests(0.0 if busy else GRAMMAR_WAIT_SECONDS)
         batch = self._next_batch()
+        if self.heartbeat is not None:
+            self.heartbeat.on_step(self, batch)
         touched: list[Req] = self.finished_outside  # aborted, rejected, retracted too often
         self.finished_outside = []
         if batch is not None:
+            self.fault.before_forward()  # test-only (SRT_TEST_FAULT): may stall this step's forward
             fb = batch.get_forward_batch(
                 self.device, self.vocab_size, self.eos_token_ids, self.sampling_cache
             )
@@ -499,6 +508,9 @@ class Scheduler:
             "available_size": self.allocator.available_size(),
             "evictable_size": self.cache.evictable_size(),
             "protected_size": self.cache.protected_size(),
+            # request rows free / in all (rows and locks back to idle: benchmarks/soak.py checks)
+            "free_req_rows": self.cache.free_rows(),
+            "req_rows": self.req_to_token_pool.size,
             "new_token_ratio": self.decode.new_token_ratio.value,
             "page_size": self.page_size,
             "context_len": self.context_len,

@@ -36,10 +36,12 @@ import zmq
 
 from srt.distributed.init import init_tp_group, is_group_failure
 from srt.managers.io_struct import encode, scheduler_input_decoder
+from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
 from srt.managers.scheduler.process import bind_compute_threads
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.utils.cpu_affinity import NOBIND, format_cpu_list
 from srt.utils.tp_layout import rank_cpus, ranks_per_node
+from srt.utils.watchdog import heartbeat_path
 from srt.utils.zmq import get_zmq_socket
 
 if TYPE_CHECKING:
@@ -80,7 +82,11 @@ def tp_iteration(
     payload: list[bytes] | None = None
     if leader:
         assert receive is not None and send is not None
-        raws = receive(HEARTBEAT_S if scheduler.is_idle() else None)
+        idle = scheduler.is_idle()
+        heartbeat = getattr(scheduler, "heartbeat", None)  # the hang watchdog's (rank 0 only)
+        if idle and heartbeat is not None:
+            heartbeat.on_idle(scheduler)
+        raws = receive(HEARTBEAT_S if idle else None)
         payload = [struct.pack("<d", clock()), *raws]
     payload = group.broadcast_messages(payload)
     (scheduler.step_clock,) = struct.unpack("<d", payload[0])
@@ -148,6 +154,8 @@ def run_tp_scheduler_process(
         receive: Receive | None = None
         send: Send | None = None
         if tp_rank == 0:
+            if args.watchdog_timeout > 0:  # rank 0 steps in lock step with all: it speaks for them
+                scheduler.heartbeat = SchedulerHeartbeat.open(heartbeat_path(port_args.ipc_dir))
             ctx = zmq.Context(io_threads=1)
             recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
             send_sock = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
