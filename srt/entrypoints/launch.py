@@ -137,17 +137,7 @@ def launch_subprocesses(
             scheduler_name = start_dp_groups(sup, server_args, port_args, entry)[0]
         else:
             scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
-        tokenizer = None
-        detok_tokenizer_path = None
-        if not server_args.skip_tokenizer_init:
-            try:
-                tokenizer = load_tokenizer(tokenizer_source(server_args), server_args.trust_remote_code)
-            except Exception as e:
-                raise LaunchError("main", f"could not load the tokenizer: {e}") from e
-            if server_args.chat_template is not None:
-                tokenizer.chat_template = load_chat_template(server_args.chat_template)
-            detok_tokenizer_path = os.path.join(port_args.ipc_dir, "hf_tokenizer")
-            tokenizer.save_pretrained(detok_tokenizer_path)
+        tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args)
         detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
         sup.start("detokenizer", detok_entry, (server_args, port_args))
         ready = sup.wait_ready()
@@ -169,7 +159,6 @@ def launch_subprocesses(
         ]
     if owns_process:  # `kill -USR1 <pid>` prints this process's stacks, as for the children
         register_stack_dump_signal()
-    if owns_process:
         confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "main")
     logger.info(
         "ready: context length %s, KV pool %s tokens, max running requests %s",
@@ -178,6 +167,22 @@ def launch_subprocesses(
         scheduler_info.get("max_running_requests"),
     )
     return tm, scheduler_info
+
+
+def _load_tokenizer(server_args: ServerArgs, port_args: PortArgs) -> tuple[Any, str | None]:
+    """This process's tokenizer (``--chat-template`` applied) and the fast-loading copy saved for
+    the detokenizer in the ipc directory; ``(None, None)`` with ``--skip-tokenizer-init``."""
+    if server_args.skip_tokenizer_init:
+        return None, None
+    try:
+        tokenizer = load_tokenizer(tokenizer_source(server_args), server_args.trust_remote_code)
+    except Exception as e:
+        raise LaunchError("main", f"could not load the tokenizer: {e}") from e
+    if server_args.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(server_args.chat_template)
+    path = os.path.join(port_args.ipc_dir, "hf_tokenizer")
+    tokenizer.save_pretrained(path)
+    return tokenizer, path
 
 
 def _start_watchdog(

@@ -105,6 +105,25 @@ def _load_model_runner(server_args: ServerArgs, tp_rank: int) -> SchedulerModelR
     return ModelRunner(server_args, tp_rank=tp_rank)
 
 
+def _create_grammars(
+    server_args: ServerArgs, vocab_size: int, eos_token_ids: list[int]
+) -> GrammarManager | None:
+    """The grammar part (None without a tokenizer). Tensor-parallel ranks must admit a request at
+    the same step, so with ``--tp-size`` > 1 grammar readiness never depends on timing."""
+    if server_args.skip_tokenizer_init:
+        return None
+    grammars = GrammarManager.create(
+        server_args.grammar_backend,
+        tokenizer_source(server_args),
+        vocab_size,
+        eos_token_ids,
+        server_args.trust_remote_code,
+        server_args.reasoning_parser,
+    )
+    grammars.wait_all = server_args.tp_size > 1
+    return grammars
+
+
 class Scheduler:
     """See the module docstring. ``server_args`` must be resolved; ``model_runner`` defaults to
     a ``ModelRunner(server_args, tp_rank=tp_rank)`` (tests and benchmarks pass their own). With
@@ -145,18 +164,7 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy)
         self.prefill = PrefillManager(self.cache, self.policy, self.metrics, prefill_config)
         self.sampling_cache = SamplingInfoCache()
-        self.grammars: GrammarManager | None = None
-        if not server_args.skip_tokenizer_init:
-            self.grammars = GrammarManager.create(
-                server_args.grammar_backend,
-                tokenizer_source(server_args),
-                self.vocab_size,
-                self.eos_token_ids,
-                server_args.trust_remote_code,
-                server_args.reasoning_parser,
-            )
-            # ranks must admit a request at the same step: no timing-dependent grammar readiness
-            self.grammars.wait_all = server_args.tp_size > 1
+        self.grammars = _create_grammars(server_args, self.vocab_size, self.eos_token_ids)
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.debug_checks = server_args.enable_debug_checks
         self.rng = random.Random(server_args.random_seed)
