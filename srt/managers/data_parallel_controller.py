@@ -21,8 +21,6 @@ the scheduler: if it dies the server goes down; it dies (exit 1) on any unexpect
 from __future__ import annotations
 
 import logging
-import sys
-import traceback
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -42,6 +40,7 @@ from srt.managers.io_struct import (
     scheduler_input_decoder,
 )
 from srt.utils.cpu_affinity import confine_aux_process
+from srt.utils.process import exit_child_on_error
 from srt.utils.zmq import get_zmq_socket
 
 if TYPE_CHECKING:
@@ -162,11 +161,4 @@ def run_data_parallel_controller_process(
         ready_sent = True
         controller.event_loop()
     except Exception:
-        tb = traceback.format_exc()
-        logger.error("data-parallel controller failed:\n%s", tb)
-        if not ready_sent:
-            try:
-                pipe_writer.send({"status": "error", "message": tb})
-            except (OSError, ValueError):
-                pass
-        sys.exit(1)
+        exit_child_on_error(pipe_writer, ready_sent, logger, "data-parallel controller")

@@ -31,7 +31,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -137,6 +137,19 @@ class ChildSpec:
     parent_pid: int = 0
     use_pdeathsig: bool = True
     log_level: str = "info"
+
+
+def exit_child_on_error(pipe_writer: Any, ready_sent: bool, log: logging.Logger, what: str) -> NoReturn:
+    """From a child target's ``except`` block: log the traceback as ``what`` failed, send it
+    through ``pipe_writer`` as the start-up error when no ready message was sent yet, and exit 1."""
+    tb = traceback.format_exc()
+    log.error("%s failed:\n%s", what, tb)
+    if not ready_sent:
+        try:
+            pipe_writer.send({"status": "error", "message": tb})
+        except (OSError, ValueError):
+            pass
+    sys.exit(1)
 
 
 def run_child(spec: ChildSpec, pipe_writer: multiprocessing.connection.Connection) -> None:

@@ -15,8 +15,6 @@ through the launcher's pipe, then runs ``event_loop`` forever on the same thread
 from __future__ import annotations
 
 import logging
-import sys
-import traceback
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -24,11 +22,12 @@ import torch
 import zmq
 
 from srt.kernels.cpu import OmpBinding, bind_omp_threads
-from srt.managers.io_struct import encode, scheduler_input_decoder
+from srt.managers.io_struct import SchedulerInput, encode, scheduler_input_decoder
 from srt.managers.scheduler.dp_link import DpGroupLink
 from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.utils.cpu_affinity import bound_cpus
+from srt.utils.process import exit_child_on_error
 from srt.utils.watchdog import heartbeat_path
 from srt.utils.zmq import get_zmq_socket
 
@@ -66,10 +65,8 @@ def event_loop(
                 break
             if dp is not None:
                 dp.on_message()
-            try:
-                msg = scheduler_input_decoder.decode(raw)
-            except msgspec.DecodeError as e:
-                logger.error("dropping an undecodable message: %s", e)
+            msg = decode_input(raw)
+            if msg is None:
                 continue
             for reply in scheduler.handle_message(msg):
                 send_reply(reply)
@@ -81,6 +78,15 @@ def event_loop(
                 send_reply(reply)
             if dp is not None:
                 dp.after_step(scheduler, outs)
+
+
+def decode_input(raw: bytes) -> SchedulerInput | None:
+    """One input message, or None (logged) when it cannot be decoded: it is dropped."""
+    try:
+        return scheduler_input_decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        logger.error("dropping an undecodable message: %s", e)
+        return None
 
 
 def bind_compute_threads(server_args: ServerArgs) -> OmpBinding | None:
@@ -134,11 +140,4 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         ready_sent = True
         event_loop(scheduler, recv, send, dp)
     except Exception:
-        tb = traceback.format_exc()
-        logger.error("scheduler failed:\n%s", tb)
-        if not ready_sent:
-            try:
-                pipe_writer.send({"status": "error", "message": tb})
-            except (OSError, ValueError):
-                pass
-        sys.exit(1)
+        exit_child_on_error(pipe_writer, ready_sent, logger, "scheduler")

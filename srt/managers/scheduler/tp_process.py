@@ -27,7 +27,6 @@ import os
 import struct
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,11 +34,12 @@ import msgspec
 import zmq
 
 from srt.distributed.init import init_tp_group, is_group_failure
-from srt.managers.io_struct import encode, scheduler_input_decoder
+from srt.managers.io_struct import encode
 from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
-from srt.managers.scheduler.process import bind_compute_threads
+from srt.managers.scheduler.process import bind_compute_threads, decode_input
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.utils.cpu_affinity import NOBIND, format_cpu_list
+from srt.utils.process import exit_child_on_error
 from srt.utils.tp_layout import rank_cpus, ranks_per_node
 from srt.utils.watchdog import heartbeat_path
 from srt.utils.zmq import get_zmq_socket
@@ -92,10 +92,8 @@ def tp_iteration(
     (scheduler.step_clock,) = struct.unpack("<d", payload[0])
     raws = payload[1:]
     for raw in raws:
-        try:
-            msg = scheduler_input_decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            logger.error("dropping an undecodable message: %s", e)
+        msg = decode_input(raw)
+        if msg is None:
             continue
         for reply in scheduler.handle_message(msg):
             if leader:
@@ -177,14 +175,7 @@ def run_tp_scheduler_process(
                 _exit_now(1)
             logger.warning("rank %d: the tensor-parallel group is gone (%s); exiting", tp_rank, e)
             _exit_now(0)
-        tb = traceback.format_exc()
-        logger.error("scheduler rank %d failed:\n%s", tp_rank, tb)
-        if not ready_sent:
-            try:
-                pipe_writer.send({"status": "error", "message": tb})
-            except (OSError, ValueError):
-                pass
-        sys.exit(1)
+        exit_child_on_error(pipe_writer, ready_sent, logger, f"scheduler rank {tp_rank}")
 
 
 def _exit_now(code: int) -> None:
