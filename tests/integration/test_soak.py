@@ -1,4 +1,5 @@
-"""benchmarks/soak.py --quick against a real server it starts: ~300 hostile requests (disconnects,
+"""benchmarks/soak.py, 160 requests (fewer than --quick) against a real server it starts: hostile
+requests (disconnects,
 aborts, deadlines, streams, n>1, stop strings, shared prefixes), then every outcome well-formed,
 the KV pool, radix locks and request rows back to idle, RSS growth within 10%, server healthy."""
 
@@ -18,7 +19,8 @@ def test_quick_soak_passes(tmp_path):
     cmd = [
         sys.executable,
         str(REPO / "benchmarks" / "soak.py"),
-        "--quick",
+        "--num-requests",
+        "160",
         "--max-total-tokens",
         "4096",
         # the 5% bound is the full soak's (RSS sampled after 1,000 requests); after 30 requests the
@@ -32,9 +34,9 @@ def test_quick_soak_passes(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     got = json.loads(result.read_text())
-    assert got["requests"] == 300 and got["violations"] == 0 and got["idle check"] == "ok"
+    assert got["requests"] == 160 and got["violations"] == 0 and got["idle check"] == "ok"
     kinds = got["outcomes"]
     # the hostile actions really happened and were answered as such
-    assert kinds.get("disconnected", 0) > 0 and kinds.get("aborted", 0) > 0 and kinds["complete"] > 100
+    assert kinds.get("disconnected", 0) > 0 and kinds.get("aborted", 0) > 0 and kinds["complete"] > 50
     if got["deadlines"] == "supported":
         assert kinds.get("timeout", 0) > 0
