@@ -42,6 +42,7 @@ import time
 import torch
 from torch import nn
 
+from srt.configs.backends import LINEAR_BACKENDS
 from srt.layers.linear import Linear
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
@@ -178,7 +179,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
+    ap.add_argument("--linear-backend", default="auto", choices=list(LINEAR_BACKENDS))
     ap.add_argument("--attention-backend", default=None, help="e.g. torch_native, fused_cpu (default: auto)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])

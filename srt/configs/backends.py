@@ -13,9 +13,10 @@ To add a backend: its module under ``srt/layers/attention/`` (a subclass of
 ``AttentionBackend`` constructed as ``Class(model_runner)``), one entry here, and its place in
 ``AUTO_ATTENTION_ORDER``.
 
-Linear backends (``--linear-backend``): ``auto`` is ``onednn`` on CPU float32 when oneDNN's
-linear is present and passes its self-check (``srt.configs.device.onednn_linear_available``),
-else ``torch`` (``F.linear``).
+Linear backends (``--linear-backend``): ``auto`` is, on CPU float32, ``native`` (srt's packed
+kernel) where the CPU's best vector ISA is AVX2, else ``onednn`` when oneDNN's linear is present
+and passes its self-check (``srt.configs.device.onednn_linear_available``); ``torch``
+(``F.linear``) everywhere else.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackendSpec] = {
 # what ``auto`` tries, best first; the last entry must be usable everywhere
 AUTO_ATTENTION_ORDER: tuple[str, ...] = ("flashinfer", "fused_cpu", "torch_native")
 
-LINEAR_BACKENDS: tuple[str, ...] = ("auto", "onednn", "torch")
+LINEAR_BACKENDS: tuple[str, ...] = ("auto", "native", "onednn", "torch")
 
 # ``importable(module_name) -> bool``: whether a module could be imported here
 Importable = Callable[[str], bool]
@@ -105,16 +106,24 @@ def resolve_attention_backend(
 
 
 def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
-    """``auto`` -> ``onednn`` on CPU float32 when available, else ``torch``. An unknown name, or
-    an explicit ``onednn`` that cannot run here, raises ``ValueError`` (``ServerArgs.resolve``
-    turns it into a ``ConfigError``)."""
+    """``auto`` -> on CPU float32: ``native`` where the CPU's best vector ISA is AVX2 (srt's packed
+    kernel, measured faster than oneDNN there), else ``onednn`` when oneDNN passes its self-check;
+    everywhere else ``torch``. An unknown name, or an explicit ``native`` / ``onednn`` that cannot
+    run here, raises ``ValueError`` (``ServerArgs.resolve`` turns it into a ``ConfigError``)."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {requested!r}; expected one of {LINEAR_BACKENDS}")
     if requested == "torch":
         return requested
-    from srt.configs.device import onednn_linear_available  # imports torch
+    from srt.configs.device import cpu_has_avx2_without_avx512, onednn_linear_available  # imports torch
 
-    usable = device == "cpu" and dtype == "float32" and onednn_linear_available()
+    cpu_f32 = device == "cpu" and dtype == "float32"
+    if requested == "native":
+        if not cpu_f32:
+            raise ValueError("--linear-backend native needs --device cpu and --dtype float32")
+        return requested
+    if requested == "auto" and cpu_f32 and cpu_has_avx2_without_avx512():
+        return "native"
+    usable = cpu_f32 and onednn_linear_available()
     if requested == "auto":
         return "onednn" if usable else "torch"
     if not usable:

@@ -90,7 +90,9 @@ def two_nodes(extra: list[str] | None = None) -> tuple[ServerProcess, ServerProc
     common = [*DEFAULT_TEST_ARGS, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *(extra or [])]
     # both "nodes" share this host: each takes one CPU (a node binds all CPUs it sees by default,
     # and two ranks spinning on the same cores would slow each other down many times over)
-    nodes = [[*common, "--node-rank", str(r), "--cpu-omp-threads-bind", str(r % os.cpu_count())] for r in (0, 1)]
+    nodes = [
+        [*common, "--node-rank", str(r), "--cpu-omp-threads-bind", str(r % os.cpu_count())] for r in (0, 1)
+    ]
     return ServerProcess(nodes[0]), ServerProcess(nodes[1])
 
 

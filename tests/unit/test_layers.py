@@ -266,18 +266,108 @@ def test_small_batch_linear_kernel_matches_f_linear(m, k, n):
         torch.ops.srt_cpu.small_batch_linear(x, torch.randn(n, k + 1))
 
 
-def test_resolve_linear_backend():
+def test_resolve_linear_backend(monkeypatch):
+    import srt.configs.device as device_mod
+
     ok = onednn_linear_available()
-    assert resolve_linear_backend("auto", "cpu", "float32") == ("onednn" if ok else "torch")
-    assert resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
-    assert resolve_linear_backend("auto", "cuda", "float32") == "torch"
+    for avx2_only in (True, False):
+        monkeypatch.setattr(device_mod, "cpu_has_avx2_without_avx512", lambda v=avx2_only: v)
+        want = "native" if avx2_only else ("onednn" if ok else "torch")
+        assert resolve_linear_backend("auto", "cpu", "float32") == want
+        assert resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
+        assert resolve_linear_backend("auto", "cuda", "float32") == "torch"
+        assert resolve_linear_backend("native", "cpu", "float32") == "native"
     assert resolve_linear_backend("torch", "cpu", "float32") == "torch"
     with pytest.raises(ValueError, match="--linear-backend"):
         resolve_linear_backend("onednn", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="--linear-backend native"):
+        resolve_linear_backend("native", "cpu", "bfloat16")
     with pytest.raises(ValueError, match="unknown linear backend"):
         resolve_linear_backend("mkl", "cpu", "float32")
     with pytest.raises(ValueError):
         create_linear_backend("auto")
+
+
+# ---------------------------------------------------------------- native packed linear
+def _native_or_skip() -> None:
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+
+
+@pytest.mark.parametrize(
+    "n,k", [(960, 576), (576, 1536), (5, 3), (25, 300), (47, 513), (1, 1), (24, 0), (48, 256)]
+)
+def test_packed_linear_kernel_matches_a_float64_reference(n, k):
+    """Every row count (the 4-row tiles and their 1-3 row tails), panels cut by N % 24, K blocks
+    cut by K % 256, strided rows, with and without bias; the AVX2 tile equals the scalar one bit
+    for bit (same FMA order), and a row gives the same bits alone or in any batch."""
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = torch.ops.srt_cpu.pack_linear_weight(w)
+    assert packed.shape == ((n + 23) // 24, k, 24)
+    isas = ["scalar"] + (["avx2"] if torch.ops.srt_cpu.cpu_isa() in ("avx2", "avx512") else [])
+    for m in (0, 1, 2, 3, 4, 5, 7, 32, 33):
+        x = torch.randn(m, k + 5, generator=gen)[:, 2 : k + 2]  # strided rows
+        for bias in (None, b):
+            want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+            outs = [torch.ops.srt_cpu.packed_linear(x, packed, n, bias, isa) for isa in isas]
+            torch.testing.assert_close(outs[0].double(), want, atol=1e-4, rtol=1e-5)
+            assert all(torch.equal(o, outs[0]) for o in outs)
+        if m > 1:
+            full = torch.ops.srt_cpu.packed_linear(x, packed, n, b)
+            alone = torch.ops.srt_cpu.packed_linear(x[m - 1 :], packed, n, b)
+            assert torch.equal(full[m - 1 :], alone)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.srt_cpu.packed_linear(torch.randn(2, k + 1), packed, n, None)
+    with pytest.raises(RuntimeError, match="panels"):
+        torch.ops.srt_cpu.packed_linear(torch.randn(2, k), packed, n + 24, None)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_native_linear_backend_layer_paths(monkeypatch, caplog, native):
+    """After ``prepare_weights`` a layer of the ``native`` backend keeps its plain weight and the
+    panels; every batch size gives F.linear's result through the packed kernel, autograd and
+    other dtypes take F.linear, and without native kernels the backend runs as ``onednn`` (or
+    ``torch``) and says so."""
+    if native:
+        _native_or_skip()
+    else:
+        monkeypatch.setattr(linear_mod.cpu_kernels, "native_available", lambda: False)
+    calls = []
+    if native:
+        real = torch.ops.srt_cpu.packed_linear
+        monkeypatch.setattr(
+            linear_mod.torch.ops.srt_cpu, "packed_linear", lambda *a: calls.append(1) or real(*a)
+        )
+    with caplog.at_level("WARNING", logger="srt.layers.linear_backend"):
+        backend = create_linear_backend("native")
+    fallback = "onednn" if onednn_linear_available() else "torch"
+    assert backend.name == ("native" if native else fallback)
+    assert native or "native kernels are unavailable" in caplog.text
+    gen = torch.Generator().manual_seed(5)
+    layer = QKVLinear(48, 8, 4, 2, bias=True, linear_backend=backend)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    if native:
+        assert layer.packed_weight.shape == ((plain.shape[0] + 23) // 24, 48, 24) and torch.equal(
+            layer.weight, plain
+        )
+    with torch.inference_mode():
+        for m in (1, 3, 4, 5, 32, 100):
+            x = torch.randn(2, m, 48, generator=gen)
+            torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), atol=1e-5, rtol=1e-5)
+    assert len(calls) == (6 if native else 0)
+    x = torch.randn(3, 48, generator=gen, requires_grad=True)
+    y = backend.apply(x, layer.weight, None, layer.packed_weight)  # autograd: F.linear
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, plain.sum(0).expand(3, 48), atol=1e-5, rtol=1e-5)
+    x64 = torch.randn(3, 48, generator=gen, dtype=torch.float64)
+    assert torch.equal(backend.apply(x64, plain.double()), F.linear(x64, plain.double()))
+    assert len(calls) == (6 if native else 0)
 
 
 # ---------------------------------------------------------------- radix attention

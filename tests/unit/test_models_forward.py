@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from srt.configs.device import onednn_linear_available
 from srt.configs.model_config import ModelConfig, resolve_model_path
+from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear_backend import create_linear_backend
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
@@ -209,22 +210,35 @@ def test_gguf_prompt_logits_match_transformers(gguf_pair):
     torch.testing.assert_close(_full_logits(model, ids), ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN linear not usable here")
+@pytest.mark.parametrize("name", ["onednn", "native"])
 @torch.inference_mode()
-def test_gguf_prompt_logits_onednn_backend_close_to_transformers(gguf_pair):
-    """``--linear-backend onednn`` (the CPU default): same logits up to float32 reordering."""
+def test_gguf_prompt_logits_packed_backends_close_to_transformers(gguf_pair, name):
+    """``--linear-backend onednn`` / ``native`` (the CPU defaults): same logits up to float32
+    reordering."""
+    if name == "onednn" and not onednn_linear_available():
+        pytest.skip("oneDNN linear not usable here")
+    if name == "native" and not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
     model, hf = gguf_pair
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646] + _prompt(60, 49152, seed=5)
     ref = hf(torch.tensor([ids])).logits[0].float()
     with_torch = _full_logits(model, ids)
-    onednn = create_linear_backend("onednn")
-    model = get_model(ModelConfig(resolve_model_path(None)), linear_backend=onednn)
+    backend = create_linear_backend(name)
+    model = get_model(ModelConfig(resolve_model_path(None)), linear_backend=backend)
     fb = extend_batch([ids])
     hidden = model.model(fb.input_ids, fb.positions, fb)
-    assert model.model.layers[0].mlp.down_proj.packed_weight.is_mkldnn  # prepacked at load
+    packed = model.model.layers[0].mlp.down_proj.packed_weight  # prepacked at load
     head = model.logits_processor.head_packed
-    assert head is not None and head.is_mkldnn and torch.equal(head.to_dense(), model.lm_head.weight)
-    got = onednn.apply(hidden, model.lm_head.weight, None, head).float()
-    assert not torch.equal(got, with_torch)  # the oneDNN path really ran
+    if name == "onednn":
+        assert packed.is_mkldnn
+        assert head is not None and head.is_mkldnn and torch.equal(head.to_dense(), model.lm_head.weight)
+    else:
+        assert (
+            packed.dim() == 3
+            and head is not None
+            and head.shape[0] == (model.lm_head.weight.shape[0] + 23) // 24
+        )
+    got = backend.apply(hidden, model.lm_head.weight, None, head).float()
+    assert not torch.equal(got, with_torch)  # the backend's own path really ran
     torch.testing.assert_close(got, ref, atol=ONEDNN_ATOL, rtol=0)
     assert got.argmax(-1).eq(ref.argmax(-1)).float().mean() > 0.95

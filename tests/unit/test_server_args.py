@@ -55,7 +55,7 @@ def test_resolve_cpu_defaults_and_does_not_mutate():
     assert r.attention_backend == "fused_cpu"  # torch-native decode inside it when the kernel is not built
     assert 0 < r.mem_fraction_static < 1
     assert r.chunked_prefill_size > 0
-    assert r.linear_backend in ("onednn", "torch")  # auto resolved (onednn where it works)
+    assert r.linear_backend in ("native", "onednn", "torch")  # auto resolved (native on AVX2 CPUs)
 
 
 def test_resolve_gguf_load_format():
