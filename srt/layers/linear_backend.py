@@ -80,6 +80,17 @@ class LinearBackend(ABC):
         return f"{type(self).__name__}()"
 
 
+def _cpu_float32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float32 CPU input and weight outside autograd: what the packed kernels take (the rest
+    goes to ``F.linear``)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
 class TorchLinear(LinearBackend):
     """``F.linear``."""
 
@@ -121,13 +132,7 @@ class OneDNNLinear(LinearBackend):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not (
-            x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and x.numel() > 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        ):
+        if not (_cpu_float32_inference(x, weight) and x.numel() > 0):
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] <= SMALL_BATCH_ROWS and weight.is_contiguous() and cpu_kernels.native_available():
@@ -180,10 +185,8 @@ class NativeLinear(LinearBackend):
             return self.fallback.apply(x, weight, bias, packed)
         if (
             packed is None
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
+            or not _cpu_float32_inference(x, weight)
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
             return F.linear(x, weight, bias)
         out = torch.ops.srt_cpu.packed_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)

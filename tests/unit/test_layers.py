@@ -205,6 +205,18 @@ def test_onednn_linear_backend_matches_f_linear(monkeypatch):
     assert torch.equal(backend.apply(x64, w.double()), F.linear(x64, w.double())) and not calls
 
 
+def _prepared_qkv_layer(backend, gen: torch.Generator) -> tuple[QKVLinear, torch.Tensor]:
+    """A QKVLinear of random weights and bias on ``backend``, after ``prepare_weights``, and a copy
+    of its plain weight taken before."""
+    layer = QKVLinear(48, 8, 4, 2, bias=True, linear_backend=backend)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    return layer, plain
+
+
 @pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN linear not usable here")
 @pytest.mark.parametrize("native", [True, False])
 def test_onednn_prepacked_and_small_batch_paths_match_f_linear(monkeypatch, native):
@@ -229,12 +241,7 @@ def test_onednn_prepacked_and_small_batch_paths_match_f_linear(monkeypatch, nati
     )
     gen = torch.Generator().manual_seed(4)
     backend = create_linear_backend("onednn")
-    layer = QKVLinear(48, 8, 4, 2, bias=True, linear_backend=backend)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
-        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
-    plain = layer.weight.detach().clone()
-    layer.prepare_weights()
+    layer, plain = _prepared_qkv_layer(backend, gen)
     assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
     assert torch.equal(layer.packed_weight.to_dense(), plain) and torch.equal(layer.weight, plain)
     with torch.inference_mode():
@@ -346,12 +353,7 @@ def test_native_linear_backend_layer_paths(monkeypatch, caplog, native):
     assert backend.name == ("native" if native else fallback)
     assert native or "native kernels are unavailable" in caplog.text
     gen = torch.Generator().manual_seed(5)
-    layer = QKVLinear(48, 8, 4, 2, bias=True, linear_backend=backend)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
-        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
-    plain = layer.weight.detach().clone()
-    layer.prepare_weights()
+    layer, plain = _prepared_qkv_layer(backend, gen)
     if native:
         assert layer.packed_weight.shape == ((plain.shape[0] + 23) // 24, 48, 24) and torch.equal(
             layer.weight, plain
