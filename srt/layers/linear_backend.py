@@ -149,27 +149,11 @@ TORCH_LINEAR = TorchLinear()
 class NativeLinear(LinearBackend):
     """srt's packed float32 kernel (``torch.ops.srt_cpu.packed_linear``, one kernel for every batch
     size; see the module docstring) for CPU float32 inputs outside autograd, ``F.linear`` for the
-    rest. Without the native kernels (not built, or ``SRT_DISABLE_NATIVE_KERNELS``) it runs as the
-    ``onednn`` backend (``torch`` when oneDNN is unusable), with a warning naming why."""
+    rest. Needs the native kernels loaded: ``create_linear_backend`` checks that."""
 
-    def __init__(self) -> None:
-        self.native = cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "packed_linear")
-        self.fallback: LinearBackend | None = None
-        if not self.native:
-            self.fallback = OneDNNLinear() if onednn_linear_available() else TORCH_LINEAR
-            logger.warning(
-                "linear backend native: the native kernels are unavailable (%s); using %s instead",
-                cpu_kernels.kernel_status(),
-                self.fallback.name,
-            )
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return "native" if self.fallback is None else self.fallback.name
+    name = "native"
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if self.fallback is not None:
-            return self.fallback.pack_weight(weight)
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             return None
         return torch.ops.srt_cpu.pack_linear_weight(weight.detach())
@@ -181,8 +165,6 @@ class NativeLinear(LinearBackend):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.fallback is not None:
-            return self.fallback.apply(x, weight, bias, packed)
         if (
             packed is None
             or not _cpu_float32_inference(x, weight)
@@ -193,15 +175,30 @@ class NativeLinear(LinearBackend):
         return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _native_or_fallback() -> LinearBackend:
+    """``NativeLinear`` when the native kernels are loaded; else, with a warning naming why, the
+    ``onednn`` backend (``torch`` when oneDNN is unusable)."""
+    if cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "packed_linear"):
+        return NativeLinear()
+    fallback = OneDNNLinear() if onednn_linear_available() else TORCH_LINEAR
+    logger.warning(
+        "linear backend native: the native kernels are unavailable (%s); using %s instead",
+        cpu_kernels.kernel_status(),
+        fallback.name,
+    )
+    return fallback
+
+
 def create_linear_backend(name: str) -> LinearBackend:
     """The backend of a resolved ``--linear-backend`` (``torch``, ``onednn`` or ``native``).
 
-    Raises ``ValueError`` for any other name (``auto`` included: resolve it first) and for
+    ``native`` without the native kernels gives the ``onednn`` (or ``torch``) backend, with a
+    warning. Raises ``ValueError`` for any other name (``auto`` included: resolve it first) and for
     ``onednn`` where oneDNN's linear is not usable."""
     if name == "torch":
         return TORCH_LINEAR
     if name == "native":
-        return NativeLinear()
+        return _native_or_fallback()
     if name == "onednn":
         if not onednn_linear_available():
             raise ValueError(
