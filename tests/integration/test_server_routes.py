@@ -108,7 +108,7 @@ def test_get_load_idle_and_busy(server):
     deadline = time.monotonic() + 60
     while t.is_alive() and time.monotonic() < deadline:
         load = requests.get(server.url("/get_load"), timeout=10).json()[0]
-        if load["num_reqs"] == 1:
+        if load["num_reqs"] == 1 and load["num_waiting_reqs"] == 0:  # admitted, not just queued
             busy = load
             break
         time.sleep(0.02)
