@@ -6,12 +6,16 @@
 //   packed_linear(x [M, K], packed, N, bias [N]?) -> out [M, N]
 //
 // Threads take whole panels (at::parallel_for over P). Within a panel, K goes in blocks of KC
-// (a KC x NR slice of the panel, 24 KiB, stays in L1 while every row block of x passes over it)
-// and x in blocks of MR = 4 rows: a 4 x 24 register tile (12 accumulators, 3 weight loads and 4
-// broadcasts per k) that stays in registers across the K block. One kernel for every batch size:
-// at M = 1..4 it streams the weights once (bandwidth-bound, like a matrix-vector product), at
-// M = 8..64 (decode batches) it beats oneDNN's packed GEMM on the CPUs measured, at prefill sizes it
-// is on par (docs/benchmarks.md has the figures).
+// (a KC x NR slice of the panel stays in L1 while every row block of x passes over it) and x in
+// blocks of MR = 4 rows: a 4 x 24 register tile (12 accumulators, 3 weight loads and 4 broadcasts
+// per k) that stays in registers across the K block. While the row blocks pass over one slice they
+// prefetch the next one into L1, a share each, spread over their k loops: without it the first row
+// block of every slice waits on DRAM with nothing to overlap (10-20% of a decode batch's time).
+// KC is 96 / 128 at M = 5..16 / 17..32 so the slice in use and the one being prefetched fit in L1
+// together, 256 otherwise; a batch of 1 to 4 rows streams the weights once (bandwidth-bound, like a
+// matrix-vector product) and leaves the prefetching to the hardware.
+// One kernel for every batch size: at M = 8..64 (decode batches) it beats oneDNN's packed GEMM on
+// the CPUs measured, at prefill sizes it is on par (docs/benchmarks.md has the figures).
 //
 // Each output is the sum over k in order 0 .. K-1 (one FMA chain, seeded with the bias), whatever M,
 // the row block, the thread count or the batch the row came in: results are batch-invariant.
@@ -29,16 +33,20 @@
 namespace srt_cpu {
 namespace {
 
-constexpr int64_t NR = 24;   // output columns per panel
-constexpr int64_t KC = 256;  // k per block: a 24 KiB slice of the panel
-constexpr int MR = 4;        // rows of x per register tile
+constexpr int64_t NR = 24;  // output columns per panel
+constexpr int MR = 4;       // rows of x per register tile
+constexpr int64_t kLine = 64;
+
+// k per block for an M-row x: see the header (a slice is KC * 96 bytes).
+int64_t k_block(int64_t M) { return M <= MR ? 256 : M <= 16 ? 96 : M <= 32 ? 128 : 256; }
 
 // One tile: c[i][0..NR) (+)= sum_k a[i][k] * b[k][0..NR), i < R. `first`: start from bias (or 0).
+// It also prefetches the `npf` cache lines from `pf` on (no effect on the result).
 using TileFn = void (*)(int R, const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc,
-                        const float* bias, bool first);
+                        const float* bias, bool first, const char* pf, int64_t npf);
 
 void tile_scalar(int R, const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc,
-                 const float* bias, bool first) {
+                 const float* bias, bool first, const char*, int64_t) {
   for (int i = 0; i < R; ++i) {
     float acc[NR];
     for (int64_t j = 0; j < NR; ++j) acc[j] = first ? (bias ? bias[j] : 0.f) : c[i * ldc + j];
@@ -54,7 +62,7 @@ void tile_scalar(int R, const float* a, int64_t lda, const float* b, int64_t kc,
 // R rows (R <= 4) x 24 columns; the accumulators are named registers (an array would be spilled).
 template <int R>
 SRT_TARGET_AVX2 inline void tile_avx2_r(const float* a, int64_t lda, const float* b, int64_t kc, float* c,
-                                        int64_t ldc, const float* bias, bool first) {
+                                        int64_t ldc, const float* bias, bool first, const char* pf, int64_t npf) {
   __m256 c00, c01, c02, c10, c11, c12, c20, c21, c22, c30, c31, c32;
   const __m256 z = _mm256_setzero_ps();
   const __m256 i0 = bias ? _mm256_loadu_ps(bias) : z, i1 = bias ? _mm256_loadu_ps(bias + 8) : z,
@@ -72,6 +80,7 @@ SRT_TARGET_AVX2 inline void tile_avx2_r(const float* a, int64_t lda, const float
   SRT_PL_LOAD(3, c30, c31, c32)
 #undef SRT_PL_LOAD
   for (int64_t k = 0; k < kc; ++k) {
+    if (k < npf) _mm_prefetch(pf + kLine * k, _MM_HINT_T0);
     const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8),
                  b2 = _mm256_loadu_ps(b + k * NR + 16);
 #define SRT_PL_FMA(i, r0, r1, r2)                                                              \
@@ -92,15 +101,16 @@ SRT_TARGET_AVX2 inline void tile_avx2_r(const float* a, int64_t lda, const float
   SRT_PL_STORE(0, c00, c01, c02) SRT_PL_STORE(1, c10, c11, c12) SRT_PL_STORE(2, c20, c21, c22)
   SRT_PL_STORE(3, c30, c31, c32)
 #undef SRT_PL_STORE
+  for (int64_t k = kc; k < npf; ++k) _mm_prefetch(pf + kLine * k, _MM_HINT_T0);
 }
 
 void tile_avx2(int R, const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc,
-               const float* bias, bool first) {
+               const float* bias, bool first, const char* pf, int64_t npf) {
   switch (R) {
-    case 4: return tile_avx2_r<4>(a, lda, b, kc, c, ldc, bias, first);
-    case 3: return tile_avx2_r<3>(a, lda, b, kc, c, ldc, bias, first);
-    case 2: return tile_avx2_r<2>(a, lda, b, kc, c, ldc, bias, first);
-    default: return tile_avx2_r<1>(a, lda, b, kc, c, ldc, bias, first);
+    case 4: return tile_avx2_r<4>(a, lda, b, kc, c, ldc, bias, first, pf, npf);
+    case 3: return tile_avx2_r<3>(a, lda, b, kc, c, ldc, bias, first, pf, npf);
+    case 2: return tile_avx2_r<2>(a, lda, b, kc, c, ldc, bias, first, pf, npf);
+    default: return tile_avx2_r<1>(a, lda, b, kc, c, ldc, bias, first, pf, npf);
   }
 }
 #endif
@@ -162,6 +172,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t lda = xc.stride(0);
   const float* w = packed.data_ptr<float>();
   float* c = out.data_ptr<float>();
+  const int64_t KC = k_block(M), row_tiles = (M + MR - 1) / MR;
+  const int64_t slice_lines = KC * NR * static_cast<int64_t>(sizeof(float)) / kLine;
+  const int64_t lines_per_tile = row_tiles < 2 ? 0 : (slice_lines + row_tiles - 1) / row_tiles;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float edge[MR * NR];  // the last panel's tile when N is not a multiple of NR
     float bias_edge[NR];
@@ -176,15 +189,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const float* b = w + (p * K + k0) * NR;
+        // the next slice follows this one in memory (the next panel's first one after the last)
+        const char* next = reinterpret_cast<const char*>(b + kc * NR);
         for (int64_t m = 0; m < M; m += MR) {
           const int R = static_cast<int>(std::min<int64_t>(MR, M - m));
+          const int64_t l0 = std::min(slice_lines, m / MR * lines_per_tile);
+          const int64_t npf = std::min(slice_lines, l0 + lines_per_tile) - l0;
+          const char* pf = next + kLine * l0;
           float* cm = c + m * N + p * NR;
           if (cols == NR) {
-            tile(R, a + m * lda + k0, lda, b, kc, cm, N, pb, k0 == 0);
+            tile(R, a + m * lda + k0, lda, b, kc, cm, N, pb, k0 == 0, pf, npf);
             continue;
           }
           for (int i = 0; i < R; ++i) std::copy(cm + i * N, cm + i * N + cols, edge + i * NR);
-          tile(R, a + m * lda + k0, lda, b, kc, edge, NR, pb, k0 == 0);
+          tile(R, a + m * lda + k0, lda, b, kc, edge, NR, pb, k0 == 0, pf, npf);
           for (int i = 0; i < R; ++i) std::copy(edge + i * NR, edge + i * NR + cols, cm + i * N);
         }
       }
