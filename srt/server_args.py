@@ -115,7 +115,12 @@ class ServerArgs:
     chunked_prefill_size: int | None = _f(
         None, "Split prompts longer than this across steps (auto: 8192 on CUDA, 2048 on CPU; -1 disables)."
     )
-    page_size: int = _f(1, "KV cache page size in tokens.")
+    page_size: int | None = _f(
+        None,
+        "KV cache page size in tokens (auto: 16 on CPU, where a decoding sequence's K/V then lie in "
+        "runs of 16 contiguous slots that the fused attention kernel streams, or 1 when "
+        "--chunked-prefill-size is not a multiple of 16; 1 on CUDA).",
+    )
     schedule_policy: str = _f(
         "fcfs",
         "Waiting-queue order (priority: higher request priority first; implies --enable-priority-scheduling).",
@@ -314,6 +319,11 @@ class ServerArgs:
             a.chunked_prefill_size = 8192 if a.device == "cuda" else 2048
         if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
             a.chunked_prefill_size = -1
+        if a.page_size is None:  # 16 on CPU unless a --chunked-prefill-size given is not a multiple of it
+            cpu_pages = a.device != "cuda" and (
+                a.chunked_prefill_size <= 0 or a.chunked_prefill_size % 16 == 0
+            )
+            a.page_size = 16 if cpu_pages else 1
         if a.page_size < 1 or (a.page_size & (a.page_size - 1)):
             raise ConfigError(f"--page-size must be a power of two >= 1, got {a.page_size}.")
         if a.chunked_prefill_size > 0 and a.chunked_prefill_size % a.page_size:

@@ -92,6 +92,21 @@ def test_chunked_prefill_disable():
     assert ServerArgs(device="cpu", chunked_prefill_size=-1).resolve().chunked_prefill_size == -1
 
 
+@pytest.mark.parametrize(
+    "kwargs,page",
+    [
+        ({}, 16),  # CPU default: decode K/V in contiguous runs of 16 slots
+        ({"chunked_prefill_size": -1}, 16),
+        ({"chunked_prefill_size": 512}, 16),
+        ({"chunked_prefill_size": 100}, 1),  # a chunk that is not whole pages keeps pages of 1
+        ({"page_size": 1}, 1),
+        ({"page_size": 64}, 64),
+    ],
+)
+def test_page_size_auto_on_cpu(kwargs, page):
+    assert ServerArgs(device="cpu", **kwargs).resolve().page_size == page
+
+
 def test_port_args_private_dir():
     import os
     import stat
