@@ -40,6 +40,12 @@ Output: one Markdown table (per server and concurrency: output tok/s, TTFT and T
 and on srt's rows the ratios srt/vLLM and srt/llama.cpp: output tok/s, TTFT p50, TPOT p50)
 and ``benchmarks/results/compare_servers-<timestamp>.json`` (CPU, threads, versions, commands,
 all metrics); server logs and bench JSON lines in ``benchmarks/results/compare_servers-<timestamp>/``.
+
+``--rounds R`` runs the whole sequence R times, the server order reversed every other round (a
+slow spell of the machine then hits each server alike, and neither always goes first): one table
+per round, then the ratios of every round side by side with their median. On a host whose speed
+drifts within minutes, one round's ratio is one sample; report the median and the spread. The
+JSON keeps round 1 under ``servers`` / ``ratios_srt_over`` and every round under ``rounds``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -330,6 +337,29 @@ def table(results: dict[str, dict], rat: Ratios) -> str:
     return format_table(header, rows)
 
 
+def _median_of(ratios_: list[dict], key: str) -> str:
+    vals = [r[key] for r in ratios_ if r[key] is not None]
+    return f"{statistics.median(vals):.2f}" if vals else "-"
+
+
+def median_table(per_round: list[Ratios]) -> str:
+    """Per other server and concurrency: srt's tok/s ratio in each round, then the medians of the
+    tok/s, TTFT p50 and TPOT p50 ratios (rounds where a side failed are left out)."""
+    header = ["vs", "c", "srt/other tok/s per round", "median tok/s", "median TTFT p50", "median TPOT p50"]
+    rows = []
+    others = list(dict.fromkeys(name for rat in per_round for name in rat))
+    for other in others:
+        concs = sorted({c for rat in per_round for c in rat.get(other, {})})
+        for c in concs:
+            got = [rat[other][c] for rat in per_round if c in rat.get(other, {})]
+            tok = ", ".join(
+                "-" if g["output_throughput"] is None else f"{g['output_throughput']:.2f}" for g in got
+            )
+            meds = [_median_of(got, k) for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")]
+            rows.append([other, c, tok, *meds])
+    return format_table(header, rows)
+
+
 # ---------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -346,7 +376,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="What srt serves: the GGUF as shipped (its default) or the float32 HF export vLLM serves.",
     )
     p.add_argument("--vllm-args", default="", help="Extra vLLM api_server flags (one string).")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run every server this many times, the order reversed every other round.",
+    )
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     servers = [s for s in args.servers.split(",") if s]
     if args.llamacpp is not None:
         servers = [s for s in servers if s != "llamacpp"] + (["llamacpp"] if args.llamacpp else [])
@@ -403,29 +441,46 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _raise_on_sigterm)
     gguf, hf_dir, pythons, versions = prepare(args)
     run_dir = REPO / "benchmarks" / "results" / f"compare_servers-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
-    for name in args.servers:
-        port = free_port()
-        spec = make_spec(name, args, port, gguf, hf_dir, pythons)
-        try:
-            results[name] = bench_server(spec, port, args, hf_dir, run_dir)
-        except RuntimeError as e:  # a server that does not start or a failed run: report, go on
-            print(f"[{name}] FAILED: {e}", file=sys.stderr, flush=True)
-            results[name] = {"command": spec.argv, "env": spec.env, "error": str(e), "runs": []}
-    rat = ratios(results)
-    print(table(results, rat))
+    rounds: list[dict] = []
+    for i in range(args.rounds):
+        order = args.servers if i % 2 == 0 else args.servers[::-1]
+        round_dir = run_dir / f"round{i + 1}" if args.rounds > 1 else run_dir
+        round_dir.mkdir(parents=True, exist_ok=True)
+        results: dict[str, dict] = {}
+        for name in order:
+            port = free_port()
+            spec = make_spec(name, args, port, gguf, hf_dir, pythons)
+            try:
+                results[name] = bench_server(spec, port, args, hf_dir, round_dir)
+            except RuntimeError as e:  # a server that does not start or a failed run: report, go on
+                print(f"[{name}] FAILED: {e}", file=sys.stderr, flush=True)
+                results[name] = {"command": spec.argv, "env": spec.env, "error": str(e), "runs": []}
+        results = {name: results[name] for name in args.servers}
+        rat = ratios(results)
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds} (order: {', '.join(order)})")
+        print(table(results, rat))
+        rounds.append({"order": order, "servers": results, "ratios_srt_over": rat})
+    if args.rounds > 1:
+        print(f"srt's ratios per round and their median ({args.rounds} rounds)")
+        print(median_table([r["ratios_srt_over"] for r in rounds]))
     workload = {"dataset": "random-ids", "input_tokens": [32, 512], "output_tokens": [16, 256]}
     workload.update(concurrency=args.concurrency, num_prompts=args.num_prompts, seed=args.seed)
+
+    def by_conc(rat: Ratios) -> dict:
+        return {k: {str(c): v for c, v in d.items()} for k, d in rat.items()}
+
     summary = {
         "date": datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_info(),
         "versions": versions,
         "model": {"gguf": gguf, "hf_export": hf_dir, "srt_serves": args.srt_model},
         "workload": workload,
-        "servers": results,
-        "ratios_srt_over": {k: {str(c): v for c, v in d.items()} for k, d in rat.items()},
+        "servers": rounds[0]["servers"],
+        "ratios_srt_over": by_conc(rounds[0]["ratios_srt_over"]),
     }
+    if args.rounds > 1:
+        summary["rounds"] = [{**r, "ratios_srt_over": by_conc(r["ratios_srt_over"])} for r in rounds]
     out = run_dir.with_suffix(".json")
     out.write_text(json.dumps(summary, indent=2))
     print(f"summary: {out.relative_to(REPO)}")
