@@ -337,6 +337,11 @@ def table(results: dict[str, dict], rat: Ratios) -> str:
     return format_table(header, rows)
 
 
+def by_conc(rat: Ratios) -> dict:
+    """``rat`` with its concurrency keys as strings (the JSON summary's form)."""
+    return {k: {str(c): v for c, v in d.items()} for k, d in rat.items()}
+
+
 def _median_of(ratios_: list[dict], key: str) -> str:
     vals = [r[key] for r in ratios_ if r[key] is not None]
     return f"{statistics.median(vals):.2f}" if vals else "-"
@@ -466,9 +471,6 @@ def main(argv: list[str] | None = None) -> int:
         print(median_table([r["ratios_srt_over"] for r in rounds]))
     workload = {"dataset": "random-ids", "input_tokens": [32, 512], "output_tokens": [16, 256]}
     workload.update(concurrency=args.concurrency, num_prompts=args.num_prompts, seed=args.seed)
-
-    def by_conc(rat: Ratios) -> dict:
-        return {k: {str(c): v for c, v in d.items()} for k, d in rat.items()}
 
     summary = {
         "date": datetime.now().isoformat(timespec="seconds"),

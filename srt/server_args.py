@@ -43,6 +43,11 @@ def _f(default: Any, help: str, choices: list[str] | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# The auto --page-size on CPU: a decoding sequence's K/V in runs of this many contiguous slots,
+# which the fused decode-attention kernel streams (docs/benchmarks.md, session 25).
+CPU_PAGE_SIZE = 16
+
+
 @dataclass
 class ServerArgs:
     # ---- model ----
@@ -319,11 +324,10 @@ class ServerArgs:
             a.chunked_prefill_size = 8192 if a.device == "cuda" else 2048
         if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
             a.chunked_prefill_size = -1
-        if a.page_size is None:  # 16 on CPU unless a --chunked-prefill-size given is not a multiple of it
-            cpu_pages = a.device != "cuda" and (
-                a.chunked_prefill_size <= 0 or a.chunked_prefill_size % 16 == 0
-            )
-            a.page_size = 16 if cpu_pages else 1
+        if a.page_size is None:  # CPU_PAGE_SIZE unless a --chunked-prefill-size given is not whole pages
+            cpu = a.device != "cuda"
+            whole = a.chunked_prefill_size <= 0 or a.chunked_prefill_size % CPU_PAGE_SIZE == 0
+            a.page_size = CPU_PAGE_SIZE if cpu and whole else 1
         if a.page_size < 1 or (a.page_size & (a.page_size - 1)):
             raise ConfigError(f"--page-size must be a power of two >= 1, got {a.page_size}.")
         if a.chunked_prefill_size > 0 and a.chunked_prefill_size % a.page_size:

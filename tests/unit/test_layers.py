@@ -307,8 +307,8 @@ def _native_or_skip() -> None:
 def test_packed_linear_kernel_matches_a_float64_reference(n, k):
     """Every row count (the 4-row tiles and their 1-3 row tails), panels cut by N % 24, K blocks
     (256, 96 or 128 deep by row count: 1-4, 5-16, 17-32) cut by K, strided rows, with and without
-    bias; the AVX2 tile equals the scalar one bit
-    for bit (same FMA order), and a row gives the same bits alone or in any batch."""
+    bias; the AVX2 tile equals the scalar one bit for bit (same FMA order), and a row gives the
+    same bits alone or in any batch."""
     _native_or_skip()
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
