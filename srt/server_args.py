@@ -182,9 +182,9 @@ class ServerArgs:
     )
     linear_backend: str = _f(
         "auto",
-        "Matmul of the linear layers and LM head. auto = on CPU float32, native where the CPU's best "
-        "vector ISA is AVX2 (srt's packed kernel: 1.1-1.4x oneDNN there, batch-invariant), else onednn "
-        "when oneDNN passes a self-check (about 2x MKL on AMD CPUs); torch elsewhere. Logits of native "
+        "Matmul of the linear layers and LM head. auto = on CPU float32, native where the CPU has AVX2 "
+        "+ FMA (srt's packed kernel, AVX2 or AVX-512: 1.1-1.7x oneDNN at decode batches, batch-invariant), "
+        "else onednn when oneDNN passes a self-check (about 2x MKL on AMD CPUs); torch elsewhere. Logits of native "
         "and onednn are within ~1e-4 of MKL's; torch = F.linear (bitwise equal to a plain PyTorch model "
         "on the same machine).",
         list(LINEAR_BACKENDS),

@@ -106,22 +106,22 @@ def resolve_attention_backend(
 
 
 def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
-    """``auto`` -> on CPU float32: ``native`` where the CPU's best vector ISA is AVX2 (srt's packed
-    kernel, measured faster than oneDNN there), else ``onednn`` when oneDNN passes its self-check;
-    everywhere else ``torch``. An unknown name, or an explicit ``native`` / ``onednn`` that cannot
+    """``auto`` -> on CPU float32: ``native`` where the CPU has AVX2 + FMA (srt's packed kernel,
+    AVX2 or AVX-512, measured faster than oneDNN there), else ``onednn`` when oneDNN passes its
+    self-check; everywhere else ``torch``. An unknown name, or an explicit ``native`` / ``onednn`` that cannot
     run here, raises ``ValueError`` (``ServerArgs.resolve`` turns it into a ``ConfigError``)."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {requested!r}; expected one of {LINEAR_BACKENDS}")
     if requested == "torch":
         return requested
-    from srt.configs.device import cpu_has_avx2_without_avx512, onednn_linear_available  # imports torch
+    from srt.configs.device import cpu_has_avx2_fma, onednn_linear_available  # imports torch
 
     cpu_f32 = device == "cpu" and dtype == "float32"
     if requested == "native":
         if not cpu_f32:
             raise ValueError("--linear-backend native needs --device cpu and --dtype float32")
         return requested
-    if requested == "auto" and cpu_f32 and cpu_has_avx2_without_avx512():
+    if requested == "auto" and cpu_f32 and cpu_has_avx2_fma():
         return "native"
     usable = cpu_f32 and onednn_linear_available()
     if requested == "auto":

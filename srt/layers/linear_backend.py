@@ -13,13 +13,15 @@ that owns its own weight layout and ``apply``.
 
 * ``torch``: ``F.linear`` everywhere (MKL sgemm on CPU): outputs bitwise those of a plain PyTorch
   model on the same machine; always the choice on CUDA.
-* ``native`` (what ``auto`` picks on CPU float32 where the CPU's best vector ISA is AVX2): srt's
-  packed kernel, ``torch.ops.srt_cpu.packed_linear`` (``srt/kernels/cpu/packed_linear.cpp``) on
-  the weight packed once into panels of 24 output columns, one kernel for every batch size: it
-  streams the weights at M = 1-4 rows, and beats oneDNN at decode batches (1.3x at M = 8-64 on the
-  AMD Zen 3 measured) while matching it at prefill sizes. Every output is one FMA chain over k in
-  order, seeded with the bias, so results do not depend on the batch a row came in (batch
-  invariance) or on the thread count; against MKL the logits move by about 1e-4, as with oneDNN.
+* ``native`` (what ``auto`` picks on CPU float32 where the CPU has AVX2 + FMA, AVX-512 CPUs
+  included): srt's packed kernel, ``torch.ops.srt_cpu.packed_linear``
+  (``srt/kernels/cpu/packed_linear.cpp``) on the weight packed once into panels of output
+  columns (48 with an AVX-512 tile, 24 with an AVX2 one), one kernel for every batch size: it
+  streams the weights at M = 1-4 rows, and beats oneDNN at decode batches (1.3x at M = 8-64 on
+  the AMD Zen 3 measured, AVX2; 1.5-1.7x at M = 4-64 on the Intel Emerald Rapids measured,
+  AVX-512) while matching it at prefill sizes. Every output is one FMA chain over k in order,
+  seeded with the bias, so results do not depend on the batch a row came in (batch invariance),
+  on the thread count or on the ISA; against MKL the logits move by about 1e-4, as with oneDNN.
 * ``onednn`` (what ``auto`` picks on other CPU float32 machines when oneDNN is present and passes
   its self-check): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) for CPU float32 inputs
   outside autograd, ``F.linear`` for everything else. Its float32 accumulation order differs
