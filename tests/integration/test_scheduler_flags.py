@@ -104,3 +104,12 @@ def test_without_the_flag_the_queue_is_fcfs():
     s.handle_message(gen("b", prompt(2), 2, priority=9))
     order = [rid for o in s.run_until_idle() for rid, r in zip(o.rids, o.finished_reasons) if r is not None]
     assert order == ["a", "b"]
+
+
+def test_grammar_backend_none_serves_without_a_grammar_part():
+    """--grammar-backend none: no grammar part (its creation used to fail on the missing manager),
+    requests run as usual."""
+    s = make_scheduler(grammar_backend="none")
+    assert s.grammars is None
+    s.handle_message(gen("r", prompt(3), 8))
+    assert [t for g in per_rid(s.run_until_idle())["r"] for t in g] == reference_generate(prompt(3), 8)

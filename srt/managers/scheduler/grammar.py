@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from srt.constrained.base import GrammarBackend, GrammarError, GrammarSpec
 from srt.constrained.bitmask import allocate_bitmask
 from srt.constrained.registry import create_grammar_backend
 from srt.managers.io_struct import FinishReason
+from srt.utils.torch_threads import single_threaded_executor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,7 +55,8 @@ class GrammarManager:
     """See the module docstring. ``load_backend()`` runs on the worker thread (once)."""
 
     def __init__(self, load_backend: Callable[[], GrammarBackend]) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="srt-grammar")
+        # torch single-threaded on the worker: a second OpenMP pool would slow every forward
+        self._pool = single_threaded_executor(1, "srt-grammar")
         self._load_backend = load_backend
         self._backend_future: Future[GrammarBackend] | None = None
         self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()

@@ -108,8 +108,9 @@ def _load_model_runner(server_args: ServerArgs, tp_rank: int) -> SchedulerModelR
 def _create_grammars(
     server_args: ServerArgs, vocab_size: int, eos_token_ids: list[int]
 ) -> GrammarManager | None:
-    """The grammar part (None without a tokenizer). Tensor-parallel ranks must admit a request at
-    the same step, so with ``--tp-size`` > 1 grammar readiness never depends on timing."""
+    """The grammar part (None without a tokenizer or with ``--grammar-backend none``). Tensor-parallel
+    ranks must admit a request at the same step, so with ``--tp-size`` > 1 grammar readiness never
+    depends on timing."""
     if server_args.skip_tokenizer_init:
         return None
     grammars = GrammarManager.create(
@@ -120,7 +121,8 @@ def _create_grammars(
         server_args.trust_remote_code,
         server_args.reasoning_parser,
     )
-    grammars.wait_all = server_args.tp_size > 1
+    if grammars is not None:
+        grammars.wait_all = server_args.tp_size > 1
     return grammars
 
 
