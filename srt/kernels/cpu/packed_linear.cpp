@@ -6,7 +6,9 @@
 //       registers); 0 picks the one for this CPU's best kernel
 //   packed_linear(x [M, K], packed, N, bias [N]?, isa = "") -> out [M, N]
 //
-// Threads take whole panels (at::parallel_for over P). Within a panel, K goes in blocks of KC
+// Threads take whole panels (at::parallel_for over P). A prefill-sized x (more than 256 rows) goes
+// in blocks of 128 rows, each passed over by all of the thread's panels while it sits in L2.
+// Within a panel, K goes in blocks of KC
 // (a KC x nr slice of the panel stays in L1 while every row block of x passes over it) and x in
 // blocks of MR rows: a register tile that stays in registers across the K block. AVX2: 4 rows x 24
 // columns (12 accumulators, 3 weight loads and 4 broadcasts per k). AVX-512: 8 rows x 48 columns
@@ -40,6 +42,9 @@ namespace srt_cpu {
 namespace {
 
 constexpr int64_t kLine = 64;
+// x goes in blocks of kRowBlock rows when it has more than kMaxRowBlock (see packed_linear)
+constexpr int64_t kRowBlock = 128;
+constexpr int64_t kMaxRowBlock = 256;
 constexpr int kMaxMR = 8;
 constexpr int64_t kMaxNR = 48;
 
@@ -273,44 +278,50 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   float* c = out.data_ptr<float>();
   const int MR = kern.rows;
   const int64_t TW = kern.width;
-  const int64_t KC = k_block(M, NR), row_tiles = (M + MR - 1) / MR;
+  // x in blocks of MC rows (all of it up to kMaxRowBlock rows): a block's rows stay in L2 while
+  // every panel of the thread passes over them (at 2048 rows, 1.2x over one block of all rows)
+  const int64_t MC = M <= kMaxRowBlock ? M : kRowBlock;
+  const int64_t KC = k_block(MC, NR), row_tiles = (MC + MR - 1) / MR;
   const int64_t slice_lines = KC * NR * static_cast<int64_t>(sizeof(float)) / kLine;
-  const bool prefetch = row_tiles > 1 || (kern.prefetch_alone && M > 1);
+  const bool prefetch = row_tiles > 1 || (kern.prefetch_alone && MC > 1);
   const int64_t lines_per_tile = prefetch ? (slice_lines + row_tiles - 1) / row_tiles : 0;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float edge[kMaxMR * kMaxNR];  // the last panel's tile when N is not a multiple of NR
     float bias_edge[kMaxNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(NR, N - p * NR);
-      const float* pb = bp ? bp + p * NR : nullptr;
-      if (pb && cols < NR) {
-        std::fill(bias_edge, bias_edge + NR, 0.f);
-        std::copy(pb, pb + cols, bias_edge);
-        pb = bias_edge;
-      }
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const float* b = w + (p * K + k0) * NR;
-        // the next slice follows this one in memory (the next panel's first one after the last)
-        const char* next = reinterpret_cast<const char*>(b + kc * NR);
-        for (int64_t m = 0; m < M; m += MR) {
-          const int R = static_cast<int>(std::min<int64_t>(MR, M - m));
-          const int64_t l0 = std::min(slice_lines, m / MR * lines_per_tile);
-          const int64_t npf = std::min(slice_lines, l0 + lines_per_tile) - l0;
-          const char* pf = next + kLine * l0;
-          float* cm = c + m * N + p * NR;
-          float* ct = cm;
-          int64_t ldc = N;
-          if (cols < NR) {  // through the edge buffer
-            for (int i = 0; i < R; ++i) std::copy(cm + i * N, cm + i * N + cols, edge + i * NR);
-            ct = edge, ldc = NR;
-          }
-          for (int64_t j = 0; j < NR; j += TW) {  // the prefetch share goes with the first part
-            kern.tile(R, a + m * lda + k0, lda, b + j, NR, kc, ct + j, ldc, pb ? pb + j : nullptr, k0 == 0,
-                      pf, j == 0 ? npf : 0);
-          }
-          if (cols < NR) {
-            for (int i = 0; i < R; ++i) std::copy(edge + i * NR, edge + i * NR + cols, cm + i * N);
+    for (int64_t mb = 0; mb < M; mb += MC) {
+      const int64_t me = std::min(M, mb + MC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min(NR, N - p * NR);
+        const float* pb = bp ? bp + p * NR : nullptr;
+        if (pb && cols < NR) {
+          std::fill(bias_edge, bias_edge + NR, 0.f);
+          std::copy(pb, pb + cols, bias_edge);
+          pb = bias_edge;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const float* b = w + (p * K + k0) * NR;
+          // the next slice follows this one in memory (the next panel's first one after the last)
+          const char* next = reinterpret_cast<const char*>(b + kc * NR);
+          for (int64_t m = mb; m < me; m += MR) {
+            const int R = static_cast<int>(std::min<int64_t>(MR, me - m));
+            const int64_t l0 = std::min(slice_lines, (m - mb) / MR * lines_per_tile);
+            const int64_t npf = std::min(slice_lines, l0 + lines_per_tile) - l0;
+            const char* pf = next + kLine * l0;
+            float* cm = c + m * N + p * NR;
+            float* ct = cm;
+            int64_t ldc = N;
+            if (cols < NR) {  // through the edge buffer
+              for (int i = 0; i < R; ++i) std::copy(cm + i * N, cm + i * N + cols, edge + i * NR);
+              ct = edge, ldc = NR;
+            }
+            for (int64_t j = 0; j < NR; j += TW) {  // the prefetch share goes with the first part
+              kern.tile(R, a + m * lda + k0, lda, b + j, NR, kc, ct + j, ldc, pb ? pb + j : nullptr, k0 == 0,
+                        pf, j == 0 ? npf : 0);
+            }
+            if (cols < NR) {
+              for (int i = 0; i < R; ++i) std::copy(edge + i * NR, edge + i * NR + cols, cm + i * N);
+            }
           }
         }
       }
