@@ -18,7 +18,7 @@ that owns its own weight layout and ``apply``.
   (``srt/kernels/cpu/packed_linear.cpp``) on the weight packed once into panels of output
   columns (48 with an AVX-512 tile, 24 with an AVX2 one), one kernel for every batch size: it
   streams the weights at M = 1-4 rows, and beats oneDNN at decode batches (1.3x at M = 8-64 on
-  the AMD Zen 3 measured, AVX2; 1.5-1.7x at M = 4-64 on the Intel Emerald Rapids measured,
+  the AMD Zen 3 measured, AVX2; 1.4-1.6x at M = 4-64 on the Intel Emerald Rapids measured,
   AVX-512) while matching it at prefill sizes. Every output is one FMA chain over k in order,
   seeded with the bias, so results do not depend on the batch a row came in (batch invariance),
   on the thread count or on the ISA; against MKL the logits move by about 1e-4, as with oneDNN.
