@@ -8,12 +8,12 @@
 //
 // Threads take whole panels (at::parallel_for over P). A prefill-sized x (more than 256 rows) goes
 // in blocks of 128 rows, each passed over by all of the thread's panels while it sits in L2.
-// Within a panel, K goes in blocks of KC
-// (a KC x nr slice of the panel stays in L1 while every row block of x passes over it) and x in
-// blocks of MR rows: a register tile that stays in registers across the K block. AVX2: 4 rows x 24
-// columns (12 accumulators, 3 weight loads and 4 broadcasts per k). AVX-512: 8 rows x 48 columns
-// (24 accumulators, 3 weight loads, 8 broadcasts folded into the FMAs). The AVX2 tile also runs a
-// 48-wide panel, in two halves, so a packed weight runs on any CPU.
+// Within a panel, K goes in blocks of KC (a KC x nr slice of the panel stays in L1 while every row
+// block of x passes over it) and x in blocks of MR rows: a register tile that stays in registers
+// across the K block. AVX2: 4 rows x 24 columns (12 accumulators, 3 weight loads and 4 broadcasts
+// per k). AVX-512: 8 rows x 48 columns (24 accumulators, 3 weight loads, 8 broadcasts folded into
+// the FMAs). The AVX2 tile also runs a 48-wide panel, in two halves, so a packed weight runs on any
+// CPU.
 // While the row blocks pass over one slice they prefetch the next one into L1, a share each,
 // spread over their k loops: without it the first row block of every slice waits on DRAM with
 // nothing to overlap (10-20% of a decode batch's time). KC keeps the slice in use and the one
@@ -204,22 +204,28 @@ void tile_avx512(int R, const float* a, int64_t lda, const float* b, int64_t ldb
 // 48-wide panel in two halves), so a packed weight is never tied to the CPU.
 int64_t default_panel_width() { return detect_isa() == CpuIsa::kAvx512 ? 48 : 24; }
 
+Kernel scalar_kernel(int64_t nr) {
+  return nr == 48 ? Kernel{&tile_scalar<48>, 48, 4, false} : Kernel{&tile_scalar<24>, 24, 4, false};
+}
+
 // The kernel for `isa` ("": the best this CPU has for panels of `nr` columns).
 Kernel pick_kernel(c10::string_view isa, int64_t nr) {
-  const CpuIsa best = detect_isa();
-  if (isa == "scalar") return nr == 48 ? Kernel{&tile_scalar<48>, 48, 4, false} : Kernel{&tile_scalar<24>, 24, 4, false};
+  if (isa == "scalar") return scalar_kernel(nr);
   TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512",
               "packed_linear: isa must be '', 'scalar', 'avx2' or 'avx512', got '", std::string(isa), "'");
 #if SRT_CPU_X86
-  if (isa == "avx512" || (isa.empty() && nr == 48)) {
-    TORCH_CHECK(best >= CpuIsa::kAvx512 || isa.empty(), "packed_linear: this CPU has no AVX-512");
-    TORCH_CHECK(nr == 48 || isa.empty(), "packed_linear: the avx512 kernel needs panels of 48, got ", nr);
-    if (best >= CpuIsa::kAvx512) return Kernel{&tile_avx512, 48, 8, true};
+  const CpuIsa best = detect_isa();
+  const Kernel avx512{&tile_avx512, 48, 8, true};
+  if (isa == "avx512") {
+    TORCH_CHECK(best >= CpuIsa::kAvx512, "packed_linear: this CPU has no AVX-512");
+    TORCH_CHECK(nr == 48, "packed_linear: the avx512 kernel needs panels of 48, got ", nr);
+    return avx512;
   }
+  if (isa.empty() && nr == 48 && best >= CpuIsa::kAvx512) return avx512;
   if (best >= CpuIsa::kAvx2) return Kernel{&tile_avx2, 24, 4, false};
 #endif
   TORCH_CHECK(isa.empty(), "packed_linear: this CPU has no ", std::string(isa));
-  return nr == 48 ? Kernel{&tile_scalar<48>, 48, 4, false} : Kernel{&tile_scalar<24>, 24, 4, false};
+  return scalar_kernel(nr);
 }
 
 // k per block for an M-row x and panels of nr columns (a slice is KC * nr * 4 bytes): see the
