@@ -158,9 +158,10 @@ class ServerArgs:
     disable_native_decode_layers: bool = _f(
         False,
         "Run DECODE steps layer by layer in Python. By default a Llama-family model whose "
-        "projections are all GGUF blocks of a native type (--quantization gguf) decodes through one "
-        "native call for all its layers (same kernels, same results, no per-op overhead); this "
-        "flag is for comparison and debugging.",
+        "projections are all GGUF blocks of a native type (--quantization gguf) or float32 weights "
+        "packed for srt's kernel (--linear-backend native) decodes through one native call for all "
+        "its layers (same kernels, same results, no per-op overhead); this flag is for comparison "
+        "and debugging.",
     )
     num_threads: int | None = _f(
         None,

@@ -7,11 +7,12 @@ stack to ``torch.classes.srt_cpu.DecodeLayers`` (srt/kernels/cpu/decode_layers.c
 the same kernels in the same order from C++: its output is bit for bit the Python path's
 (tests/unit/test_native_decode_layers.py).
 
-It applies when every projection of every layer is GGUF blocks of one natively supported type
-(``--quantization gguf``, the default for GGUF models on CPU), activations are float32 on the
-CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``). EXTEND
-and MIXED batches, float32 weights and everything else keep the layer-by-layer Python path.
-``--disable-native-decode-layers`` turns it off.
+It applies when every projection of every layer is either GGUF blocks of one natively supported
+type (``--quantization gguf``, the default for GGUF models on CPU) or a float32 weight packed for
+srt's kernel (``--linear-backend native``, the default on AVX2 CPUs), activations are float32 on
+the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
+EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
+Python path. ``--disable-native-decode-layers`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,8 +31,26 @@ if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
 
 
+# DecodeLayers' qtype for a float32 weight packed by pack_linear_weight (decode_layers.cpp)
+PACKED_F32 = -1
+
+
 def _blocks(linear: Linear) -> tuple[torch.Tensor, int, int] | None:
-    return None if linear.qweight is None else linear.qweight.native_blocks
+    """``(data, qtype, rows)`` as DecodeLayers.add_layer takes a projection: GGUF blocks of one
+    native type, or the native backend's packed float32 weight (``PACKED_F32``, rows = N); None
+    when the projection has neither."""
+    if linear.qweight is not None:
+        return linear.qweight.native_blocks
+    packed = linear.packed_weight
+    if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype != torch.float32:
+        return None
+    if linear.bias is not None and (linear.bias.dtype != torch.float32 or not linear.bias.is_contiguous()):
+        return None
+    return packed, PACKED_F32, linear.out_features
+
+
+def _int8_rows(linear: Linear) -> int:
+    return 0 if linear.qweight is None else linear.qweight.int8_max_rows
 
 
 class NativeDecodeLayers:
@@ -54,8 +73,7 @@ class NativeDecodeLayers:
         if rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.device.type != "cpu":
             return None, "the rotary cache is not float32 on the CPU"
         norm_eps = layers[0].input_layernorm.eps
-        qkv0 = first.qkv_proj.qweight
-        int8_max_rows = 0 if qkv0 is None else qkv0.int8_max_rows  # one choice for the whole model
+        int8_max_rows = _int8_rows(first.qkv_proj)  # one choice for the whole model
         stack = torch.classes.srt_cpu.DecodeLayers(
             first.num_heads,
             first.num_kv_heads,
@@ -70,8 +88,11 @@ class NativeDecodeLayers:
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             blocks = [_blocks(p) for p in projections]
             if any(b is None for b in blocks):
-                return None, f"layer {i} has a projection that is not one natively supported GGUF type"
-            if any(p.qweight.int8_max_rows != int8_max_rows for p in projections):
+                return None, (
+                    f"layer {i} has a projection that is neither one natively supported GGUF type "
+                    "nor a float32 weight packed for --linear-backend native"
+                )
+            if any(_int8_rows(p) != int8_max_rows for p in projections):
                 return None, f"layer {i}'s projections differ in their int8-activation choice"
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != norm_eps or n.weight.dtype != torch.float32 for n in norms):

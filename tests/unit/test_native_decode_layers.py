@@ -1,7 +1,7 @@
 """Native decode layers (srt/models/llama_native.py, decode_layers.cpp): a DECODE step through the
 one native call gives bit for bit the logits and KV pool of the layer-by-layer Python path, for
-Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm), float32 and float16 KV, mixed context lengths; and
-it is used exactly when it applies."""
+Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm), GGUF and packed float32 weights, float32 and float16
+KV, mixed context lengths; and it is used exactly when it applies."""
 
 from __future__ import annotations
 
@@ -102,8 +102,12 @@ def _decode_both_ways(runner: ModelRunner, lens: list[int], seed: int = 0) -> No
 @pytest.mark.parametrize("kind", TINY_KINDS)
 @pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
 def test_tiny_models_native_equals_python(tmp_path, kind, kv_dtype):
-    runner = _runner(save_tiny_model(kind, tmp_path / kind, seed=1), kv_cache_dtype=kv_dtype)
-    assert runner.model.model.native_decode is None  # float32 weights: layer by layer
+    path = save_tiny_model(kind, tmp_path / kind, seed=1)
+    runner = _runner(path, kv_cache_dtype=kv_dtype, linear_backend="native")
+    assert runner.model.model.native_decode is not None  # float32 weights packed for srt's kernel
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
+    _decode_both_ways(runner, [64], seed=4)
+    runner = _runner(path, kv_cache_dtype=kv_dtype)
     _quantize_projections(runner)
     line = runner.model.enable_native_decode()
     assert line.startswith("native decode layers on"), line
@@ -113,11 +117,11 @@ def test_tiny_models_native_equals_python(tmp_path, kind, kv_dtype):
 
 def test_not_used_where_it_does_not_apply(tmp_path):
     path = save_tiny_model("llama", tmp_path / "m", seed=1)
-    runner = _runner(path)
-    assert runner.model.model.native_decode is None
-    line = runner.model.enable_native_decode()
-    assert line.startswith("native decode layers off") and "layer 0" in line, line
-    _quantize_projections(runner)
+    for backend in ("onednn", "torch"):  # float32 weights the native kernel does not hold
+        runner = _runner(path, linear_backend=backend)
+        assert runner.model.model.native_decode is None
+        line = runner.model.enable_native_decode()
+        assert line.startswith("native decode layers off") and "layer 0" in line, line
     # the torch-native attention backend has no native decode arguments: layer by layer
     runner = _runner(path, attention_backend="torch_native")
     _quantize_projections(runner)

@@ -32,6 +32,10 @@ at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t 
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
 
+// packed_linear.cpp: float32 x @ W^T on a weight from pack_linear_weight (N: W's rows)
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         c10::string_view isa);
+
 // Argument checks the GGUF matmul ops share (`op` names the op in the message).
 // x: a float32 CPU tensor [M, K] with a contiguous last dim
 inline void check_activations(const char* op, const at::Tensor& x) {

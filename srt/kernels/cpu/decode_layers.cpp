@@ -3,8 +3,9 @@
 // overhead on each of the dozen ops of every layer (about 5 ms of a 15 ms step for the default
 // model, 30 layers).
 //
-// The object holds the layers' weights (GGUF blocks kept as loaded, norms, biases) once; each
-// step passes the activations and the attention metadata:
+// The object holds the layers' weights (GGUF blocks kept as loaded, or float32 weights packed by
+// pack_linear_weight; norms, biases) once; each step passes the activations and the attention
+// metadata:
 //
 //   forward(hidden [B, h] f32, positions [B] i64, k_buffers, v_buffers (one [S, H_kv, D] per
 //           layer), out_cache_loc [B] i64, req_to_token, req_pool_indices [B], seq_lens [B])
@@ -14,9 +15,9 @@
 // in the final norm). Per layer, in the Python path's order and through the very same kernels
 // (cpu_ops.h), so the result is bit for bit the Python path's:
 //
-//   norm (+ residual) -> qkv (gguf_linear) -> [q/k RMSNorm per head] -> rotary_neox_ ->
-//   k/v stored at out_cache_loc (cast to the pool's dtype) -> paged_decode_attention ->
-//   o (gguf_linear) -> norm + residual -> gate_up -> silu_and_mul -> down
+//   norm (+ residual) -> qkv (gguf_linear / packed_linear) -> [q/k RMSNorm per head] ->
+//   rotary_neox_ -> k/v stored at out_cache_loc (cast to the pool's dtype) ->
+//   paged_decode_attention -> o -> norm + residual -> gate_up -> silu_and_mul -> down
 //
 // The first layer's input norm has no residual to add (residual = the embedding output).
 #include <ATen/ATen.h>
@@ -34,15 +35,20 @@
 namespace srt_cpu {
 namespace {
 
+// qtype of a float32 weight packed by pack_linear_weight (not a ggml type)
+constexpr int64_t kPackedF32 = -1;
+
 struct QuantLinear {
-  at::Tensor data;  // uint8 [N, bytes per row], or x8 groups (gguf_x8.h) when x8_rows > 0
+  at::Tensor data;  // uint8 [N, bytes per row], x8 groups (gguf_x8.h) when x8_rows > 0, or float32
+                    // panels [P, K, nr] (qtype kPackedF32)
   int64_t qtype;
-  int64_t x8_rows;  // N of an x8-packed weight, 0 for GGUF rows
+  int64_t x8_rows;  // N of an x8-packed weight or of a packed float32 one, 0 for GGUF rows
   c10::optional<at::Tensor> bias;
 
   // int8_max_rows: inputs of at most that many rows take the int8-activation kernel (as the
-  // Python path's QuantizedWeight.linear does)
+  // Python path's QuantizedWeight.linear does; never for float32 weights)
   at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows) const {
+    if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
     if (x.size(0) <= int8_max_rows) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }
@@ -113,7 +119,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                 " x ", D_);
   }
 
-  // each projection: (data, qtype, x8 rows or 0, bias); see QuantLinear
+  // each projection: (data, qtype, x8 rows / N or 0, bias); see QuantLinear
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor qkv, int64_t qkv_type,
                  int64_t qkv_x8, c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, int64_t o_x8,
                  c10::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type, int64_t gate_up_x8,

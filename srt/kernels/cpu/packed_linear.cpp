@@ -256,6 +256,8 @@ at::Tensor pack_linear_weight(const at::Tensor& w, int64_t nr) {
   return out;
 }
 
+}  // namespace
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          c10::string_view isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
@@ -335,6 +337,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   });
   return out;
 }
+
+namespace {
 
 at::Tensor packed_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, const c10::optional<at::Tensor>&,
                               c10::string_view) {
