@@ -151,8 +151,9 @@ class ServerArgs:
     attention_backend: str | None = _f(
         None,
         "Attention backend (auto: fused_cpu on CPU, torch_native on CUDA until srt has its "
-        "flashinfer backend). fused_cpu decodes through srt's native paged kernel (built by make "
-        "setup; torch_native's path when it is not built); torch_native is the reference.",
+        "flashinfer backend). fused_cpu runs srt's native kernels: paged decode, and causal extend "
+        "for float32 (built by make setup; torch_native's path when they are not built); "
+        "torch_native is the reference.",
         list(ATTENTION_BACKENDS),
     )
     disable_native_decode_layers: bool = _f(

@@ -1,10 +1,13 @@
-"""Fused CPU attention: decode through the native paged kernel, extend through torch-native SDPA.
+"""Fused CPU attention: native kernels for decode and for extend.
 
 The decode part of a DECODE or MIXED batch runs ``srt.kernels.cpu.paged_decode_attention``
 (decode_attention.cpp): K/V are read in place through ``req_to_token`` (no gather into a
 workspace), each K/V row is loaded once for every query head of its GQA group, and long contexts
 are split across threads and merged by log-sum-exp. Extend sequences (prefill, cached prefix +
-new tokens) take the torch-native path unchanged.
+new tokens) get their K/V as the torch-native path does (the rows in hand without a prefix, one
+gather with one), then run ``torch.ops.srt_cpu.extend_attention`` (extend_attention.cpp: all the
+batch's sequences in one call, register-tiled, causal blocks skipped) when the activations are
+float32 and the head dim a multiple of 64, torch's SDPA otherwise.
 
 When the extension is not built (no compiler, a failed build, ``SRT_DISABLE_NATIVE_KERNELS=1``)
 the backend is exactly ``TorchNativeAttnBackend``; one log line at start-up says which decode
@@ -43,9 +46,48 @@ class FusedCPUAttnBackend(TorchNativeAttnBackend):
                 "is unavailable (%s)",
                 cpu_kernels.kernel_status(),
             )
+        self._extend_native = self.native and hasattr(torch.ops.srt_cpu, "extend_attention")
+        # the extend sequences' (q_starts, kv_starts, extend_lens, seq_lens) of the current batch
+        self._extend_desc: tuple[torch.Tensor, ...] | None = None
         self._req_to_token: torch.Tensor | None = None
         self._decode_rows: torch.Tensor | None = None
         self._decode_lens: torch.Tensor | None = None
+
+    def _init_extend(
+        self,
+        md: TorchNativeMetadata,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: list[int],
+        extend_lens: list[int],
+        prefix_lens: list[int],
+    ) -> None:
+        super()._init_extend(md, req_to_token, req_pool_indices, seq_lens, extend_lens, prefix_lens)
+        self._extend_desc = None
+        if self._extend_native:
+            q_starts, kv_starts = [], []
+            for run in md.extend_runs:
+                q_starts += [run.q_start + i * run.extend_len for i in range(run.n)]
+                kv_starts += [run.kv_start + i * run.seq_len for i in range(run.n)]
+            n = len(q_starts)
+            lens = (q_starts, kv_starts, extend_lens[:n], seq_lens[:n])
+            self._extend_desc = tuple(torch.tensor(x, dtype=torch.int64) for x in lens)
+
+    def _extend(
+        self,
+        q3: torch.Tensor,
+        kx: torch.Tensor,
+        vx: torch.Tensor,
+        md: TorchNativeMetadata,
+        layer: AttentionLayer,
+        out: torch.Tensor,
+    ) -> None:
+        desc = self._extend_desc
+        if desc is None or q3.dtype != torch.float32 or kx.dtype != torch.float32 or layer.head_dim % 64:
+            super()._extend(q3, kx, vx, md, layer, out)
+            return
+        ne_tok = md.num_extend_tokens
+        out[:ne_tok] = torch.ops.srt_cpu.extend_attention(q3[:ne_tok], kx, vx, *desc, layer.scaling)
 
     def _init_decode(
         self,

@@ -240,7 +240,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q3 = q.reshape(num_tokens, h, d)
         out = q.new_empty(num_tokens, h, d)
-        gqa = h != h_kv
         if md.num_extend_seqs:
             if md.extend_no_prefix and k_buf.dtype == q.dtype:
                 # nothing cached to read: the k/v rows in hand are what the pool now holds
@@ -249,19 +248,34 @@ class TorchNativeAttnBackend(AttentionBackend):
             else:
                 kx = self._gather(k_buf, md.extend_kv_slots, 0, md).to(q.dtype)
                 vx = self._gather(v_buf, md.extend_kv_slots, 1, md).to(q.dtype)
-            for run in md.extend_runs:
-                qe, ks, n, e, s = run.q_start, run.kv_start, run.n, run.extend_len, run.seq_len
-                qr = q3[qe : qe + n * e].view(n, e, h, d).transpose(1, 2)
-                kr = kx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
-                vr = vx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
-                o = F.scaled_dot_product_attention(
-                    qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
-                )
-                out[qe : qe + n * e].view(n, e, h, d).copy_(o.transpose(1, 2))
+            self._extend(q3, kx, vx, md, layer, out)
         if md.num_decode_seqs:
             ne_tok = md.num_extend_tokens
             out[ne_tok:] = self._decode(q3[ne_tok:], k_buf, v_buf, md, layer)
         return out.view(num_tokens, h * d)
+
+    def _extend(
+        self,
+        q3: torch.Tensor,
+        kx: torch.Tensor,
+        vx: torch.Tensor,
+        md: TorchNativeMetadata,
+        layer: AttentionLayer,
+        out: torch.Tensor,
+    ) -> None:
+        """The extend sequences' attention into ``out[:num_extend_tokens]``: q3 ``[T, H, D]``,
+        kx/vx ``[sum of extend seq_lens, H_kv, D]`` (each sequence's keys in order, prefix first)."""
+        h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        gqa = h != h_kv
+        for run in md.extend_runs:
+            qe, ks, n, e, s = run.q_start, run.kv_start, run.n, run.extend_len, run.seq_len
+            qr = q3[qe : qe + n * e].view(n, e, h, d).transpose(1, 2)
+            kr = kx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
+            vr = vx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
+            )
+            out[qe : qe + n * e].view(n, e, h, d).copy_(o.transpose(1, 2))
 
     def forward_decode(
         self,

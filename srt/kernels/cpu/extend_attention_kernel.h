@@ -1,0 +1,116 @@
+// The per-ISA body of the causal extend-attention kernel (extend_attention.cpp compiles it once
+// per instruction set through isa_instances.h; see decode_attention_kernel.h for the macros).
+//
+// rows() runs one work item: up to RT query rows of one sequence and one query head against the
+// keys they see, in blocks of KB keys, with an online softmax:
+//   S [R, KB]  = q_rows @ Kt[:, t0 .. t0 + KB)    a register tile (R rows x NV vectors): each
+//                                                 q value broadcast, Kt rows (D of them, KB keys
+//                                                 wide) streamed from L1
+//   masked (key t visible to row r iff t <= lim_r), scaled, online softmax per row
+//   O [R, D]  += P [R, kb] @ V[t0 .. t0 + kb)    the same tile, V's rows streamed, D in KB chunks
+// Kt is the sequence's K for one KV head transposed to [D][keys] (zero past the last key), built
+// once per call by the caller, so both products are plain register-tiled GEMMs.
+
+namespace srt_cpu {
+namespace SRT_ISA_NS {
+
+using Vec = SRT_ISA_VEC;
+using reg = Vec::reg;
+constexpr int W = Vec::W;
+constexpr int NV = 4;                                      // vectors per tile row
+constexpr int KB = NV * W;                                 // keys per block (and D per PV pass)
+constexpr int RT = W == 16 ? 6 : (W == 8 ? 3 : 4);         // rows per tile (R x NV accumulators)
+
+// c[r][0 .. KB) = (acc ? c : 0) + sum_{k < kc} a[r * lda + k] * b[k * ldb + 0 .. KB), r < R
+template <int R>
+SRT_ISA_TARGET inline void tile_r(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* c,
+                                  int64_t ldc, bool acc) {
+  reg r[R][NV];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < NV; ++j) r[i][j] = acc ? Vec::load(c + i * ldc + j * W) : Vec::zero();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    reg bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = Vec::load(b + k * ldb + j * W);
+    for (int i = 0; i < R; ++i) {
+      const reg ai = Vec::set1(a[i * lda + k]);
+      for (int j = 0; j < NV; ++j) r[i][j] = Vec::fmadd(ai, bv[j], r[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < NV; ++j) Vec::store(c + i * ldc + j * W, r[i][j]);
+  }
+}
+
+SRT_ISA_TARGET inline void tile(int R, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t kc, float* c,
+                                int64_t ldc, bool acc) {
+  switch (R) {
+    case 6: if constexpr (RT >= 6) return tile_r<6>(a, lda, b, ldb, kc, c, ldc, acc); break;
+    case 5: if constexpr (RT >= 5) return tile_r<5>(a, lda, b, ldb, kc, c, ldc, acc); break;
+    case 4: if constexpr (RT >= 4) return tile_r<4>(a, lda, b, ldb, kc, c, ldc, acc); break;
+    case 3: return tile_r<3>(a, lda, b, ldb, kc, c, ldc, acc);
+    case 2: return tile_r<2>(a, lda, b, ldb, kc, c, ldc, acc);
+    default: break;
+  }
+  return tile_r<1>(a, lda, b, ldb, kc, c, ldc, acc);
+}
+
+// One work item (see the top). q: the first row's query (row stride q_stride); kt: [D][kt_stride]
+// for the item's KV head; v: key 0's V row of that head (row stride v_stride); lim0: the last key
+// row 0 sees (rows r see keys 0 .. lim0 + r); out: row stride out_stride. Scratch: s [RT * KB],
+// o [RT * D].
+SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, int64_t kt_stride, const float* v,
+                         int64_t v_stride, int64_t D, int64_t lim0, float scale, float* out, int64_t out_stride,
+                         float* s, float* o) {
+  float m[RT], l[RT];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + R * D, 0.f);
+  const reg sc = Vec::set1(scale);
+  const int64_t n_keys = lim0 + R;
+  for (int64_t t0 = 0; t0 < n_keys; t0 += KB) {
+    const int64_t kb = std::min<int64_t>(KB, n_keys - t0);
+    tile(R, q, q_stride, kt + t0, kt_stride, D, s, KB, false);
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * KB;
+      const int64_t valid = std::min<int64_t>(kb, lim0 + r - t0 + 1);  // keys of this block row r sees
+      for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
+      for (int64_t t = std::max<int64_t>(valid, 0); t < KB; ++t) sr[t] = -INFINITY;
+      if (valid <= 0) {  // nothing to see here (a later row's key): p = 0
+        std::fill(sr, sr + KB, 0.f);
+        continue;
+      }
+      reg mx = Vec::load(sr);
+      for (int j = W; j < KB; j += W) mx = Vec::max(mx, Vec::load(sr + j));
+      const float bm = Vec::hmax(mx);
+      if (bm > m[r]) {
+        if (l[r] != 0.f) {
+          const float alpha = std::exp(m[r] - bm);
+          const reg av = Vec::set1(alpha);
+          float* orow = o + r * D;
+          for (int64_t d = 0; d < D; d += W) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
+          l[r] *= alpha;
+        }
+        m[r] = bm;
+      }
+      const reg mv = Vec::set1(m[r]);
+      reg sum = Vec::zero();
+      for (int j = 0; j < KB; j += W) {
+        const reg p = Vec::exp(Vec::sub(Vec::load(sr + j), mv));
+        Vec::store(sr + j, p);
+        sum = Vec::add(sum, p);
+      }
+      l[r] += Vec::hsum(sum);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += KB) tile(R, s, KB, v + t0 * v_stride + d0, v_stride, kb, o + d0, D, true);
+  }
+  for (int r = 0; r < R; ++r) {
+    const reg inv = Vec::set1(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
+  }
+}
+
+}  // namespace SRT_ISA_NS
+}  // namespace srt_cpu
