@@ -8,8 +8,30 @@
 #include <c10/util/string_view.h>
 
 #include <cstdint>
+#include <string>
+
+#include "vec.h"
 
 namespace srt_cpu {
+
+// The instruction set an op's `isa` argument asks for: "" -> the best this CPU has; "scalar",
+// "avx2" or "avx512" -> that one. Anything else, or one this CPU lacks, is an error naming `op`.
+inline CpuIsa requested_isa(const char* op, c10::string_view requested) {
+  const CpuIsa best = detect_isa();
+  if (requested.empty()) return best;
+  CpuIsa want = CpuIsa::kScalar;
+  if (requested == "avx2") {
+    want = CpuIsa::kAvx2;
+  } else if (requested == "avx512") {
+    want = CpuIsa::kAvx512;
+  } else {
+    TORCH_CHECK(requested == "scalar", op, ": isa must be '', 'scalar', 'avx2' or 'avx512', got '",
+                std::string(requested), "'");
+  }
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), op, ": isa '", std::string(requested),
+              "' is not supported by this CPU");
+  return want;
+}
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,

@@ -91,27 +91,6 @@ const char* isa_name(Isa isa) {
   }
 }
 
-Isa best_isa() { return detect_isa(); }
-
-Isa resolve_isa(c10::string_view requested) {
-  const Isa best = best_isa();
-  if (requested.empty()) return best;
-  Isa want;
-  if (requested == "scalar") {
-    want = Isa::kScalar;
-  } else if (requested == "avx2") {
-    want = Isa::kAvx2;
-  } else if (requested == "avx512") {
-    want = Isa::kAvx512;
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: isa must be '', 'scalar', 'avx2' or 'avx512', got '",
-                std::string(requested), "'");
-  }
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "paged_decode_attention: isa '",
-              std::string(requested), "' is not supported by this CPU (best: ", isa_name(best), ")");
-  return want;
-}
-
 template <class KT>
 AttendFn pick_attend(Isa isa) {
   switch (isa) {
@@ -289,7 +268,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
                                   const at::Tensor& seq_lens, double scale, int64_t split_len,
                                   c10::string_view isa_request) {
   check_inputs(q_in, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, split_len);
-  const AttendFn attend = pick_attend(k_buffer.scalar_type(), resolve_isa(isa_request));
+  const AttendFn attend = pick_attend(k_buffer.scalar_type(), requested_isa("paged_decode_attention", isa_request));
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t S = k_buffer.size(0), h_kv = k_buffer.size(1), G = H / h_kv;
@@ -400,7 +379,7 @@ at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor&, c
   return at::empty(q.sizes(), q.options().dtype(at::kFloat));
 }
 
-std::string cpu_isa() { return isa_name(best_isa()); }
+std::string cpu_isa() { return isa_name(detect_isa()); }
 
 }  // namespace
 }  // namespace srt_cpu

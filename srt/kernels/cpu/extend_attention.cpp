@@ -49,20 +49,7 @@ struct Impl {
 };
 
 Impl pick(c10::string_view isa) {
-  const CpuIsa best = detect_isa();
-  CpuIsa want = best;
-  if (isa == "scalar") {
-    want = CpuIsa::kScalar;
-  } else if (isa == "avx2") {
-    want = CpuIsa::kAvx2;
-  } else if (isa == "avx512") {
-    want = CpuIsa::kAvx512;
-  } else {
-    TORCH_CHECK(isa.empty(), "extend_attention: isa must be '', 'scalar', 'avx2' or 'avx512', got '",
-                std::string(isa), "'");
-  }
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "extend_attention: isa '", std::string(isa),
-              "' is not supported by this CPU");
+  const CpuIsa want = requested_isa("extend_attention", isa);
   switch (want) {
 #if SRT_CPU_X86
     case CpuIsa::kAvx512: return {&avx512::rows, avx512::RT};
