@@ -38,15 +38,21 @@ class FusedCPUAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
         super().__init__(model_runner)
         self.native = cpu_kernels.native_available()
+        self._extend_native = self.native and hasattr(torch.ops.srt_cpu, "extend_attention")
         if self.native:
-            logger.info("fused_cpu attention: decode through %s", cpu_kernels.kernel_status())
+            logger.info(
+                "fused_cpu attention: decode through %s; extend through %s",
+                cpu_kernels.kernel_status(),
+                "torch.ops.srt_cpu.extend_attention (float32, head dim a multiple of 64; SDPA otherwise)"
+                if self._extend_native
+                else "SDPA (the loaded kernels have no extend_attention)",
+            )
         else:
             logger.warning(
-                "fused_cpu attention: decode through torch_native's gather path, the native kernel "
-                "is unavailable (%s)",
+                "fused_cpu attention: decode through torch_native's gather path and extend through "
+                "SDPA, the native kernels are unavailable (%s)",
                 cpu_kernels.kernel_status(),
             )
-        self._extend_native = self.native and hasattr(torch.ops.srt_cpu, "extend_attention")
         # the extend sequences' (q_starts, kv_starts, extend_lens, seq_lens) of the current batch
         self._extend_desc: tuple[torch.Tensor, ...] | None = None
         self._req_to_token: torch.Tensor | None = None
