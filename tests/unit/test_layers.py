@@ -307,9 +307,8 @@ def _native_or_skip() -> None:
 @pytest.mark.parametrize("nr", [24, 48])
 def test_packed_linear_kernel_matches_a_float64_reference(n, k, nr):
     """Panels of 24 and 48 columns; every row count (the 4- and 8-row tiles and their tails, x in
-    128-row blocks past 256 rows),
-    panels cut by N % nr, K blocks (the depths by row count) cut by K, strided rows, with and
-    without bias; every kernel the CPU has (scalar, AVX2, AVX-512 on 48-wide panels) gives the same
+    128-row blocks past 256 rows), panels cut by N % nr, K blocks (the depths by row count) cut by
+    K, strided rows, with and without bias; every kernel the CPU has (scalar, AVX2, AVX-512 on 48-wide panels) gives the same
     bits (same FMA order), and a row gives the same bits alone or in any batch."""
     _native_or_skip()
     gen = torch.Generator().manual_seed(n * 1000 + k)

@@ -210,21 +210,14 @@ Kernel scalar_kernel(int64_t nr) {
 
 // The kernel for `isa` ("": the best this CPU has for panels of `nr` columns).
 Kernel pick_kernel(c10::string_view isa, int64_t nr) {
-  if (isa == "scalar") return scalar_kernel(nr);
-  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512",
-              "packed_linear: isa must be '', 'scalar', 'avx2' or 'avx512', got '", std::string(isa), "'");
+  const CpuIsa want = requested_isa("packed_linear", isa);
 #if SRT_CPU_X86
-  const CpuIsa best = detect_isa();
-  const Kernel avx512{&tile_avx512, 48, 8, true};
-  if (isa == "avx512") {
-    TORCH_CHECK(best >= CpuIsa::kAvx512, "packed_linear: this CPU has no AVX-512");
-    TORCH_CHECK(nr == 48, "packed_linear: the avx512 kernel needs panels of 48, got ", nr);
-    return avx512;
+  if (want == CpuIsa::kAvx512) {  // "" on an AVX-512 CPU: panels of 24 take the AVX2 tile
+    TORCH_CHECK(nr == 48 || isa.empty(), "packed_linear: the avx512 kernel needs panels of 48, got ", nr);
+    if (nr == 48) return Kernel{&tile_avx512, 48, 8, true};
   }
-  if (isa.empty() && nr == 48 && best >= CpuIsa::kAvx512) return avx512;
-  if (best >= CpuIsa::kAvx2) return Kernel{&tile_avx2, 24, 4, false};
+  if (want >= CpuIsa::kAvx2) return Kernel{&tile_avx2, 24, 4, false};
 #endif
-  TORCH_CHECK(isa.empty(), "packed_linear: this CPU has no ", std::string(isa));
   return scalar_kernel(nr);
 }
 
