@@ -314,6 +314,10 @@ class ServerArgs:
             a.device = "cuda" if torch.cuda.is_available() else "cpu"
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was given but CUDA is not available; use --device cpu.")
+        if a.device == "cpu":
+            from srt.configs.device import cpu_isa_cap  # imports torch
+
+            cpu_isa_cap()  # a bad SRT_CPU_ISA is a start-up error
         if a.dtype == "auto":
             a.dtype = "float32" if a.device == "cpu" else "bfloat16"
         if a.kv_cache_dtype == "auto":

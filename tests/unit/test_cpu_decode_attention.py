@@ -22,8 +22,7 @@ import torch
 import srt.kernels.cpu as kernels
 from srt.kernels.cpu import build as kbuild
 from srt.kernels.cpu.reference import paged_decode_attention_ref
-
-ISA_ORDER = ["scalar", "avx2", "avx512"]
+from tests.helpers.isa import isa_params
 
 
 @dataclass
@@ -113,21 +112,14 @@ def native_op():
     return torch.ops.srt_cpu.paged_decode_attention
 
 
-@pytest.fixture(scope="session")
-def isas(native_op) -> list[str]:
-    """Every path this CPU can run: scalar, avx2, and avx512 where supported."""
-    best = torch.ops.srt_cpu.cpu_isa()
-    return ISA_ORDER[: ISA_ORDER.index(best) + 1]
+@pytest.fixture(scope="session", params=isa_params())
+def isa(request, native_op) -> str:
+    """Each instruction set in turn (the ones above what this CPU runs are skipped)."""
+    return request.param
 
 
-def check_all_isas(native_op, isas, batch: Batch, rel: float = 1e-5, split_len: int = 0) -> None:
-    ref = paged_decode_attention_ref(*batch.args())
-    for isa in isas:
-        out = native_op(*batch.args(), split_len, isa)
-        try:
-            assert_matches(out, ref, rel)
-        except AssertionError as e:
-            raise AssertionError(f"isa={isa}: {e}") from None
+def check_isa(native_op, isa: str, batch: Batch, rel: float = 1e-5, split_len: int = 0) -> None:
+    assert_matches(native_op(*batch.args(), split_len, isa), paged_decode_attention_ref(*batch.args()), rel)
 
 
 MIXED_LENS = [1, 2, 15, 16, 17, 33, 100, 255, 256, 257, 600]
@@ -137,9 +129,9 @@ GQA = [(4, 4), (9, 3), (16, 2)]  # ratios 1, 3, 8
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_parity_mixed_lengths(native_op, isas, page_size, heads, kv_heads, head_dim):
+def test_parity_mixed_lengths(native_op, isa, page_size, heads, kv_heads, head_dim):
     batch = make_batch(MIXED_LENS, page_size, heads, kv_heads, head_dim, seed=page_size + heads + head_dim)
-    check_all_isas(native_op, isas, batch)
+    check_isa(native_op, isa, batch)
 
 
 @pytest.mark.parametrize(
@@ -150,15 +142,13 @@ def test_parity_mixed_lengths(native_op, isas, page_size, heads, kv_heads, head_
         ([2048, 5], 16, 4, 4, 128),
     ],
 )
-def test_parity_long_contexts(native_op, isas, seq_lens, page_size, heads, kv_heads, head_dim):
-    check_all_isas(
-        native_op, isas, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, seed=len(seq_lens))
-    )
+def test_parity_long_contexts(native_op, isa, seq_lens, page_size, heads, kv_heads, head_dim):
+    check_isa(native_op, isa, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, seed=len(seq_lens)))
 
 
-def test_parity_batch_of_32(native_op, isas):
+def test_parity_batch_of_32(native_op, isa):
     lens = random.Random(5).choices(range(1, 513), k=32)
-    check_all_isas(native_op, isas, make_batch(lens, 16, 9, 3, 64, seed=5))
+    check_isa(native_op, isa, make_batch(lens, 16, 9, 3, 64, seed=5))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
@@ -166,32 +156,29 @@ def test_parity_batch_of_32(native_op, isas):
     "seq_lens,page_size,heads,kv_heads,head_dim",
     [(MIXED_LENS, 16, 9, 3, 64), ([2000, 3, 300], 1, 16, 2, 128), (MIXED_LENS, 1, 4, 4, 64)],
 )
-def test_parity_half_precision_kv(native_op, isas, kv_dtype, seq_lens, page_size, heads, kv_heads, head_dim):
+def test_parity_half_precision_kv(native_op, isa, kv_dtype, seq_lens, page_size, heads, kv_heads, head_dim):
     # the reference upcasts the same 16-bit values, so the tolerance is float32's
-    check_all_isas(
-        native_op, isas, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, kv_dtype, seed=7)
-    )
+    check_isa(native_op, isa, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, kv_dtype, seed=7))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(5, 1, 36), (8, 2, 100), (7, 1, 72), (2, 1, 20)])
-def test_parity_other_shapes(native_op, isas, heads, kv_heads, head_dim):
+def test_parity_other_shapes(native_op, isa, heads, kv_heads, head_dim):
     """Head dims with a scalar tail and group sizes that mix the 3-, 2- and 1-query tiles."""
-    check_all_isas(native_op, isas, make_batch([1, 40, 130], 16, heads, kv_heads, head_dim, seed=heads))
+    check_isa(native_op, isa, make_batch([1, 40, 130], 16, heads, kv_heads, head_dim, seed=heads))
 
 
-def test_int32_indices(native_op, isas):
+def test_int32_indices(native_op, isa):
     batch = make_batch([5, 70, 300], 16, 9, 3, 64, seed=3, index_dtype=torch.int32)
-    check_all_isas(native_op, isas, batch)
+    check_isa(native_op, isa, batch)
 
 
 @pytest.mark.parametrize("seq_len,split_len", [(4096, 256), (3001, 512), (300, 16)])
-def test_split_and_reduce_equals_unsplit(native_op, isas, seq_len, split_len):
+def test_split_and_reduce_equals_unsplit(native_op, isa, seq_len, split_len):
     batch = make_batch([seq_len], 16, 9, 3, 64, seed=seq_len)
-    for isa in isas:
-        whole = native_op(*batch.args(), 1 << 40, isa)
-        split = native_op(*batch.args(), split_len, isa)
-        assert_matches(split, whole, rel=2e-6)
-    check_all_isas(native_op, isas, batch, split_len=split_len)
+    whole = native_op(*batch.args(), 1 << 40, isa)
+    split = native_op(*batch.args(), split_len, isa)
+    assert_matches(split, whole, rel=2e-6)
+    check_isa(native_op, isa, batch, split_len=split_len)
 
 
 def test_thread_count_does_not_change_results(native_op):
@@ -303,9 +290,6 @@ def test_bad_isa_or_split_raises(native_op):
         native_op(*batch.args(), 0, "sse9")
     with pytest.raises(RuntimeError, match="split_len must be"):
         native_op(*batch.args(), -1, "")
-    if torch.ops.srt_cpu.cpu_isa() != "avx512":
-        with pytest.raises(RuntimeError, match="not supported by this CPU"):
-            native_op(*batch.args(), 0, "avx512")
 
 
 def test_public_function_uses_the_native_op(native_op, monkeypatch):

@@ -1,8 +1,8 @@
 """torch.ops.srt_cpu.extend_attention (extend_attention.cpp) against a per-sequence SDPA reference
 with an explicit prefix-aligned causal mask: GQA ratios 1, 3 and 8, head dims 64 and 128, prefixes
-and new tokens from 1 to 600 mixed in one batch, strided K/V views, every instruction set this CPU
-has; and FusedCPUAttnBackend taking it for EXTEND and MIXED batches (paged pools, cached prefixes)
-with the torch-native backend as the oracle."""
+and new tokens from 1 to 600 mixed in one batch, strided K/V views, each instruction set (skipped
+above the one the CPU runs); and FusedCPUAttnBackend taking it for EXTEND and MIXED batches
+(paged pools, cached prefixes) with the torch-native backend as the oracle."""
 
 from __future__ import annotations
 
@@ -13,24 +13,14 @@ import torch.nn.functional as F
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
 from srt.model_executor.forward_batch import ForwardMode
+from tests.helpers.isa import cpu_isa, isa_params
 from tests.unit.test_torch_native_attention import make_case, run_backend
 
 
 @pytest.fixture(scope="module")
-def isas():
-    if not cpu_kernels.load(build_if_missing=True) or not hasattr(torch.ops.srt_cpu, "extend_attention"):
+def native():
+    if cpu_isa() is None or not hasattr(torch.ops.srt_cpu, "extend_attention"):
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
-    found = []
-    for isa in ("scalar", "avx2", "avx512"):
-        try:  # an ISA this CPU lacks is refused with an error, never run
-            torch.ops.srt_cpu.extend_attention(
-                torch.zeros(1, 1, 64), torch.zeros(1, 1, 64), torch.zeros(1, 1, 64),
-                *(torch.tensor([x]) for x in (0, 0, 1, 1)), 1.0, isa,
-            )  # fmt: skip
-            found.append(isa)
-        except RuntimeError:
-            pass
-    return found
 
 
 def reference(q, k, v, q_starts, kv_starts, extend_lens, seq_lens, scale):
@@ -68,20 +58,20 @@ def make_batch(prefixes, extends, heads, kv_heads, d, seed, strided=False):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_matches_reference(isas, heads, kv_heads, d):
+@pytest.mark.parametrize("isa", isa_params())
+def test_matches_reference(native, isa, heads, kv_heads, d):
     prefixes = [0, 0, 37, 5, 300, 0]
     extends = [1, 70, 1, 130, 17, 600]
     batch = make_batch(prefixes, extends, heads, kv_heads, d, seed=heads + d, strided=d == 64)
     scale = d**-0.5
     want = reference(*batch, scale)
     desc = [torch.tensor(x, dtype=torch.int64) for x in batch[3:]]
-    for isa in isas:
-        got = torch.ops.srt_cpu.extend_attention(*batch[:3], *desc, scale, isa)
-        assert got.shape == batch[0].shape and torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5, msg=lambda m, isa=isa: f"{isa}: {m}")
+    got = torch.ops.srt_cpu.extend_attention(*batch[:3], *desc, scale, isa)
+    assert got.shape == batch[0].shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
 
 
-def test_rejects_bad_input(isas):
+def test_rejects_bad_input(native):
     q, k, v = torch.zeros(4, 2, 64), torch.zeros(4, 1, 64), torch.zeros(4, 1, 64)
     ok = [torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), torch.tensor([4])]
     with pytest.raises(RuntimeError, match="outside"):
@@ -101,7 +91,7 @@ def test_rejects_bad_input(isas):
         (ForwardMode.MIXED, [0, 20, 8, 31, 0], [13, 5, 1, 1, 1]),
     ],
 )
-def test_backend_takes_it_and_matches_torch_native(isas, monkeypatch, page_size, mode, prefixes, extends):
+def test_backend_takes_it_and_matches_torch_native(native, monkeypatch, page_size, mode, prefixes, extends):
     calls = []
     op = torch.ops.srt_cpu.extend_attention
 

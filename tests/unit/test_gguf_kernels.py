@@ -5,10 +5,6 @@ and the error messages. The native tests skip when the extension is not built.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -232,37 +228,6 @@ def test_native_errors():
         torch.ops.srt_cpu.gguf_dequantize(random_blocks(4, 128, 3)[:, :40], 3, 64)
     with pytest.raises(ValueError, match="unknown ggml quantization type"):
         gguf.quant_linear(x, data, 999)
-
-
-_SCALAR_CHECK = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_gguf_kernels import random_blocks, assert_close_to_matmul, cols_for
-from srt.kernels.cpu import gguf
-assert {{2, 3, 8}} <= gguf.native_qtypes(), gguf.native_qtypes()
-for q in gguf.native_qtypes():
-    k = cols_for(q)
-    data = random_blocks(37, k, q)
-    ref = gguf.dequantize_ref(data, q, k)
-    assert torch.equal(torch.ops.srt_cpu.gguf_dequantize(data, q, k).view(torch.int32), ref.view(torch.int32)), q
-    for m in (1, 7, 64):
-        x = torch.randn(m, k)
-        assert_close_to_matmul(torch.ops.srt_cpu.gguf_linear(x, data, q, None), x, ref, None)
-        if q in gguf.x8_qtypes():
-            packed = gguf.pack_x8(data, q)
-            assert_close_to_matmul(gguf.quant_linear_x8(x, packed, q, 37), x, ref, None)
-print("ok", sorted(gguf.native_qtypes()))
-"""
-
-
-@needs_native
-def test_scalar_fallback_row_functions():
-    """SRT_GGUF_ISA=scalar: the plain C++ row functions (CPUs without AVX2) are exact as well."""
-    env = dict(os.environ, SRT_GGUF_ISA="scalar")
-    code = _SCALAR_CHECK.format(tests=os.path.dirname(__file__))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("ok")
 
 
 # ---------------------------------------------------------------- the x8 layout (gguf_x8.h)

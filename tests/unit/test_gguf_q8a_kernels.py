@@ -11,15 +11,12 @@ tests skip when the extension is not built."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
 from tests.helpers.gguf_models import random_code_blocks
+from tests.helpers.isa import cpu_isa
 
 QTYPES = [3, 8, 2, 12, 14, 13]  # Q4_1, Q8_0, Q4_0 (the default model's), Q4_K, Q6_K, Q5_K
 NATIVE_Q8A = gguf.q8a_qtypes()
@@ -151,7 +148,8 @@ def test_matches_reference_each_isa(qtype, m):
     _, _, _, y_vec = torch.ops.srt_cpu.gguf_q8a_debug(x, data, qtype, False)
     assert_close_to_terms(y_scalar, x, data, qtype)
     assert_close_to_terms(y_vec, x, data, qtype)
-    assert torch.equal(y_vec, y) or os.environ.get("SRT_GGUF_ISA") == "scalar"
+    # the op runs the row functions of the ISA the ops run (the scalar ones under SRT_CPU_ISA=scalar)
+    assert torch.equal(y, y_scalar if cpu_isa() == "scalar" else y_vec)
 
 
 @needs_native
@@ -265,33 +263,6 @@ def test_empty_and_errors():
     # a type without an int8 path goes to gguf_linear (which has no Q5_0 kernel either)
     with pytest.raises(RuntimeError, match="gguf_linear: ggml type 6 has no native kernel"):
         op(torch.randn(2, 64), data, 6)
-
-
-_SCALAR_CHECK = """
-import torch
-from srt.kernels.cpu import gguf
-from tests.helpers.gguf_models import random_code_blocks
-for q in sorted(gguf.q8a_qtypes()):
-    k = 512 if q >= 12 else 96
-    data = random_code_blocks(11, k, q)
-    x = torch.randn(3, k)
-    y = torch.ops.srt_cpu.gguf_linear_q8a(x, data, q)
-    assert torch.equal(y, torch.ops.srt_cpu.gguf_q8a_debug(x, data, q, True)[3]), q
-print("ok", sorted(gguf.q8a_qtypes()))
-"""
-
-
-@needs_native
-def test_scalar_isa_env():
-    """SRT_GGUF_ISA=scalar: the op runs the scalar row functions (CPUs without AVX2)."""
-    env = dict(os.environ, SRT_GGUF_ISA="scalar")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    res = subprocess.run(
-        [sys.executable, "-c", _SCALAR_CHECK], env=env, capture_output=True, text=True, timeout=120, cwd=root
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("ok [2, 3, 8, 12, 13, 14]")
 
 
 @needs_native

@@ -26,6 +26,7 @@ from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope, rope_parameters
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.utils.errors import WeightLoadError
+from tests.helpers.isa import cpu_isa, isa_available, isa_params, skip_reason
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -305,55 +306,63 @@ def _native_or_skip() -> None:
     "n,k", [(960, 576), (576, 1536), (5, 3), (25, 300), (47, 513), (1, 1), (24, 0), (48, 256), (49, 129)]
 )
 @pytest.mark.parametrize("nr", [24, 48])
-def test_packed_linear_kernel_matches_a_float64_reference(n, k, nr):
+@pytest.mark.parametrize("isa", isa_params())
+def test_packed_linear_kernel_matches_a_float64_reference(isa, n, k, nr):
     """Panels of 24 and 48 columns; every row count (the 4- and 8-row tiles and their tails, x in
     128-row blocks past 256 rows), panels cut by N % nr, K blocks (the depths by row count) cut by
-    K, strided rows, with and without bias; every kernel the CPU has (scalar, AVX2, AVX-512 on 48-wide panels) gives the same
-    bits (same FMA order), and a row gives the same bits alone or in any batch."""
+    K, strided rows, with and without bias; each kernel (scalar, AVX2, AVX-512 on 48-wide panels)
+    gives the scalar kernel's bits (same FMA order), and a row gives the same bits alone or in any
+    batch."""
     _native_or_skip()
+    if isa == "avx512" and nr == 24:
+        pytest.skip(
+            "the AVX-512 tile runs panels of 48 only (refused on 24: test_packed_linear_avx512_needs_48)"
+        )
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = torch.ops.srt_cpu.pack_linear_weight(w, nr)
     assert packed.shape == ((n + nr - 1) // nr, k, nr)
-    cpu = torch.ops.srt_cpu.cpu_isa()
-    isas = ["scalar", ""] + (["avx2"] if cpu in ("avx2", "avx512") else [])
-    isas += ["avx512"] if cpu == "avx512" and nr == 48 else []
     for m in (0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 32, 33, 40) + ((300,) if n * k < 200_000 else ()):
         x = torch.randn(m, k + 5, generator=gen)[:, 2 : k + 2]  # strided rows
         for bias in (None, b):
             want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-            outs = [torch.ops.srt_cpu.packed_linear(x, packed, n, bias, isa) for isa in isas]
+            out = torch.ops.srt_cpu.packed_linear(x, packed, n, bias, isa)
             # float32 rounding of a k-term sum of N(0, k) size: ~1e-5 * sqrt(k) at most, as a rule
-            torch.testing.assert_close(outs[0].double(), want, atol=1e-5 * (k + 16) ** 0.5, rtol=1e-5)
-            assert all(torch.equal(o, outs[0]) for o in outs)
+            torch.testing.assert_close(out.double(), want, atol=1e-5 * (k + 16) ** 0.5, rtol=1e-5)
+            assert torch.equal(out, torch.ops.srt_cpu.packed_linear(x, packed, n, bias, "scalar"))
         if m > 1:
-            full = torch.ops.srt_cpu.packed_linear(x, packed, n, b)
-            alone = torch.ops.srt_cpu.packed_linear(x[m - 1 :], packed, n, b)
+            full = torch.ops.srt_cpu.packed_linear(x, packed, n, b, isa)
+            alone = torch.ops.srt_cpu.packed_linear(x[m - 1 :], packed, n, b, isa)
             assert torch.equal(full[m - 1 :], alone)
     with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.srt_cpu.packed_linear(torch.randn(2, k + 1), packed, n, None)
+        torch.ops.srt_cpu.packed_linear(torch.randn(2, k + 1), packed, n, None, isa)
     with pytest.raises(RuntimeError, match="panels"):
-        torch.ops.srt_cpu.packed_linear(torch.randn(2, k), packed, n + nr, None)
+        torch.ops.srt_cpu.packed_linear(torch.randn(2, k), packed, n + nr, None, isa)
 
 
-def test_packed_linear_weight_layout_and_isa_errors():
-    """The default panel width follows the CPU's best kernel; a width other than 24 / 48, an ISA
-    the CPU lacks, or the AVX-512 kernel on 24-wide panels is a clear error."""
+def test_packed_linear_weight_layout():
+    """The default panel width follows the ISA the ops run (48, the AVX-512 tile's, else 24: the
+    lowered runs take the 24 branch on any CPU); either width runs through the default kernel; a
+    width other than 24 / 48 or an unknown ISA name is a clear error."""
     _native_or_skip()
     w, x = torch.randn(30, 16), torch.randn(3, 16)
-    cpu = torch.ops.srt_cpu.cpu_isa()
-    assert torch.ops.srt_cpu.pack_linear_weight(w).shape[2] == (48 if cpu == "avx512" else 24)
+    default = torch.ops.srt_cpu.pack_linear_weight(w)
+    assert default.shape[2] == (48 if cpu_isa() == "avx512" else 24)
+    for nr in (24, 48):
+        packed = torch.ops.srt_cpu.pack_linear_weight(w, nr)
+        torch.testing.assert_close(torch.ops.srt_cpu.packed_linear(x, packed, 30, None), F.linear(x, w))
     with pytest.raises(RuntimeError, match="24 or 48"):
         torch.ops.srt_cpu.pack_linear_weight(w, 32)
-    p24, p48 = torch.ops.srt_cpu.pack_linear_weight(w, 24), torch.ops.srt_cpu.pack_linear_weight(w, 48)
     with pytest.raises(RuntimeError, match="isa must be"):
-        torch.ops.srt_cpu.packed_linear(x, p24, 30, None, "sse")
-    if cpu == "avx512":
-        with pytest.raises(RuntimeError, match="panels of 48"):
-            torch.ops.srt_cpu.packed_linear(x, p24, 30, None, "avx512")
-    else:
-        with pytest.raises(RuntimeError, match="no AVX-512"):
-            torch.ops.srt_cpu.packed_linear(x, p48, 30, None, "avx512")
+        torch.ops.srt_cpu.packed_linear(x, default, 30, None, "sse")
+
+
+@pytest.mark.skipif(not isa_available("avx512"), reason=skip_reason("avx512"))
+def test_packed_linear_avx512_needs_48():
+    _native_or_skip()
+    p24 = torch.ops.srt_cpu.pack_linear_weight(torch.randn(30, 16), 24)
+    with pytest.raises(RuntimeError, match="panels of 48"):
+        torch.ops.srt_cpu.packed_linear(torch.randn(3, 16), p24, 30, None, "avx512")
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -8,7 +8,10 @@ loaded, else ``reference.paged_decode_attention_ref``; both have the same contra
 never raises and never compiles unless asked (``load(build_if_missing=True)``): a server process
 loads the library ``python -m srt.kernels.cpu.build`` left in its cache folder (see build.py).
 ``SRT_DISABLE_NATIVE_KERNELS=1`` forces the fallback. ``kernel_status()`` is one line for the log
-naming what is in use and why.
+naming what is in use and why, the instruction set included: every op runs the widest one the CPU
+has, or what ``SRT_CPU_ISA`` (``scalar`` / ``avx2`` / ``avx512``) lowers it to (``detect_isa()`` in
+vec.h; ``srt.configs.device.cpu_isa_cap`` validates the value, and ``load`` raises ``ConfigError``
+for a bad one).
 
     bind_omp_threads(cpus) -> OmpBinding
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.configs.device import CPU_ISA_ENV, cpu_isa_cap
 from srt.kernels.cpu.reference import paged_decode_attention_ref
 from srt.utils.cpu_affinity import format_cpu_list, set_process_affinity, thread_ids
 
@@ -57,7 +61,9 @@ def _op_registered(name: str = "paged_decode_attention") -> bool:
 
 
 def _native(where: str) -> KernelState:
-    isa = torch.ops.srt_cpu.cpu_isa()
+    isa, hardware = torch.ops.srt_cpu.cpu_isa(), torch.ops.srt_cpu.cpu_hardware_isa()
+    if isa != hardware:
+        isa = f"{isa}, lowered from {hardware} by {CPU_ISA_ENV}"
     return KernelState(True, f"native: torch.ops.srt_cpu.paged_decode_attention ({isa}; {where})")
 
 
@@ -66,6 +72,7 @@ def _fallback(why: str) -> KernelState:
 
 
 def _try_load(build_if_missing: bool) -> KernelState:
+    cpu_isa_cap()  # a bad SRT_CPU_ISA raises here, before the library reads it
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         return _fallback(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}")
     if _op_registered():
@@ -96,7 +103,8 @@ def _build_error(e: Exception) -> str:
 
 
 def load(build_if_missing: bool = False) -> bool:
-    """(Re)try to make the native op available; True when it is. Never raises."""
+    """(Re)try to make the native op available; True when it is. Raises ``ConfigError`` for an
+    invalid ``SRT_CPU_ISA``, nothing else (a failed load or build means the fallback)."""
     global _state
     _state = _try_load(build_if_missing)
     return _state.native

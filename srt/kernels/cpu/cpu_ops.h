@@ -14,22 +14,18 @@
 
 namespace srt_cpu {
 
-// The instruction set an op's `isa` argument asks for: "" -> the best this CPU has; "scalar",
-// "avx2" or "avx512" -> that one. Anything else, or one this CPU lacks, is an error naming `op`.
+// The instruction set an op's `isa` argument asks for: "" -> detect_isa() (the best this CPU
+// runs); "scalar", "avx2" or "avx512" -> that one. Anything else is an error naming `op`, and so is
+// an ISA above detect_isa(), in the one wording every op uses:
+//   "<op>: isa '<isa>' is not available on this CPU (it runs up to '<best>')"
 inline CpuIsa requested_isa(const char* op, c10::string_view requested) {
   const CpuIsa best = detect_isa();
   if (requested.empty()) return best;
+  const std::string name(requested);
   CpuIsa want = CpuIsa::kScalar;
-  if (requested == "avx2") {
-    want = CpuIsa::kAvx2;
-  } else if (requested == "avx512") {
-    want = CpuIsa::kAvx512;
-  } else {
-    TORCH_CHECK(requested == "scalar", op, ": isa must be '', 'scalar', 'avx2' or 'avx512', got '",
-                std::string(requested), "'");
-  }
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), op, ": isa '", std::string(requested),
-              "' is not supported by this CPU");
+  TORCH_CHECK(parse_isa(name.c_str(), &want), op, ": isa must be '', 'scalar', 'avx2' or 'avx512', got '", name, "'");
+  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), op, ": isa '", name,
+              "' is not available on this CPU (it runs up to '", isa_name(best), "')");
   return want;
 }
 

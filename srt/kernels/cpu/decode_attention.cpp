@@ -83,14 +83,6 @@ namespace {
 
 using Isa = CpuIsa;
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
 template <class KT>
 AttendFn pick_attend(Isa isa) {
   switch (isa) {
@@ -379,7 +371,9 @@ at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor&, c
   return at::empty(q.sizes(), q.options().dtype(at::kFloat));
 }
 
+// the ISA the ops run (SRT_CPU_ISA may lower it) and the one the CPU has
 std::string cpu_isa() { return isa_name(detect_isa()); }
+std::string cpu_hardware_isa() { return isa_name(hardware_isa()); }
 
 }  // namespace
 }  // namespace srt_cpu
@@ -389,6 +383,7 @@ TORCH_LIBRARY(srt_cpu, m) {
       "paged_decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor seq_lens, float scale, int split_len=0, str isa=\"\") -> Tensor");
   m.def("cpu_isa() -> str", &srt_cpu::cpu_isa);
+  m.def("cpu_hardware_isa() -> str", &srt_cpu::cpu_hardware_isa);
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {

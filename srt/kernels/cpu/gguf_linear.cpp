@@ -14,7 +14,7 @@
 //                 decode batches): at float32 GEMM speed, plus the dequantization.
 // Each output's sum runs in a fixed order that depends on M and K only, not on the thread count.
 // The per-type row functions are AVX2 (also used on AVX-512 CPUs) or scalar (other CPUs, or
-// SRT_GGUF_ISA=scalar); the buffered and GEMM paths need AVX2, the scalar build uses dot_rows.
+// SRT_CPU_ISA=scalar); the buffered and GEMM paths need AVX2, the scalar build uses dot_rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,16 +49,9 @@ int64_t gemm_m_limit() {
   return limit;
 }
 
-// the row functions' instruction set: AVX2 on AVX2 and AVX-512 CPUs (there are no AVX-512 row
-// functions), scalar otherwise or with SRT_GGUF_ISA=scalar (to test the fallback)
-CpuIsa gguf_isa() {
-  static const CpuIsa isa = [] {
-    const char* env = std::getenv("SRT_GGUF_ISA");
-    if (env != nullptr && std::strcmp(env, "scalar") == 0) return CpuIsa::kScalar;
-    return detect_isa() == CpuIsa::kScalar ? CpuIsa::kScalar : CpuIsa::kAvx2;
-  }();
-  return isa;
-}
+// the row functions' instruction set: AVX2 where detect_isa() has AVX2 or AVX-512 (there are no
+// AVX-512 row functions), scalar otherwise (SRT_CPU_ISA=scalar tests that path on any CPU)
+CpuIsa gguf_isa() { return detect_isa() == CpuIsa::kScalar ? CpuIsa::kScalar : CpuIsa::kAvx2; }
 
 const QuantRowOps* find_ops(int64_t qtype) {
   const int q = static_cast<int>(qtype);

@@ -8,12 +8,12 @@
 //   gguf_q8a_qtypes() -> the types with an int8 path
 //   gguf_q8a_debug(x, data, qtype, scalar) -> (q [M, K] i8, d [M, K / 32], s [M, K / 32], y [M, N])
 //       test hook: the quantized activations and x @ W^T through the scalar (scalar = true) or
-//       this CPU's row functions (AVX2 on AVX2 and AVX-512 CPUs), whatever SRT_GGUF_ISA says.
+//       this CPU's row functions (AVX2 where detect_isa() has AVX2 or AVX-512).
 //
 // Threads take contiguous ranges of 4-row weight groups (so the weights stream from memory once
 // per call); each group passes over every activation row, 2 at a time. Every output's sum runs
-// in an order fixed by K alone (not by M, N or the thread count). SRT_GGUF_ISA=scalar selects the
-// scalar row functions, as for gguf_linear.
+// in an order fixed by K alone (not by M, N or the thread count). The row functions follow
+// detect_isa() (SRT_CPU_ISA=scalar selects the scalar ones), as for gguf_linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,14 +36,6 @@ struct Q8aKernels {
   q8::QuantizeRowFn quantize;
   q8::Q8aOps ops;
 };
-
-bool use_scalar_env() {
-  static const bool scalar = [] {
-    const char* env = std::getenv("SRT_GGUF_ISA");
-    return env != nullptr && std::strcmp(env, "scalar") == 0;
-  }();
-  return scalar;
-}
 
 // the row functions of a type for the scalar or the vector instruction set; nullptr when the
 // type has no int8 path
@@ -156,7 +148,7 @@ void check_args(const char* op, const at::Tensor& x, const at::Tensor& data, con
 
 at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias) {
-  const Q8aKernels* k = find_kernels(qtype, use_scalar_env());
+  const Q8aKernels* k = find_kernels(qtype, false);
   if (k == nullptr) return gguf_linear(x, data, qtype, bias);  // no int8 path: float32
   check_args("gguf_linear_q8a", x, data, k->ops);
   const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
@@ -193,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_q8a_debug(const 
 std::vector<int64_t> gguf_q8a_qtypes() {
   std::vector<int64_t> out;
   for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
-    if (find_kernels(q, use_scalar_env()) != nullptr) out.push_back(q);
+    if (find_kernels(q, false) != nullptr) out.push_back(q);
   }
   return out;
 }

@@ -10,13 +10,15 @@
 //
 // Every member of VecAvx2 / VecAvx512 carries a function-level target attribute: this file
 // compiles for any x86-64 (no -mavx2 / -march flags), and the caller selects a struct at run
-// time (best_isa() in decode_attention.cpp), so no instruction the CPU lacks ever runs.
+// time (detect_isa() below), so no instruction the CPU lacks ever runs.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -28,11 +30,31 @@
 
 namespace srt_cpu {
 
-// The widest vector path this CPU (and OS) supports; every AVX-512F CPU also has AVX2, FMA and
-// F16C, and so does every AVX2 CPU that has FMA. Detected once.
+// The vector paths, narrowest first. Every AVX-512F CPU also has AVX2, FMA and F16C, and so does
+// every AVX2 CPU that has FMA.
 enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-inline CpuIsa detect_isa() {
+inline const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// "scalar" / "avx2" / "avx512" -> that ISA; false for anything else
+inline bool parse_isa(const char* name, CpuIsa* out) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (std::strcmp(name, isa_name(isa)) == 0) {
+      *out = isa;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The widest vector path this CPU (and OS) supports, detected once.
+inline CpuIsa hardware_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const CpuIsa isa = [] {
     __builtin_cpu_init();
@@ -44,6 +66,27 @@ inline CpuIsa detect_isa() {
 #else
   return CpuIsa::kScalar;
 #endif
+}
+
+// The environment variable that lowers the ISA every op runs (tests use it to run the AVX2 and
+// scalar paths on any CPU); it never raises it above hardware_isa().
+#define SRT_CPU_ISA_ENV "SRT_CPU_ISA"
+
+// The ISA every native op runs: hardware_isa(), capped by SRT_CPU_ISA ("scalar", "avx2" or
+// "avx512"; unset or empty: no cap). Read once, at the first call; the Python loader makes that
+// call at load time (and rejects a bad value there first), so an invalid value is reported
+// before any op runs. THE one place an op learns the CPU's ISA from.
+inline CpuIsa detect_isa() {
+  static const CpuIsa isa = [] {
+    const CpuIsa hw = hardware_isa();
+    const char* env = std::getenv(SRT_CPU_ISA_ENV);
+    if (env == nullptr || env[0] == '\0') return hw;
+    CpuIsa cap = hw;
+    TORCH_CHECK(parse_isa(env, &cap), SRT_CPU_ISA_ENV " must be 'scalar', 'avx2' or 'avx512' (or unset), got '", env,
+                "'");
+    return static_cast<int>(cap) < static_cast<int>(hw) ? cap : hw;
+  }();
+  return isa;
 }
 
 inline float bf16_bits_to_float(uint16_t b) {

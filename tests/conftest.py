@@ -1,0 +1,23 @@
+"""Suite-wide hooks: the report's closing section names the instruction sets the native CPU ops
+ran in this run (the main run's, and each lowered run's from tests/unit/test_isa_lowering.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import isa
+from tests.helpers.isa import ISA_RUNS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[ISA_RUNS] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    lines = list(config.stash.get(ISA_RUNS, []))
+    if isa.cpu_isa.cache_info().currsize:  # only when some test asked
+        lines.insert(0, f"this run: ops ran {isa.cpu_isa()} (CPU: {isa.hardware_isa()})")
+    if lines:
+        terminalreporter.section("native CPU kernels by instruction set")
+        for line in lines:
+            terminalreporter.write_line(line)

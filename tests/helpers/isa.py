@@ -1,0 +1,59 @@
+"""The instruction sets srt's native CPU ops run, for tests that cover each ISA branch.
+
+Every op takes the CPU's ISA from one place, ``detect_isa()`` in srt/kernels/cpu/vec.h: the widest
+the CPU has, lowered by ``SRT_CPU_ISA``. ``cpu_isa()`` is that ISA in this process. A test of an
+ISA above it is skipped with the reason (``isa_params``), never passed silently; the lowered runs
+(tests/unit/test_isa_lowering.py) run the kernel tests again under ``SRT_CPU_ISA=avx2`` and
+``scalar`` so the narrower branches run on any CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from srt.kernels import cpu as cpu_kernels
+
+ISAS = ("scalar", "avx2", "avx512")  # narrowest first, as in vec.h
+ISA_RUNS = pytest.StashKey[list[str]]()  # one line per lowered run, for the report (tests/conftest.py)
+
+
+@functools.cache
+def cpu_isa() -> str | None:
+    """The ISA the native ops run here, or None when the native kernels are unavailable."""
+    if not cpu_kernels.load(build_if_missing=True):
+        return None
+    return torch.ops.srt_cpu.cpu_isa()
+
+
+def hardware_isa() -> str | None:
+    """The widest ISA the CPU has (``SRT_CPU_ISA`` does not change it)."""
+    return torch.ops.srt_cpu.cpu_hardware_isa() if cpu_isa() is not None else None
+
+
+def isa_available(isa: str) -> bool:
+    best = cpu_isa()
+    return best is not None and ISAS.index(isa) <= ISAS.index(best)
+
+
+def skip_reason(isa: str) -> str:
+    if cpu_isa() is None:
+        return f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}"
+    return f"this CPU runs up to {cpu_isa()} (hardware {hardware_isa()}), not {isa}"
+
+
+def isa_params(isas: tuple[str, ...] = ISAS) -> list:
+    """One pytest param per ISA, each above ``cpu_isa()`` marked skip with the reason."""
+    return [
+        pytest.param(
+            isa, id=isa, marks=() if isa_available(isa) else pytest.mark.skip(reason=skip_reason(isa))
+        )
+        for isa in isas
+    ]
+
+
+def available_isas() -> list[str]:
+    """Every ISA the ops run here, narrowest first (empty without the native kernels)."""
+    return [isa for isa in ISAS if isa_available(isa)]

@@ -1,0 +1,70 @@
+"""The kernel tests again with the ops' ISA lowered (``SRT_CPU_ISA=avx2`` and ``scalar``), so every
+ISA branch below the CPU's own runs in CI on any CPU: the AVX2 and scalar kernels, the default
+panel width of 24, the scalar GGUF row functions, and the "not available on this CPU" errors.
+
+Each run is a child pytest (the ISA is read once per process) whose report must show the branches
+of its ISA passed and the wider ones skipped with the reason; the report's closing section lists
+each run (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from srt.configs.device import CPU_ISA_ENV
+from tests.helpers.isa import ISA_RUNS, ISAS, cpu_isa, hardware_isa
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNEL_TESTS = [
+    f"tests/unit/{name}.py"
+    for name in (
+        "test_cpu_isa",
+        "test_cpu_decode_attention",
+        "test_cpu_extend_attention",
+        "test_cpu_elementwise",
+        "test_layers",
+        "test_gguf_kernels",
+        "test_gguf_kquant_kernels",
+        "test_gguf_q8a_kernels",
+        "test_quantized_weights",
+        "test_native_decode_layers",
+        "test_fused_cpu_attention",
+        "test_models_forward",
+    )
+]
+OPS = ("paged_decode_attention", "extend_attention", "packed_linear")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_kernel_tests_pass_with_the_isa_lowered(isa, request):
+    if os.environ.get(CPU_ISA_ENV):
+        pytest.skip(f"this run is itself lowered ({CPU_ISA_ENV}={os.environ[CPU_ISA_ENV]})")
+    if cpu_isa() is None:
+        pytest.skip("native CPU kernels unavailable")
+    if ISAS.index(isa) >= ISAS.index(hardware_isa()):
+        pytest.skip(f"not a lowering on this CPU ({hardware_isa()}): the main run covers {isa}")
+    env = dict(os.environ, **{CPU_ISA_ENV: isa})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    summary = out.strip().splitlines()[-1]
+    passed = set(re.findall(r"^PASSED (\S+)", out, re.M))
+    skipped = "\n".join(re.findall(r"^SKIPPED .*$", out, re.M))
+    assert f"this run: ops ran {isa} (CPU: {hardware_isa()})" in out
+    for op in OPS:  # the ISA's own branch ran; asking for a wider one was refused in the one wording
+        assert f"tests/unit/test_cpu_isa.py::test_each_op_runs_each_isa_the_cpu_has[{isa}-{op}]" in passed
+        for wider in ISAS[ISAS.index(isa) + 1 :]:
+            assert (
+                f"tests/unit/test_cpu_isa.py::test_an_isa_above_the_cpu_is_refused_in_one_wording[{wider}-{op}]"
+                in passed
+            )
+    for wider in ISAS[ISAS.index(isa) + 1 :]:  # the wider expectations were skipped, not passed
+        assert f"this CPU runs up to {isa} (hardware {hardware_isa()}), not {wider}" in skipped
+    assert "tests/unit/test_layers.py::test_packed_linear_weight_layout" in passed  # 24-wide panels
+    request.config.stash[ISA_RUNS].append(f"{CPU_ISA_ENV}={isa}: {summary.strip('= ')}")
