@@ -121,8 +121,8 @@ def step_native(s: Setup, scale: float) -> Callable[[], None]:
 
 def step_torch_native(s: Setup, scale: float, ctx: int) -> Callable[[], None]:
     from srt.layers.attention.torch_native import TorchNativeAttnBackend
+    from srt.layers.forward_batch import ForwardBatch, ForwardMode
     from srt.mem_cache.memory_pool import ReqToTokenPool
-    from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
     bs = s.q.shape[0]
     req_pool = ReqToTokenPool(s.req_to_token.shape[0], s.req_to_token.shape[1], "cpu")

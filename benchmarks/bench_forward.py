@@ -43,10 +43,10 @@ import torch
 from torch import nn
 
 from srt.configs.backends import LINEAR_BACKENDS
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.linear import Linear
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from srt.utils.pages import page_ceil

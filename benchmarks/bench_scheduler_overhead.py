@@ -25,12 +25,12 @@ from types import SimpleNamespace
 
 import torch
 
+from srt.layers.forward_batch import ForwardBatch
 from srt.layers.sampler import SampleOutput
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
-from srt.model_executor.forward_batch import ForwardBatch
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 

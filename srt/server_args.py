@@ -35,7 +35,7 @@ from srt.utils.errors import ConfigError
 from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
 from srt.utils.tp_layout import validate_parallelism
 
-# the data-parallel controller's routing policies (srt/managers/dp_policy.py)
+# the data-parallel controller's routing policies (srt/managers/data_parallel/policy.py)
 LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
 
 

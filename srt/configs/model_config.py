@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from srt.configs.device import resolve_dtype
 from srt.configs.gguf_header import gguf_config_dict, gguf_eos_token_ids
-from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError, ModelNotFoundError
 from srt.utils.model_path import resolve_model_path
 
@@ -111,6 +110,20 @@ def _eos_from_tokenizer_files(model_dir: str) -> list[int]:
     return []
 
 
+class ModelArgs(Protocol):
+    """The fields of ``ServerArgs`` a ModelConfig is built from (typed here, so configuration
+    below ServerArgs does not import it)."""
+
+    model_path: str | None
+    load_format: str
+    dtype: str
+    context_length: int | None
+    model_override_args: dict[str, Any]
+    device: str
+    tokenizer_path: str | None
+    trust_remote_code: bool
+
+
 class ModelConfig:
     """Resolved model description (see module docstring).
 
@@ -169,8 +182,8 @@ class ModelConfig:
         self.eos_token_ids: list[int] = self._resolve_eos_token_ids()
 
     @classmethod
-    def from_server_args(cls, server_args: ServerArgs) -> ModelConfig:
-        """Build from (resolved or not) ``ServerArgs``."""
+    def from_server_args(cls, server_args: ModelArgs) -> ModelConfig:
+        """Build from (resolved or not) ``ServerArgs``, or anything with its model fields."""
         device = server_args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

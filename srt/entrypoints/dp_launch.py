@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from srt.managers.data_parallel_controller import run_data_parallel_controller_process
+from srt.managers.data_parallel.controller import run_data_parallel_controller_process
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import bound_cpus, format_cpu_list
 from srt.utils.errors import ConfigError

@@ -11,7 +11,7 @@ sync code); ``async_generate`` awaits it from the caller's own event loop (many 
 under ``asyncio.gather`` are batched together by the scheduler). Cancelling an ``async_generate``
 (or closing a stream early) aborts the request.
 
-Outputs are SGLang-shaped dicts (see `srt.managers.req_output`); a batch (list of prompts) or
+Outputs are SGLang-shaped dicts (see `srt.managers.tokenizer.req_output`); a batch (list of prompts) or
 ``n > 1`` returns a list ordered prompt-major. Streams yield chunks as SGLang's Engine does:
 each holds the whole output so far (``text``, ``output_ids``, logprobs), or, with
 ``incremental_streaming_output=True``, only the new part; ``meta_info`` counts are cumulative
@@ -20,7 +20,7 @@ either way. ``priority`` needs ``enable_priority_scheduling=True``. Invalid requ
 ``timeout`` (seconds from the call) aborts the request wherever it is once passed: a
 non-streaming call raises `RequestTimeoutError`, a stream ends with a chunk whose
 ``finish_reason`` is ``{"type": "timeout", ...}``. ``meta_info`` carries the phase timings
-(`srt.managers.req_output`).
+(`srt.managers.tokenizer.req_output`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from srt.entrypoints.launch import launch_subprocesses
-from srt.managers.dp_replies import split_dp_state
-from srt.managers.generate_input import GenerateReqInput
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.data_parallel.replies import split_dp_state
+from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError, EngineDeadError, RequestTimeoutError
 

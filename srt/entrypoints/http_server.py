@@ -35,7 +35,7 @@ import uvicorn
 from srt.entrypoints.http.app import create_app
 from srt.entrypoints.http.drain import DrainingServer
 from srt.entrypoints.launch import launch_subprocesses
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.utils.errors import EngineDeadError
 

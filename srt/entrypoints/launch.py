@@ -40,8 +40,8 @@ from typing import Any
 from srt.configs.chat_templates import load_chat_template
 from srt.entrypoints.dp_launch import start_dp_groups
 from srt.entrypoints.tp_launch import start_scheduler_ranks
-from srt.managers.detokenizer_manager import run_detokenizer_process
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.errors import ConfigError, EngineDeadError, LaunchError

@@ -42,7 +42,7 @@ from srt.distributed.communication import TPInfo
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 
 if TYPE_CHECKING:
-    from srt.model_executor.forward_batch import ForwardBatch
+    from srt.layers.forward_batch import ForwardBatch
 
 LOGPROB_CHUNK_ROWS = 1024
 

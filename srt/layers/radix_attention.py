@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from srt.model_executor.forward_batch import ForwardBatch
+    from srt.layers.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

@@ -13,7 +13,7 @@ Keys are token-id lists; values are the KV slot indices (int64 tensor) of those 
 With page_size P > 1 the tree stores whole pages only: every key length is a multiple
 of P, and a node's value begins on a page boundary.
 
-Fields of a request the cache reads and writes (``PrefixCacheReq``; srt/managers/req.py's
+Fields of a request the cache reads and writes (``PrefixCacheReq``; srt/managers/scheduler/req.py's
 ``Req`` satisfies it, and the cache never imports the managers):
   req.origin_input_ids, req.output_ids  -- token ids
   req.fill_ids       -- the ids whose KV is computed after the current step

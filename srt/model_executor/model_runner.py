@@ -38,13 +38,13 @@ from torch import nn
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPInfo, head_shard
 from srt.layers.attention.registry import create_attention_backend
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
 from srt.model_loader.reload import replacement_config, shape_mismatch
 from srt.model_loader.weight_utils import release_free_memory, weight_bytes

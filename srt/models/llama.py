@@ -38,7 +38,7 @@ from srt.utils.errors import WeightLoadError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from srt.model_executor.forward_batch import ForwardBatch
+    from srt.layers.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

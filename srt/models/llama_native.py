@@ -28,7 +28,7 @@ from srt.layers.linear import Linear
 if TYPE_CHECKING:
     from torch import nn
 
-    from srt.model_executor.forward_batch import ForwardBatch
+    from srt.layers.forward_batch import ForwardBatch
 
 
 # DecodeLayers' qtype for a float32 weight packed by pack_linear_weight (decode_layers.cpp)

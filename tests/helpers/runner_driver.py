@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from srt.layers.forward_batch import ForwardBatch
 from srt.layers.sampler import SampleOutput
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
-from srt.model_executor.forward_batch import ForwardBatch
 
 VOCAB = 1000
 EOS = 2

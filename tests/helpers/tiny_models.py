@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 
 TINY_KINDS = ("llama", "qwen2", "qwen3")
 

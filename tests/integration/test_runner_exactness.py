@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from srt.model_executor.forward_batch import ForwardMode
+from srt.layers.forward_batch import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from tests.helpers.hf_reference import (

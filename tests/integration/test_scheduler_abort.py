@@ -24,9 +24,9 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     encode,
 )
-from srt.managers.req import ReqStatus
 from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler.process import event_loop
+from srt.managers.scheduler.req import ReqStatus
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.helpers.scheduler_fakes import KVEchoRunner, reference_generate

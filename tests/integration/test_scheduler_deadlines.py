@@ -12,9 +12,9 @@ from concurrent import futures
 import pytest
 
 from srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
-from srt.managers.req import ReqStatus
 from srt.managers.scheduler import deadlines
 from srt.managers.scheduler.deadlines import DeadlineTracker
+from srt.managers.scheduler.req import ReqStatus
 from srt.sampling.sampling_params import SamplingParams
 from tests.helpers.scheduler_fakes import reference_generate
 from tests.integration.test_scheduler_abort import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from srt.managers.detokenizer_manager import DetokenizerManager
+from srt.managers.detokenizer.detokenizer_manager import DetokenizerManager
 from srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
-from srt.model_executor.forward_batch import ForwardMode
+from srt.layers.forward_batch import ForwardMode
 from tests.helpers.isa import cpu_isa, isa_params
 from tests.unit.test_torch_native_attention import make_case, run_backend
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srt.managers.detokenizer_manager import DetokenizerManager
+from srt.managers.detokenizer.detokenizer_manager import DetokenizerManager
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason
 
 

@@ -12,7 +12,7 @@ import zmq
 
 from srt.entrypoints.dp_launch import dp_group_args, dp_group_port_args, split_cpus
 from srt.managers import io_struct as io
-from srt.managers.data_parallel_controller import DataParallelController
+from srt.managers.data_parallel.controller import DataParallelController
 from srt.managers.scheduler.dp_link import DpGroupLink, measure_load
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs

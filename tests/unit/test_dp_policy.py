@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from srt.managers.dp_policy import DpRouter, PrefixIndex
-from srt.managers.dp_replies import ReplyMerger, merge_internal_states, split_dp_state
+from srt.managers.data_parallel.policy import DpRouter, PrefixIndex
+from srt.managers.data_parallel.replies import ReplyMerger, merge_internal_states, split_dp_state
 from srt.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,

@@ -12,7 +12,7 @@ import torch
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
 from srt.layers.attention.registry import create_attention_backend
-from srt.model_executor.forward_batch import ForwardMode
+from srt.layers.forward_batch import ForwardMode
 from tests.unit.test_torch_native_attention import Case, make_case, reference, run_backend
 
 

@@ -18,13 +18,13 @@ from srt.configs.backends import resolve_linear_backend
 from srt.configs.device import onednn_linear_available
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.activation import SiluAndMul
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from srt.layers.linear_backend import create_linear_backend
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope, rope_parameters
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.utils.errors import WeightLoadError
 from tests.helpers.isa import cpu_isa, isa_available, isa_params, skip_reason
 

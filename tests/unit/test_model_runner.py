@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.mem_cache import pool_size
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_loader.weight_utils import weight_bytes
 from srt.sampling.sampling_batch_info import SamplingBatchInfo

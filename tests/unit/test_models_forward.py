@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from srt.configs.device import onednn_linear_available
 from srt.configs.model_config import ModelConfig, resolve_model_path
 from srt.kernels import cpu as cpu_kernels
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.linear_backend import create_linear_backend
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_loader import get_model
 from tests.helpers.isa import cpu_isa
 from tests.helpers.tiny_models import TINY_KINDS, assert_same_params, extend_batch, save_tiny_model

@@ -13,9 +13,9 @@ import torch
 
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.kernels.cpu import native_available
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.linear import Linear
 from srt.layers.quantized_weight import GGUFTensor
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from tests.helpers.gguf_models import quantize

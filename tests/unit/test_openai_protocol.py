@@ -13,7 +13,7 @@ from srt.entrypoints.openai.common import error_body, usage_of
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from srt.managers.generate_input import GenerateReqInput, parse_sampling_params
+from srt.managers.tokenizer.generate_input import GenerateReqInput, parse_sampling_params
 from srt.utils.errors import RequestError
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srt.layers.forward_batch import ForwardMode
 from srt.managers.io_struct import FinishReason
-from srt.managers.req import InvalidTransitionError, Req, ReqStatus
-from srt.managers.schedule_batch import ScheduleBatch
 from srt.managers.scheduler.cache import CacheManager
+from srt.managers.scheduler.req import InvalidTransitionError, Req, ReqStatus
+from srt.managers.scheduler.schedule_batch import ScheduleBatch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.mem_cache.radix_cache import RadixCache
-from srt.model_executor.forward_batch import ForwardMode
 from srt.sampling.sampling_params import SamplingParams
 
 EOS = 2

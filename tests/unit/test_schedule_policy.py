@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from srt.managers.req import Req
 from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
-from srt.managers.schedule_policy import (
+from srt.managers.scheduler.req import Req
+from srt.managers.scheduler.schedule_policy import (
     AddResult,
     InBatchPrefixFilter,
     NewTokenRatio,

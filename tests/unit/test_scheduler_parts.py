@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from srt.managers.io_struct import FinishReason
-from srt.managers.req import Req, ReqStatus
-from srt.managers.schedule_policy import NewTokenRatio, SchedulePolicy, retraction_order
 from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.decode import DecodeManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
+from srt.managers.scheduler.req import Req, ReqStatus
+from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy, retraction_order
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.sampling.sampling_params import SamplingParams

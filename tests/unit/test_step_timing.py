@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from srt.managers.metrics import TokenizerMetrics
 from srt.managers.scheduler.step_timing import Histogram, StepTimings
+from srt.managers.tokenizer.metrics import TokenizerMetrics
 
 
 def test_histogram_buckets_are_cumulative_with_inf_last():

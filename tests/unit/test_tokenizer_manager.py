@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from srt.managers.generate_input import GenerateReqInput
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -24,7 +23,8 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
     scheduler_input_decoder,
 )
-from srt.managers.tokenizer_manager import DEADLINE_GRACE_S, TokenizerManager, scheduler_load
+from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.tokenizer_manager import DEADLINE_GRACE_S, TokenizerManager, scheduler_load
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
 

@@ -22,8 +22,8 @@ from srt.layers.attention.registry import (
     create_attention_backend,
 )
 from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -25,7 +25,7 @@ from srt.entrypoints.http.deps import ServerContext
 from srt.entrypoints.http.drain import DrainMiddleware, DrainState
 from srt.entrypoints.http.serving import ClientDisconnected
 from srt.entrypoints.openai.common import error_response, srt_error_response
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.utils.errors import SrtError
 
 

@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from typing import Any
 import uvicorn
 
 from srt.entrypoints.openai.common import error_response
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

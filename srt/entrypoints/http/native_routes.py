@@ -1,7 +1,7 @@
 """SGLang's native routes: POST /generate, GET /health, /health_generate, /get_model_info,
 /get_server_info, /get_load, /version, POST /tokenize, /detokenize.
 
-/generate returns the output dict (SGLang's shape, `srt.managers.req_output`) of a single prompt,
+/generate returns the output dict (SGLang's shape, `srt.managers.tokenizer.req_output`) of a single prompt,
 or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks (each holding the output so
 far, or only its new part with ``--incremental-streaming-output``), an error mid-stream as
 ``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``; body fields srt does not
@@ -34,8 +34,8 @@ from srt.entrypoints.http.serving import collect, parse_body, serve
 from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import error_response, json_response, raise_abort_error
 from srt.entrypoints.openai.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
-from srt.managers.dp_replies import split_dp_state
-from srt.managers.generate_input import GenerateReqInput
+from srt.managers.data_parallel.replies import split_dp_state
+from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.utils.errors import SrtError
 
 router = APIRouter()

@@ -20,8 +20,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from srt.entrypoints.openai.common import json_response
-from srt.managers.generate_input import GenerateReqInput
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.utils.errors import RequestError
 
 _M = TypeVar("_M", bound=BaseModel)

@@ -127,7 +127,7 @@ TIMING_KEYS = ("queue_time", "prefill_time", "decode_time", "ttft", "e2e_latency
 
 
 def timings_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """The phase timings of one output's ``meta_info`` (`srt.managers.req_output`)."""
+    """The phase timings of one output's ``meta_info`` (`srt.managers.tokenizer.req_output`)."""
     return {k: meta.get(k) for k in TIMING_KEYS}
 
 

@@ -49,7 +49,7 @@ from srt.entrypoints.openai.protocol import (
     check_top_logprobs,
     sampling_params_from_request,
 )
-from srt.managers.generate_input import GenerateReqInput
+from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.parsers.reasoning import ReasoningParser, create_reasoning_parser
 from srt.parsers.tool_calls import (
     ContentDelta,

@@ -27,7 +27,7 @@ from srt.entrypoints.openai.protocol import (
     check_top_logprobs,
     sampling_params_from_request,
 )
-from srt.managers.generate_input import GenerateReqInput
+from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.utils.errors import RequestError
 
 

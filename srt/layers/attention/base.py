@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from srt.model_executor.forward_batch import AttentionLayer, ForwardBatch
+from srt.layers.forward_batch import AttentionLayer, ForwardBatch
 
 __all__ = ["AttentionBackend", "AttentionBackendContext", "AttentionLayer"]
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from srt.layers.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayer
 
 if TYPE_CHECKING:
-    from srt.model_executor.forward_batch import ForwardBatch
+    from srt.layers.forward_batch import ForwardBatch
 
 # Budget for one decode chunk's gathered K plus V (bytes): fits comfortably in a core's L2 plus
 # its share of L3 on current x86 server parts.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from srt.managers.req import Req
+    from srt.managers.scheduler.req import Req
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
     from srt.mem_cache.memory_pool import ReqToTokenPool

@@ -28,7 +28,7 @@ import math
 import time
 
 from srt.managers.io_struct import FinishReason
-from srt.managers.req import Req, ReqStatus
+from srt.managers.scheduler.req import Req, ReqStatus
 
 _DEADLINE = 0
 _QUEUE = 1

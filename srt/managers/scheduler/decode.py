@@ -19,14 +19,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import FinishReason
-from srt.managers.req import Req, ReqStatus
-from srt.managers.schedule_batch import ScheduleBatch
-from srt.managers.schedule_policy import decode_slots, plan_retraction
+from srt.managers.scheduler.req import Req, ReqStatus
+from srt.managers.scheduler.schedule_batch import ScheduleBatch
+from srt.managers.scheduler.schedule_policy import decode_slots, plan_retraction
 
 if TYPE_CHECKING:
-    from srt.managers.schedule_policy import NewTokenRatio
     from srt.managers.scheduler.cache import CacheManager
     from srt.managers.scheduler.metrics import SchedulerMetrics
+    from srt.managers.scheduler.schedule_policy import NewTokenRatio
 
 # retraction makes room for this many decode steps of the requests that stay
 RETRACT_MARGIN_STEPS = 4

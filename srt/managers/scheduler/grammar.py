@@ -37,7 +37,7 @@ from srt.utils.torch_threads import single_threaded_executor
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from srt.managers.req import Req
+    from srt.managers.scheduler.req import Req
 
 logger = logging.getLogger("srt.scheduler")
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from srt.utils.watchdog import HeartbeatWriter
 
 if TYPE_CHECKING:
-    from srt.managers.req import Req
-    from srt.managers.schedule_batch import ScheduleBatch
     from srt.managers.scheduler.cache import CacheManager
     from srt.managers.scheduler.metrics import SchedulerMetrics
+    from srt.managers.scheduler.req import Req
+    from srt.managers.scheduler.schedule_batch import ScheduleBatch
 
 
 class SchedulerView(Protocol):

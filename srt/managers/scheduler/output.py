@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason
-from srt.managers.req import Req, ReqStatus
 from srt.managers.scheduler.grammar import GrammarManager
+from srt.managers.scheduler.req import Req, ReqStatus
 
 if TYPE_CHECKING:
-    from srt.managers.schedule_batch import ScheduleBatch
     from srt.managers.scheduler.cache import CacheManager
     from srt.managers.scheduler.runner_protocol import LogitsResult, SampleResult
+    from srt.managers.scheduler.schedule_batch import ScheduleBatch
 
 # per extend row: (prompt logprobs, their top logprobs)
 InputLogprobs = tuple[list[float | None], list[list[tuple[int, float]] | None]]

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from srt.managers.req import Req, ReqStatus
-from srt.managers.schedule_batch import ScheduleBatch
-from srt.managers.schedule_policy import (
+from srt.managers.scheduler.req import Req, ReqStatus
+from srt.managers.scheduler.schedule_batch import ScheduleBatch
+from srt.managers.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_THRESHOLD,
     AddDecision,
     AddResult,

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from srt.layers.forward_batch import ForwardBatch
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import ReqToTokenPool
-    from srt.model_executor.forward_batch import ForwardBatch
 
 
 class ModelConfigView(Protocol):

@@ -67,10 +67,7 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from srt.managers.req import Req, ReqStatus
 from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
-from srt.managers.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
-from srt.managers.schedule_policy import NewTokenRatio, SchedulePolicy
 from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.decode import DecodeManager
@@ -79,6 +76,9 @@ from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
 from srt.managers.scheduler.profiler import SchedulerProfiler
+from srt.managers.scheduler.req import Req, ReqStatus
+from srt.managers.scheduler.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
+from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy
 from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.mem_cache.pool_size import process_rss_bytes

@@ -11,7 +11,7 @@ For every step that ran a forward, ``Scheduler.step`` measures (``time.perf_coun
 
 The histograms are cumulative bucket counts kept in plain Python (no prometheus_client in the
 scheduler process); ``snapshot()`` travels in ``GetInternalStateReqOutput.state["step_histograms"]``
-and `srt.managers.metrics` turns it into Prometheus histograms at scrape time.
+and `srt.managers.tokenizer.metrics` turns it into Prometheus histograms at scrape time.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from srt.managers.dp_policy import DpRouter
-from srt.managers.dp_replies import REPLY_TYPE, ReplyMerger
+from srt.managers.data_parallel.policy import DpRouter
+from srt.managers.data_parallel.replies import REPLY_TYPE, ReplyMerger
 from srt.managers.io_struct import (
     AbortReq,
     DpControlReply,

@@ -36,9 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from srt.managers.dp_replies import split_dp_state
-from srt.managers.generate_input import GenerateReqInput
-from srt.managers.input_processor import InputLimits, InputProcessor, PreparedRequest
+from srt.managers.data_parallel.replies import split_dp_state
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -50,10 +48,12 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from srt.managers.metrics import TokenizerMetrics
-from srt.managers.req_output import final_output, stream_chunk
-from srt.managers.req_state import ReqRegistry, ReqState, RequestGroup
-from srt.managers.tokenizer_ipc import TokenizerIPC
+from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.input_processor import InputLimits, InputProcessor, PreparedRequest
+from srt.managers.tokenizer.ipc import TokenizerIPC
+from srt.managers.tokenizer.metrics import TokenizerMetrics
+from srt.managers.tokenizer.req_output import final_output, stream_chunk
+from srt.managers.tokenizer.req_state import ReqRegistry, ReqState, RequestGroup
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import EngineDeadError, RequestError, SrtError
 

@@ -1,6 +1,6 @@
 """Prometheus families of the data-parallel controller's state (``--dp-size > 1``), one series
 per group labelled ``dp_rank``, rendered at /metrics from the ``dp_controller`` entry of the
-merged scheduler state (`srt.managers.dp_policy.DpRouter.state`). Nothing without it."""
+merged scheduler state (`srt.managers.data_parallel.policy.DpRouter.state`). Nothing without it."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ from srt.utils.pages import num_pages, page_ceil, page_floor
 
 
 class WaitingReq(Protocol):
-    """What queue ordering reads of a waiting request (``srt.managers.req.Req`` is one)."""
+    """What queue ordering reads of a waiting request (``srt.managers.scheduler.req.Req`` is one)."""
 
     @property
     def priority(self) -> int: ...
@@ -55,7 +55,7 @@ class WaitingReq(Protocol):
 
 
 class RunningReq(Protocol):
-    """What retraction reads of a running request (``srt.managers.req.Req`` is one)."""
+    """What retraction reads of a running request (``srt.managers.scheduler.req.Req`` is one)."""
 
     @property
     def output_ids(self) -> Sized: ...

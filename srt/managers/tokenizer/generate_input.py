@@ -1,6 +1,6 @@
 """GenerateReqInput: one native generation request (SGLang's /generate and Engine.generate shape).
 
-In-process only (it never crosses a socket; `srt.managers.input_processor` turns it into
+In-process only (it never crosses a socket; `srt.managers.tokenizer.input_processor` turns it into
 ``io_struct.TokenizedGenerateReqInput``s). A request is *single* (``text: str`` or
 ``input_ids: list[int]``) or a *batch* (``text: list[str]`` or ``input_ids: list[list[int]]``);
 per-prompt fields (``sampling_params``, ``rid``, ``return_logprob`` ...) are either one value for

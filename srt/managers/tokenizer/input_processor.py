@@ -10,7 +10,7 @@
 Every error is raised here, before the scheduler sees anything: `RequestError` (HTTP 400) or
 its subclass `ContextLengthError` (the message gives the numbers); a ``priority`` without
 ``--enable-priority-scheduling`` is one. Admission control
-(``--max-queued-requests``) is the registry's (`srt.managers.req_state.ReqRegistry.admit`).
+(``--max-queued-requests``) is the registry's (`srt.managers.tokenizer.req_state.ReqRegistry.admit`).
 
 ``n > 1``: unless the radix cache is disabled, the prompt is first sent as a prefill-only request
 (rid ``f"{rid}-prefill"``, ``max_new_tokens=0``) so that the n copies (rids ``f"{rid}-{i}"``,
@@ -31,10 +31,10 @@ import msgspec
 
 from srt.constrained.base import GrammarError, GrammarSpec
 from srt.constrained.registry import backend_class
-from srt.managers.generate_input import GenerateReqInput, SingleInput, parse_sampling_params
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.request_fit import request_fit_error, resolve_max_new_tokens
-from srt.managers.tokenize_batcher import TokenizeBatcher
+from srt.managers.tokenizer.generate_input import GenerateReqInput, SingleInput, parse_sampling_params
+from srt.managers.tokenizer.tokenize_batcher import TokenizeBatcher
 from srt.sampling.sampling_params import SamplingParams
 from srt.utils.errors import ContextLengthError, RequestError
 

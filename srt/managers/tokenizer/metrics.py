@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from srt.managers.dp_metrics import dp_controller_families
+from srt.managers.data_parallel.metrics import dp_controller_families
 
 _LATENCY_BUCKETS = (
     0.005,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from srt.managers.req_state import ReqState
+from srt.managers.tokenizer.req_state import ReqState
 
 
 def final_output(st: ReqState) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from srt.managers.req import EMPTY_SLOTS, Req
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.managers.scheduler.req import EMPTY_SLOTS, Req
 from srt.utils.pages import page_ceil
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ A `ReqState` accumulates the ``BatchStrOut`` entries of one rid (text pieces, to
 logprobs, counts). Its `RequestGroup` (every rid of one user request: a batch of prompts times
 ``n``, plus the prefill-only warm-ups) shares one ``asyncio.Event``, set whenever any of its
 states changes; the consumer clears it and then reads every state, so no update is lost and a
-lagging consumer gets merged chunks (`srt.managers.req_output` builds the output dicts).
+lagging consumer gets merged chunks (`srt.managers.tokenizer.req_output` builds the output dicts).
 
 `ReqRegistry` owns the ``rid -> ReqState`` map of every request sent and not finished, the
 *waiting* set (sent, no output yet) that ``--max-queued-requests`` admission counts, the recent
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from srt.managers.io_struct import BatchStrOut, FinishReason, TokenizedGenerateReqInput
-from srt.managers.metrics import TokenizerMetrics
+from srt.managers.tokenizer.metrics import TokenizerMetrics
 from srt.utils.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
