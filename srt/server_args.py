@@ -4,9 +4,9 @@ Every tunable is a dataclass field with a default and help text. The CLI of
 `python -m srt.launch_server` is generated from the fields (``--model-path`` for
 ``model_path``), and ``Engine(**kwargs)`` takes the same names. Automatic choices
 (device, dtype, attention and linear backends, chunk size ...) are resolved once by
-``resolve()`` before any process starts (the backend choices by srt/configs/backends.py);
-the KV pool size is resolved by the scheduler's ModelRunner at start-up and reported back
-with the ready message. After launch the object is never mutated.
+``resolve()`` before any process starts (srt/configs/server_args_resolve.py, the backend
+choices by srt/configs/backends.py); the KV pool size is resolved by the scheduler's ModelRunner
+at start-up and reported back with the ready message. After launch the object is never mutated.
 
 This module is configuration: it imports nothing of srt but srt.configs and srt.utils, and no
 torch at import time (``resolve`` imports it to look at the device).
@@ -22,30 +22,15 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from srt.configs.backends import (
-    ATTENTION_BACKENDS,
-    LINEAR_BACKENDS,
-    resolve_attention_backend,
-    resolve_grammar_backend,
-    resolve_linear_backend,
-)
-from srt.configs.chat_templates import load_chat_template
-from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
+from srt.configs.backends import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server_args
 from srt.utils.errors import ConfigError
-from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
-from srt.utils.tp_layout import validate_parallelism
 
-# the data-parallel controller's routing policies (srt/managers/data_parallel/policy.py)
-LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
+__all__ = ["LOAD_BALANCE_METHODS", "ConfigError", "PortArgs", "ServerArgs"]
 
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
-
-
-# The auto --page-size on CPU: a decoding sequence's K/V in runs of this many contiguous slots,
-# which the fused decode-attention kernel streams (docs/benchmarks.md, session 25).
-CPU_PAGE_SIZE = 16
 
 
 @dataclass
@@ -306,102 +291,10 @@ class ServerArgs:
 
     # ------------------------------------------------------------------
     def resolve(self) -> ServerArgs:
-        """Return a copy with every 'auto' choice resolved and values validated."""
+        """Return a copy with every 'auto' choice resolved and values validated
+        (srt/configs/server_args_resolve.py, one concern at a time)."""
         a = dataclasses.replace(self)
-        import torch
-
-        if a.device == "auto":
-            a.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if a.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was given but CUDA is not available; use --device cpu.")
-        if a.device == "cpu":
-            from srt.configs.device import cpu_isa_cap  # imports torch
-
-            cpu_isa_cap()  # a bad SRT_CPU_ISA is a start-up error
-        if a.dtype == "auto":
-            a.dtype = "float32" if a.device == "cpu" else "bfloat16"
-        if a.kv_cache_dtype == "auto":
-            a.kv_cache_dtype = a.dtype
-        if a.mem_fraction_static is None:
-            a.mem_fraction_static = 0.88 if a.device == "cuda" else 0.3
-        if not 0.0 < a.mem_fraction_static < 1.0:
-            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}.")
-        if a.chunked_prefill_size is None:
-            a.chunked_prefill_size = 8192 if a.device == "cuda" else 2048
-        if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
-            a.chunked_prefill_size = -1
-        if a.page_size is None:  # CPU_PAGE_SIZE unless a --chunked-prefill-size given is not whole pages
-            cpu = a.device != "cuda"
-            whole = a.chunked_prefill_size <= 0 or a.chunked_prefill_size % CPU_PAGE_SIZE == 0
-            a.page_size = CPU_PAGE_SIZE if cpu and whole else 1
-        if a.page_size < 1 or (a.page_size & (a.page_size - 1)):
-            raise ConfigError(f"--page-size must be a power of two >= 1, got {a.page_size}.")
-        if a.chunked_prefill_size > 0 and a.chunked_prefill_size % a.page_size:
-            raise ConfigError(
-                f"--chunked-prefill-size ({a.chunked_prefill_size}) must be a multiple of --page-size ({a.page_size})."
-            )
-        if a.max_prefill_tokens < 1:
-            raise ConfigError("--max-prefill-tokens must be >= 1.")
-        a.attention_backend = resolve_attention_backend(a.attention_backend, a.device)
-        try:
-            a.linear_backend = resolve_linear_backend(a.linear_backend, a.device, a.dtype)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        a.cpu_omp_threads_bind, a.num_threads = resolve_omp_bind(
-            a.cpu_omp_threads_bind, a.num_threads, a.device
-        )
-        if not 0 <= a.aux_process_nice <= MAX_NICE:
-            raise ConfigError(f"--aux-process-nice must be in [0, {MAX_NICE}], got {a.aux_process_nice}.")
-        validate_parallelism(
-            a.tp_size,
-            a.nnodes,
-            a.node_rank,
-            a.dist_init_addr,
-            a.dist_timeout,
-            a.cpu_omp_threads_bind,
-            a.device,
-        )
-        if a.dp_size < 1:
-            raise ConfigError(f"--dp-size must be >= 1, got {a.dp_size}.")
-        if a.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ConfigError(
-                f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
-                f"got {a.load_balance_method!r}."
-            )
-        if a.dp_size > 1 and (a.tp_size > 1 or a.nnodes > 1):
-            raise ConfigError(
-                "--dp-size > 1 runs one scheduler process per group: combining it with --tp-size > 1 "
-                "or --nnodes > 1 is not supported yet."
-            )
-        _resolve_model_location(a)
-        if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
-            a.load_format = "gguf"
-        a.quantization = _resolve_quantization(a)
-        a.grammar_backend = resolve_grammar_backend(a.grammar_backend)
-        if a.reasoning_parser is not None and a.grammar_backend == "xgrammar":
-            raise ConfigError(
-                "--reasoning-parser applies grammars after the reasoning section with the llguidance "
-                "backend only; use --grammar-backend llguidance (or none)."
-            )
-        if a.enable_int8_activations and a.quantization != "gguf":
-            raise ConfigError(
-                "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
-                f"got --quantization {a.quantization}."
-            )
-        if a.stream_interval < 1:
-            raise ConfigError(f"--stream-interval must be >= 1, got {a.stream_interval}.")
-        if a.max_queue_time is not None and not a.max_queue_time > 0:
-            raise ConfigError(f"--max-queue-time must be > 0 seconds, got {a.max_queue_time}.")
-        if not a.graceful_shutdown_timeout >= 0:
-            raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {a.graceful_shutdown_timeout}.")
-        _resolve_priority_scheduling(a)
-        if a.chat_template is not None:
-            load_chat_template(a.chat_template)  # ConfigError now, not at the first chat request
-        if a.json_model_override_args:
-            try:
-                json.loads(a.json_model_override_args)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--json-model-override-args is not valid JSON: {e}") from e
+        resolve_server_args(a)
         return a
 
     @property
@@ -432,50 +325,6 @@ class ServerArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
-
-
-def _resolve_quantization(a: ServerArgs) -> str:
-    # the embedded default model (no --model-path) is a GGUF file
-    gguf_model = a.load_format == "gguf" or (a.load_format == "auto" and not a.model_path)
-    if a.quantization == "auto":
-        return "gguf" if gguf_model and a.device == "cpu" and a.dtype == "float32" else "none"
-    if a.quantization == "gguf":
-        if not gguf_model:
-            raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
-        if a.device != "cpu" or a.dtype != "float32":
-            raise ConfigError(
-                "--quantization gguf runs on CPU with float32 activations (--device cpu --dtype float32); "
-                "use --quantization none to dequantize the weights instead."
-            )
-    elif a.quantization != "none":
-        raise ConfigError(f"--quantization must be auto, gguf or none, got {a.quantization!r}.")
-    return a.quantization
-
-
-def _resolve_priority_scheduling(a: ServerArgs) -> None:
-    """--enable-priority-scheduling selects the priority queue order; --schedule-policy priority
-    implies the flag (a priority order with no way to give priorities would be pointless)."""
-    if a.schedule_policy == "priority":
-        a.enable_priority_scheduling = True
-    elif a.enable_priority_scheduling:
-        if a.schedule_policy != "fcfs":
-            raise ConfigError(
-                f"--enable-priority-scheduling orders the queue by priority; it cannot be combined "
-                f"with --schedule-policy {a.schedule_policy} (use fcfs or priority)."
-            )
-        a.schedule_policy = "priority"
-
-
-def _resolve_model_location(a: ServerArgs) -> None:
-    """A --model-path / --tokenizer-path that is a hub id becomes its snapshot directory in the local
-    HF cache (at --revision); the served name defaults to the hub id. Nothing is downloaded."""
-    if is_hub_id(a.model_path):
-        hub_id = a.model_path
-        a.model_path = resolve_hub_snapshot(hub_id, a.revision, "--model-path")
-        if a.served_model_name is None:
-            a.served_model_name = hub_id
-    if is_hub_id(a.tokenizer_path):
-        a.tokenizer_path = resolve_hub_snapshot(a.tokenizer_path, a.revision, "--tokenizer-path")
 
 
 def _base_type(hint: Any):

@@ -223,26 +223,29 @@ def _apply_usage(obj: dict[str, Any], st: _StreamState) -> None:
         st.out.cached_tokens = int(details["cached_tokens"])
 
 
-def _add_openai_options(payload: dict[str, Any], req: RequestInput) -> None:
+def _openai_payload(req: RequestInput, prompt_key: str, prompt: Any) -> dict[str, Any]:
+    """The body of an OpenAI request: greedy, ``req.output_len`` tokens, the prompt under
+    ``prompt_key``, then ``req.extra_body``."""
+    payload: dict[str, Any] = {
+        "model": req.model,
+        prompt_key: prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": req.stream,
+        **req.extra_body,
+    }
     # ignore_eos is an extension (vLLM, SGLang, llama.cpp, srt): sent only when wanted, so that
     # strict servers still accept requests run with --disable-ignore-eos
     if req.ignore_eos:
         payload.setdefault("ignore_eos", True)
     if req.stream:
         payload.setdefault("stream_options", {"include_usage": True})
+    return payload
 
 
 async def request_openai_completions(session: aiohttp.ClientSession, req: RequestInput) -> RequestOutput:
     """OpenAI ``POST /v1/completions`` (prompt as token ids for ``random-ids`` rows)."""
-    payload: dict[str, Any] = {
-        "model": req.model,
-        "prompt": req.prompt_ids if req.prompt_ids is not None else req.prompt,
-        "max_tokens": req.output_len,
-        "temperature": 0.0,
-        "stream": req.stream,
-        **req.extra_body,
-    }
-    _add_openai_options(payload, req)
+    payload = _openai_payload(req, "prompt", req.prompt_ids if req.prompt_ids is not None else req.prompt)
 
     def on_chunk(obj: dict[str, Any], st: _StreamState, now: float) -> None:
         for choice in obj.get("choices") or []:
@@ -255,15 +258,7 @@ async def request_openai_completions(session: aiohttp.ClientSession, req: Reques
 
 async def request_openai_chat(session: aiohttp.ClientSession, req: RequestInput) -> RequestOutput:
     """OpenAI ``POST /v1/chat/completions`` with the prompt as one user message."""
-    payload: dict[str, Any] = {
-        "model": req.model,
-        "messages": [{"role": "user", "content": req.prompt}],
-        "max_tokens": req.output_len,
-        "temperature": 0.0,
-        "stream": req.stream,
-        **req.extra_body,
-    }
-    _add_openai_options(payload, req)
+    payload = _openai_payload(req, "messages", [{"role": "user", "content": req.prompt}])
 
     def on_chunk(obj: dict[str, Any], st: _StreamState, now: float) -> None:
         for choice in obj.get("choices") or []:

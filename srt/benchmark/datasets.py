@@ -17,6 +17,7 @@ which backends that accept token ids send as ids (exact lengths).
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,3 +193,41 @@ def sample_generated_shared_prefix_requests(
             prompt = system + "\n\n" + _text_of_length(tokenizer, pool, rng, question_len)
             rows.append(DatasetRow(prompt, count_tokens(tokenizer, prompt), output_len))
     return [rows[int(i)] for i in rng.permutation(len(rows))]
+
+
+def get_dataset(args: argparse.Namespace, tokenizer: Tokenizer, rng: np.random.Generator) -> list[DatasetRow]:
+    """The workload ``--dataset-name`` names, from the parsed flags of ``srt.bench_serving``."""
+    name = args.dataset_name
+    if name in ("random", "random-ids"):
+        return sample_random_requests(
+            tokenizer,
+            rng,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            random_ids=name == "random-ids",
+            dataset_path=args.dataset_path,
+        )
+    if name == "sharegpt":
+        if not args.dataset_path:
+            raise SystemExit("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
+        return sample_sharegpt_requests(
+            tokenizer,
+            rng,
+            args.dataset_path,
+            args.num_prompts,
+            args.sharegpt_output_len,
+            args.sharegpt_context_len,
+        )
+    if name == "generated-shared-prefix":
+        return sample_generated_shared_prefix_requests(
+            tokenizer,
+            rng,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+        )
+    raise SystemExit(f"unknown --dataset-name {name!r}")

@@ -130,6 +130,20 @@ class BenchmarkMetrics:
         return dataclasses.asdict(self)
 
 
+_STATS = {
+    "mean": _mean,
+    "median": _median,
+    "p95": lambda xs: percentile(xs, 95),
+    "p99": lambda xs: percentile(xs, 99),
+    "max": lambda xs: max(xs) if xs else 0.0,
+}
+
+
+def _stats_ms(field: str, xs: Sequence[float], stats: tuple[str, ...] = ("mean", "median", "p99")) -> dict:
+    """``{"<stat>_<field>_ms": ...}``: the stats of ``xs`` (seconds) in milliseconds."""
+    return {f"{s}_{field}_ms": _STATS[s](xs) * 1000.0 for s in stats}
+
+
 def calculate_metrics(
     outputs: Sequence[RequestOutput],
     duration_s: float,
@@ -156,7 +170,6 @@ def calculate_metrics(
     if ok and all(o.cached_tokens is not None for o in ok) and total_input > 0:
         cache_hit_rate = sum(o.cached_tokens or 0 for o in ok) / total_input
     dur = duration_s if duration_s > 0 else math.inf
-    ms = 1000.0
     return BenchmarkMetrics(
         completed=len(ok),
         failed=len(outputs) - len(ok),
@@ -169,20 +182,10 @@ def calculate_metrics(
         output_throughput=total_output / dur,
         total_throughput=(total_input + total_output) / dur,
         concurrency=sum(e2es) / dur,
-        mean_e2e_latency_ms=_mean(e2es) * ms,
-        median_e2e_latency_ms=_median(e2es) * ms,
-        p99_e2e_latency_ms=percentile(e2es, 99) * ms,
-        mean_ttft_ms=_mean(ttfts) * ms,
-        median_ttft_ms=_median(ttfts) * ms,
-        p99_ttft_ms=percentile(ttfts, 99) * ms,
-        mean_tpot_ms=_mean(tpots) * ms,
-        median_tpot_ms=_median(tpots) * ms,
-        p99_tpot_ms=percentile(tpots, 99) * ms,
-        mean_itl_ms=_mean(itls) * ms,
-        median_itl_ms=_median(itls) * ms,
-        p95_itl_ms=percentile(itls, 95) * ms,
-        p99_itl_ms=percentile(itls, 99) * ms,
-        max_itl_ms=max(itls) * ms if itls else 0.0,
+        **_stats_ms("e2e_latency", e2es),
+        **_stats_ms("ttft", ttfts),
+        **_stats_ms("tpot", tpots),
+        **_stats_ms("itl", itls, ("mean", "median", "p95", "p99", "max")),
         cache_hit_rate=cache_hit_rate,
     )
 
@@ -220,6 +223,22 @@ def _row(label: str, value: object) -> str:
     return f"{label:<{_LABEL_WIDTH}} {value!s:<10}".rstrip()
 
 
+_STAT_NAMES = {"mean": "Mean", "median": "Median", "p95": "P95", "p99": "P99", "max": "Max"}
+
+
+def _stat_rows(
+    title: str,
+    label: str,
+    m: BenchmarkMetrics,
+    field: str,
+    stats: tuple[str, ...] = ("mean", "median", "p99"),
+) -> list[str]:
+    """A section of the block: ``Mean <label> (ms):`` ... read from ``m.<stat>_<field>_ms``."""
+    return [_section(title)] + [
+        _row(f"{_STAT_NAMES[s]} {label} (ms):", getattr(m, f"{s}_{field}_ms")) for s in stats
+    ]
+
+
 def format_result_block(
     m: BenchmarkMetrics,
     backend: str,
@@ -247,24 +266,10 @@ def format_result_block(
     if m.cache_hit_rate is not None:
         lines.append(_row("Prefix cache hit rate:", m.cache_hit_rate))
     lines += [
-        _section("End-to-End Latency"),
-        _row("Mean E2E Latency (ms):", m.mean_e2e_latency_ms),
-        _row("Median E2E Latency (ms):", m.median_e2e_latency_ms),
-        _row("P99 E2E Latency (ms):", m.p99_e2e_latency_ms),
-        _section("Time to First Token"),
-        _row("Mean TTFT (ms):", m.mean_ttft_ms),
-        _row("Median TTFT (ms):", m.median_ttft_ms),
-        _row("P99 TTFT (ms):", m.p99_ttft_ms),
-        _section("Time per Output Token (excl. 1st token)"),
-        _row("Mean TPOT (ms):", m.mean_tpot_ms),
-        _row("Median TPOT (ms):", m.median_tpot_ms),
-        _row("P99 TPOT (ms):", m.p99_tpot_ms),
-        _section("Inter-Token Latency"),
-        _row("Mean ITL (ms):", m.mean_itl_ms),
-        _row("Median ITL (ms):", m.median_itl_ms),
-        _row("P95 ITL (ms):", m.p95_itl_ms),
-        _row("P99 ITL (ms):", m.p99_itl_ms),
-        _row("Max ITL (ms):", m.max_itl_ms),
+        *_stat_rows("End-to-End Latency", "E2E Latency", m, "e2e_latency"),
+        *_stat_rows("Time to First Token", "TTFT", m, "ttft"),
+        *_stat_rows("Time per Output Token (excl. 1st token)", "TPOT", m, "tpot"),
+        *_stat_rows("Inter-Token Latency", "ITL", m, "itl", ("mean", "median", "p95", "p99", "max")),
         "=" * 50,
     ]
     return "\n".join(lines)

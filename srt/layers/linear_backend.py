@@ -50,6 +50,7 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from srt.configs.device import onednn_linear_available
 from srt.kernels import cpu as cpu_kernels
@@ -64,12 +65,8 @@ class LinearBackend(ABC):
 
     @abstractmethod
     def apply(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
         """x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``; ``packed`` is
         what ``pack_weight(weight)`` returned, if anything."""
 
@@ -99,12 +96,8 @@ class TorchLinear(LinearBackend):
     name = "torch"
 
     def apply(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
         return F.linear(x, weight, bias)
 
 
@@ -128,12 +121,8 @@ class OneDNNLinear(LinearBackend):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
     def apply(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
         if not (_cpu_float32_inference(x, weight) and x.numel() > 0):
             return F.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -161,12 +150,8 @@ class NativeLinear(LinearBackend):
         return torch.ops.srt_cpu.pack_linear_weight(weight.detach())
 
     def apply(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
         if (
             packed is None
             or not _cpu_float32_inference(x, weight)

@@ -28,44 +28,18 @@ the heap is compacted when stale entries outnumber live ones (amortized O(1) per
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult, PrefixCacheReq
+from srt.mem_cache.radix_tree import TreeNode, format_tree, require, tree_nodes
 from srt.utils.pages import page_floor
 
 if TYPE_CHECKING:
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import ReqToTokenPool
-
-_node_ids = itertools.count()
-
-
-class TreeNode:
-    """One edge of the radix tree (the root has an empty key and value)."""
-
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "heap_seq", "id")
-
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, time: int):
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access_time = time
-        self.heap_seq = -1  # sequence number of the node's live heap entry (-1: none)
-        self.id = next(_node_ids)
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise AssertionError(msg)
 
 
 class RadixCache(BasePrefixCache):
@@ -155,8 +129,10 @@ class RadixCache(BasePrefixCache):
             self._push(node)
 
     # ------------------------------------------------------------------ match / insert
-    def _match(self, key: list[int], end: int) -> tuple[list[torch.Tensor], TreeNode]:
-        """Walk key[:end] (end page-aligned), splitting where the match ends inside a node."""
+    def _walk(self, key: list[int], end: int) -> tuple[list[torch.Tensor], TreeNode, int]:
+        """The one tree walk of match and insert: tick the clock and follow key[:end] (end
+        page-aligned) from the root, splitting the node where the match ends inside it and
+        stamping every node on the path. Returns (values on the path, deepest node, matched length)."""
         self._clock += 1
         node, pos = self.root, 0
         values: list[torch.Tensor] = []
@@ -170,8 +146,7 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = self._clock
             values.append(child.value)
             node, pos = child, pos + m
-        self._touch_leaf(node)
-        return values, node
+        return values, node, pos
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of ``key`` (see BasePrefixCache.match_prefix).
@@ -181,7 +156,8 @@ class RadixCache(BasePrefixCache):
         one token of a prompt to compute (match ``ids[:-1]``): logits need a forward."""
         key = key if isinstance(key, list) else list(key)
         end = page_floor(len(key), self.page_size)
-        values, node = self._match(key, end)
+        values, node, _ = self._walk(key, end)
+        self._touch_leaf(node)
         value = torch.cat(values) if values else self._empty
         self._looked_up_tokens += len(key)
         self._matched_tokens += len(value)
@@ -191,20 +167,8 @@ class RadixCache(BasePrefixCache):
         """Insert; return (already-cached length, node ending at len(key), values on the path)."""
         key = key if isinstance(key, list) else list(key)
         n = len(key)
-        _require(n == len(value) and n % self.page_size == 0, "insert: key/value not page-aligned")
-        self._clock += 1
-        node, pos = self.root, 0
-        values: list[torch.Tensor] = []
-        while pos < n:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key, key, pos, n)
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access_time = self._clock
-            values.append(child.value)
-            node, pos = child, pos + m
+        require(n == len(value) and n % self.page_size == 0, "insert: key/value not page-aligned")
+        values, node, pos = self._walk(key, n)
         prefix_len = pos
         if pos < n:
             new = TreeNode(list(key[pos:]), value[pos:].to(torch.int64).clone(), node, self._clock)
@@ -223,15 +187,15 @@ class RadixCache(BasePrefixCache):
     def cache_finished_req(self, req: PrefixCacheReq) -> None:
         """Insert the req's computed, page-aligned tokens, free its duplicate and tail slots,
         unlock ``req.last_node`` and free its req_to_token row (see BasePrefixCache)."""
-        _require(req.req_pool_idx is not None, "cache_finished_req: req has no req_pool_idx")
+        require(req.req_pool_idx is not None, "cache_finished_req: req has no req_pool_idx")
         P = self.page_size
         committed, allocated = req.kv_committed_len, req.kv_allocated_len
         tree_len = page_floor(len(req.prefix_indices), P)
         aligned = page_floor(committed, P)
-        _require(tree_len <= aligned <= committed <= allocated, "cache_finished_req: inconsistent lengths")
+        require(tree_len <= aligned <= committed <= allocated, "cache_finished_req: inconsistent lengths")
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated]
         token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
-        _require(len(token_ids) == aligned, "cache_finished_req: kv_committed_len exceeds the token ids")
+        require(len(token_ids) == aligned, "cache_finished_req: kv_committed_len exceeds the token ids")
         new_prefix_len, _, _ = self._insert(token_ids, kv[:aligned])
         # kv[tree_len:new_prefix_len]: the tree already had these tokens (another request
         # inserted them meanwhile) -> duplicates; kv[aligned:]: the unaligned tail and any
@@ -251,7 +215,7 @@ class RadixCache(BasePrefixCache):
         n = len(req.fill_ids)
         aligned = page_floor(n, P)
         tree_len = page_floor(len(req.prefix_indices), P)
-        _require(tree_len <= aligned, "cache_unfinished_req: fill_ids shorter than the prefix")
+        require(tree_len <= aligned, "cache_unfinished_req: fill_ids shorter than the prefix")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         new_prefix_len, new_last, values = self._insert(req.fill_ids[:aligned], row[:aligned])
         if new_prefix_len > tree_len:
@@ -328,21 +292,11 @@ class RadixCache(BasePrefixCache):
         """(matched tokens, looked-up tokens) over all match_prefix calls since construction."""
         return (self._matched_tokens, self._looked_up_tokens)
 
-    def _nodes(self) -> list[TreeNode]:
-        """Every non-root node (depth-first)."""
-        out: list[TreeNode] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
     def reset(self) -> None:
         """Free every cached slot and drop the tree. Only valid with no locks held."""
         if self._protected:
             raise RuntimeError(f"reset() while {self._protected} cached slots are locked by requests")
-        values = [n.value for n in self._nodes()]
+        values = [n.value for n in tree_nodes(self.root)]
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
@@ -359,7 +313,7 @@ class RadixCache(BasePrefixCache):
         evictable = protected = 0
         values: list[torch.Tensor] = []
         live = {e[2].id for e in self._heap if e[1] == e[2].heap_seq}
-        for node in self._nodes():
+        for node in tree_nodes(self.root):
             n, parent = len(node.key), node.parent
             if parent is None or parent.children.get(self._child_key(node.key, 0)) is not node:
                 raise AssertionError(f"{node}: not reachable under its first-page key")
@@ -376,38 +330,30 @@ class RadixCache(BasePrefixCache):
                 if not node.children and node.id not in live:
                     raise AssertionError(f"{node}: evictable leaf missing from the eviction heap")
             values.append(node.value)
-        _require(evictable == self._evictable, f"evictable counter {self._evictable} != {evictable}")
-        _require(protected == self._protected, f"protected counter {self._protected} != {protected}")
+        require(evictable == self._evictable, f"evictable counter {self._evictable} != {evictable}")
+        require(protected == self._protected, f"protected counter {self._protected} != {protected}")
         if values:
             # node values are whole pages, so the concatenation splits into rows of one page each
             slots = torch.cat(values).cpu().numpy()
             pages = slots.reshape(-1, P)
-            _require(
+            require(
                 bool((pages[:, 0] % P == 0).all() and (pages - pages[:, :1] == np.arange(P)).all()),
                 "a node's value is not made of whole pages",
             )
-            _require(len(np.unique(slots)) == len(slots), "a slot appears twice in the tree")
-            _require(bool(((slots >= P) & (slots < total + P)).all()), "slot out of the pool's range")
-            _require(
+            require(len(np.unique(slots)) == len(slots), "a slot appears twice in the tree")
+            require(bool(((slots >= P) & (slots < total + P)).all()), "slot out of the pool's range")
+            require(
                 not np.intersect1d(pages[:, 0] // P, self.allocator.free_page_ids()).size,
                 "cached slot is free",
             )
         free = self.allocator.available_size()
-        _require(
+        require(
             free + evictable + protected + owned_by_requests == total,
             f"free {free} + evictable {evictable} + protected {protected} + owned {owned_by_requests} != {total}",
         )
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """The tree as indented text, one node per line (first max_tokens ids of each key)."""
-        lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
-        stack = [(c, 1) for c in reversed(self.root.children.values())]
-        while stack:
-            node, depth = stack.pop()
-            ids = node.key[:max_tokens]
-            more = "..." if len(node.key) > max_tokens else ""
-            lines.append(
-                f"{'  ' * depth}{ids}{more} len={len(node.key)} lock={node.lock_ref} t={node.last_access_time}"
-            )
-            stack.extend((c, depth + 1) for c in reversed(node.children.values()))
-        return "\n".join(lines)
+        return format_tree(
+            self.root, f"root (evictable={self._evictable}, protected={self._protected})", max_tokens
+        )

@@ -75,7 +75,11 @@ class ModelRunner:
         self.page_size = server_args.page_size
         if server_args.num_threads:
             torch.set_num_threads(server_args.num_threads)
+        self._init_model(server_args)
+        self._init_memory_pools(server_args)
 
+    def _init_model(self, server_args: ServerArgs) -> None:
+        """Model config, linear backend, weights, sampler and attention backend; one log line."""
         t0 = time.perf_counter()
         self.model_config = ModelConfig.from_server_args(server_args)
         self.dtype: torch.dtype = self.model_config.dtype
@@ -104,6 +108,9 @@ class ModelRunner:
             torch.get_num_threads(),
         )
 
+    def _init_memory_pools(self, server_args: ServerArgs) -> None:
+        """KV pool size (given or profiled, the minimum over TP ranks), then the req_to_token pool,
+        the KV pool and its allocator; one log line."""
         cfg = self.model_config
         self.context_len: int = cfg.context_len
         self.num_kv_heads = cfg.num_key_value_heads  # this rank's

@@ -29,6 +29,7 @@ import torch
 
 from srt.configs.gguf_header import GGUFTensorInfo, gguf_architecture, open_gguf
 from srt.layers.quantized_weight import GGUFTensor
+from srt.model_loader.weight_utils import readinto_exact
 from srt.utils.errors import GGUFError
 
 _GLOBAL_TENSORS = {
@@ -104,12 +105,7 @@ def read_tensor_data(f, info: GGUFTensorInfo) -> np.ndarray:
     if len(view) != info.nbytes:
         raise GGUFError(f"tensor {info.name}: {len(view)} bytes expected, header says {info.nbytes}")
     f.seek(info.offset)
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise GGUFError(f"{f.name}: unexpected end of file in tensor {info.name}")
-        got += n
+    readinto_exact(f, view, GGUFError, f" in tensor {info.name}")
     return buf
 
 

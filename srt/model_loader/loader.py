@@ -76,49 +76,20 @@ def get_model(
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
-        ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
-        (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
-        runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
-        file's matrices in their blocks wherever a native kernel covers the type ("none":
-        everything dequantized to float32). ``int8_activations`` (with "gguf"): small-batch matmuls
+    ``load_format`` (default: ``model_config.load_format``) is one of safetensors, gguf, dummy
+    (``auto`` means the config's). ``seed`` only matters for dummy weights. ``linear_backend``
+    runs the model's matmuls (``F.linear`` when None). ``quantization`` "gguf" keeps a GGUF
+    file's matrices in their blocks wherever a native kernel covers the type ("none":
+    everything dequantized to float32). ``int8_activations`` (with "gguf"): small-batch matmuls
     quantize their input to int8 (``QuantizedWeight.use_int8_activations``). ``tp`` (size > 1):
     the model of rank ``tp.rank``, reading only its shard (see the module docstring)."""
-    fmt = model_config.load_format if load_format in (None, "auto") else load_format
-    if fmt not in LOAD_FORMATS:
-        raise ConfigError(f"unknown load format {fmt!r}")
-    if fmt == "gguf" and model_config.gguf_file is None:
-        raise ConfigError(f"load format gguf needs a .gguf model, got {model_config.model_path}")
-    if fmt == "safetensors" and model_config.gguf_file is not None:
-        raise ConfigError("load format safetensors was requested for a .gguf model")
-    if quantization not in ("none", "gguf"):
-        raise ConfigError(f"unknown quantization {quantization!r} (expected gguf or none)")
-    if quantization == "gguf" and fmt != "gguf":
-        raise ConfigError(f"--quantization gguf needs a .gguf model (load format {fmt})")
+    fmt = _check_load_format(model_config, load_format, quantization)
     model_cls = get_model_class(model_config.architecture)
     t0 = time.perf_counter()
     with torch.device(device):
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
-    if fmt == "dummy":
-        init_dummy_weights(model, seed, views=None if plan is None else plan.views)
-    elif fmt == "gguf":
-        from srt.model_loader.gguf import gguf_weights_iterator
-
-        keep = frozenset()
-        if quantization == "gguf":
-            keep = gguf_kernels.native_qtypes()
-            if not keep:
-                _check_float32_fits(model_config.gguf_file)
-        if plan is not None:
-            model.load_weights(
-                sharded_gguf_iterator(model_config.gguf_file, model_config.hf_config, keep, plan)
-            )
-        else:
-            model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
-    elif plan is not None:
-        model.load_weights(sharded_safetensors_iterator(model_config.model_path, plan))
-    else:
-        model.load_weights(safetensors_weights_iterator(model_config.model_path))
+    _load_weights(model, model_config, fmt, quantization, seed, plan)
     model.eval()
     model.requires_grad_(False)
     prepare_weights(model)
@@ -139,6 +110,54 @@ def get_model(
         quantized_summary(model),
     )
     return model
+
+
+def _check_load_format(model_config: ModelConfig, load_format: str | None, quantization: str) -> str:
+    """The load format to use (``None`` / ``auto``: the config's), checked against the model file
+    and ``quantization``; ConfigError when they do not fit together."""
+    fmt = model_config.load_format if load_format in (None, "auto") else load_format
+    if fmt not in LOAD_FORMATS:
+        raise ConfigError(f"unknown load format {fmt!r}")
+    if fmt == "gguf" and model_config.gguf_file is None:
+        raise ConfigError(f"load format gguf needs a .gguf model, got {model_config.model_path}")
+    if fmt == "safetensors" and model_config.gguf_file is not None:
+        raise ConfigError("load format safetensors was requested for a .gguf model")
+    if quantization not in ("none", "gguf"):
+        raise ConfigError(f"unknown quantization {quantization!r} (expected gguf or none)")
+    if quantization == "gguf" and fmt != "gguf":
+        raise ConfigError(f"--quantization gguf needs a .gguf model (load format {fmt})")
+    return fmt
+
+
+def _load_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    fmt: str,
+    quantization: str,
+    seed: int,
+    plan: ShardPlan | None,
+) -> None:
+    """Fill ``model``'s weights from the source ``fmt`` names (only this rank's shard with a ``plan``)."""
+    if fmt == "dummy":
+        init_dummy_weights(model, seed, views=None if plan is None else plan.views)
+    elif fmt == "gguf":
+        from srt.model_loader.gguf import gguf_weights_iterator
+
+        keep = frozenset()
+        if quantization == "gguf":
+            keep = gguf_kernels.native_qtypes()
+            if not keep:
+                _check_float32_fits(model_config.gguf_file)
+        if plan is not None:
+            model.load_weights(
+                sharded_gguf_iterator(model_config.gguf_file, model_config.hf_config, keep, plan)
+            )
+        else:
+            model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
+    elif plan is not None:
+        model.load_weights(sharded_safetensors_iterator(model_config.model_path, plan))
+    else:
+        model.load_weights(safetensors_weights_iterator(model_config.model_path))
 
 
 def _check_float32_fits(gguf_file: str) -> None:

@@ -63,13 +63,14 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def _readinto_exact(f, buf: torch.Tensor) -> None:
-    view = memoryview(buf.numpy())
+def readinto_exact(f, view: memoryview, error: type[Exception] = WeightLoadError, where: str = "") -> None:
+    """Fill ``view`` from the binary file ``f`` at its current position (``readinto`` until full);
+    ``error`` naming the file (and ``where``) when the file ends first."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
         if not n:
-            raise WeightLoadError(f"{f.name}: unexpected end of file")
+            raise error(f"{f.name}: unexpected end of file{where}")
         got += n
 
 
@@ -92,7 +93,7 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
                     raise WeightLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
                 buf = torch.empty(end - begin, dtype=torch.uint8)
                 f.seek(base + begin)
-                _readinto_exact(f, buf)
+                readinto_exact(f, memoryview(buf.numpy()))
                 yield name, buf.view(dtype).reshape(info["shape"])
 
 

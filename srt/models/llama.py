@@ -119,17 +119,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """``self_attn`` (built by the caller: the layer's id, the shared rotary embedding and the
+    architecture's options are its business), then the MLP, each behind an RMSNorm."""
+
     def __init__(
         self,
         config: PretrainedConfig,
-        layer_id: int,
-        rotary_emb: RotaryEmbedding,
-        options: AttentionOptions,
+        self_attn: LlamaAttention,
         dtype: torch.dtype,
         linear_backend: LinearBackend | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options, dtype, linear_backend)
+        self.self_attn = self_attn
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, linear_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -165,7 +166,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, options, dtype, linear_backend)
+            LlamaDecoderLayer(
+                config,
+                LlamaAttention(config, i, self.rotary_emb, options, dtype, linear_backend),
+                dtype,
+                linear_backend,
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -61,7 +61,7 @@ def test_export_key_follows_file_version(tmp_path):
 def test_exported_tokenizer_matches_bench_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from srt.bench_serving import default_tokenizer_path, load_tokenizer
+    from srt.benchmark.tokenizer import default_tokenizer_path, load_tokenizer
 
     gguf_path = default_tokenizer_path()
     write_tokenizer(gguf_path, str(tmp_path))

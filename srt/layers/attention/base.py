@@ -34,7 +34,7 @@ import torch
 
 from srt.layers.forward_batch import AttentionLayer, ForwardBatch
 
-__all__ = ["AttentionBackend", "AttentionBackendContext", "AttentionLayer"]
+__all__ = ["AttentionBackend", "AttentionBackendContext", "AttentionLayer", "save_and_read_kv"]
 
 
 class AttentionBackendContext(Protocol):
@@ -105,3 +105,14 @@ class AttentionBackend(ABC):
         if mode.is_extend():
             return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         raise ValueError(f"attention called for a batch in mode {mode.name}")
+
+
+def save_and_read_kv(
+    k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new tokens' k/v ``[T, H_kv*D]`` into the pool at ``forward_batch.out_cache_loc``
+    (unless ``save_kv_cache`` is False); return the layer's whole K and V buffers from the pool."""
+    pool = forward_batch.token_to_kv_pool
+    if save_kv_cache:
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+    return pool.get_kv_buffer(layer.layer_id)

@@ -43,7 +43,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from srt.layers.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayer
+from srt.layers.attention.base import (
+    AttentionBackend,
+    AttentionBackendContext,
+    AttentionLayer,
+    save_and_read_kv,
+)
 
 if TYPE_CHECKING:
     from srt.layers.forward_batch import ForwardBatch
@@ -232,10 +237,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         md = self._metadata()
-        pool = forward_batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = save_and_read_kv(k, v, layer, forward_batch, save_kv_cache)
         num_tokens = q.shape[0]
         h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q3 = q.reshape(num_tokens, h, d)
@@ -287,10 +289,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         md = self._metadata()
-        pool = forward_batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = save_and_read_kv(k, v, layer, forward_batch, save_kv_cache)
         bs = q.shape[0]
         h, d = layer.num_heads, layer.head_dim
         return self._decode(q.reshape(bs, h, d), k_buf, v_buf, md, layer).reshape(bs, h * d)

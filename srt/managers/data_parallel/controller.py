@@ -66,10 +66,8 @@ class DataParallelController:
     # ------------------------------------------------------------------ inputs
     def handle_input(self, raw: bytes) -> None:
         """Forward one message from the tokenizer manager or the detokenizer."""
-        try:
-            msg = scheduler_input_decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            logger.error("dropping an undecodable message: %s", e)
+        msg = _decode_or_drop(scheduler_input_decoder, raw, "message")
+        if msg is None:
             return
         if isinstance(msg, TokenizedGenerateReqInput):
             self._send(self.router.route(msg.rid, msg.input_ids), raw)
@@ -103,10 +101,8 @@ class DataParallelController:
     # ------------------------------------------------------------------ from the groups
     def handle_group_message(self, raw: bytes) -> None:
         """Apply a load report, or merge a control reply (sending each completed merge on)."""
-        try:
-            msg = dp_controller_input_decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            logger.error("dropping an undecodable group message: %s", e)
+        msg = _decode_or_drop(dp_controller_input_decoder, raw, "group message")
+        if msg is None:
             return
         if isinstance(msg, DpLoadReport):
             self.router.on_report(
@@ -144,6 +140,15 @@ class DataParallelController:
                     except zmq.Again:
                         break
                     handle(raw)
+
+
+def _decode_or_drop(decoder: msgspec.msgpack.Decoder, raw: bytes, what: str) -> Any | None:
+    """``decoder.decode(raw)``, or None (logged, the message dropped) when it does not decode."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        logger.error("dropping an undecodable %s: %s", what, e)
+        return None
 
 
 def run_data_parallel_controller_process(

@@ -1,6 +1,6 @@
 """Routing of the data-parallel controller: which scheduler group gets a request (pure, no I/O).
 
-The controller (``data_parallel_controller.py``) owns one `DpRouter` and calls it for every
+The controller (``controller.py``) owns one `DpRouter` and calls it for every
 message it forwards; nothing here touches a socket or a clock, so the policies are tested by
 driving the router with messages and load reports.
 
