@@ -62,6 +62,11 @@ class BatchAttention(Protocol):
         """q ``[T, H*D]``, k/v ``[T, H_kv*D]`` -> ``[T, H*D]`` (see srt/layers/attention/base.py)."""
         ...
 
+    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decode sequences' ``(req_to_token, rows, seq_lens)`` for a native decode stack, or
+        None (see srt/layers/attention/base.py)."""
+        ...
+
 
 class ForwardMode(IntEnum):
     EXTEND = 1  # every sequence adds >= 1 new tokens (prefill, possibly on a cached prefix)

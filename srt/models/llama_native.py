@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.kernels import cpu as cpu_kernels
-from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
 from srt.layers.linear import Linear
 
 if TYPE_CHECKING:
@@ -113,7 +112,7 @@ class NativeDecodeLayers:
         """``(mlp output, residual)`` after the last layer for a DECODE batch (the caller adds them
         in the final norm), or None when this batch cannot take the native path."""
         backend = forward_batch.attn_backend
-        if not isinstance(backend, FusedCPUAttnBackend) or hidden_states.dtype != torch.float32:
+        if backend is None or hidden_states.dtype != torch.float32:
             return None
         args = backend.native_decode_args()
         pool = forward_batch.token_to_kv_pool

@@ -74,3 +74,36 @@ def test_fallback_is_exactly_torch_native(monkeypatch, caplog):
 
 def test_registry_builds_fused_cpu():
     assert isinstance(create_attention_backend("fused_cpu", None), FusedCPUAttnBackend)
+
+
+def test_backends_are_composed_and_graph_hooks_are_explicit():
+    """fused_cpu is built from torch_native's functions, not a subclass of it; only a backend that
+    offers a native decode stack answers native_decode_args, and a backend without CUDA-graph
+    support says so instead of capturing nothing."""
+    from srt.layers.attention.torch_native import TorchNativeAttnBackend
+
+    assert not issubclass(FusedCPUAttnBackend, TorchNativeAttnBackend)
+    torch_native = TorchNativeAttnBackend()
+    assert torch_native.native_decode_args() is None
+    for backend in (torch_native, FusedCPUAttnBackend(None)):
+        assert not backend.supports_cuda_graph
+        with pytest.raises(NotImplementedError, match="does not support CUDA graphs"):
+            backend.init_cuda_graph_state(8, 128)
+        with pytest.raises(NotImplementedError, match="does not support CUDA graphs"):
+            backend.init_forward_metadata_replay_cuda_graph(
+                1, torch.zeros(1, 4), torch.zeros(1), [1], ForwardMode.DECODE
+            )
+
+
+def test_native_decode_args_follow_the_batch(native):
+    """After a DECODE batch the args name its decode rows; after an EXTEND batch there are none
+    (a stale decode batch's args must never reach the native decode stack)."""
+    backend = FusedCPUAttnBackend(None)
+    decode = make_case(ForwardMode.DECODE, [4, 16, 32], [1, 1, 1], page_size=16, seed=3)
+    backend.init_forward_metadata(decode.fb)
+    args = backend.native_decode_args()
+    assert args is not None and args[1].tolist() == decode.fb.req_pool_indices.tolist()
+    assert args[2].tolist() == decode.fb.seq_lens.tolist()
+    extend = make_case(ForwardMode.EXTEND, [0, 4], [9, 3], page_size=16, seed=4)
+    backend.init_forward_metadata(extend.fb)
+    assert backend.native_decode_args() is None

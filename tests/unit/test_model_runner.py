@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.layers.attention.fused_cpu import FusedCPUAttnBackend
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.mem_cache import pool_size
 from srt.model_executor.model_runner import ModelRunner
@@ -79,7 +79,7 @@ def test_max_total_tokens_override_and_attributes(tiny_path, caplog):
     assert runner.activation_peak_bytes == 0  # no profiling
     assert runner.max_running_requests == 7
     assert runner.page_size == 16 and runner.device == torch.device("cpu") and runner.dtype == torch.float32
-    assert isinstance(runner.attn_backend, TorchNativeAttnBackend)
+    assert isinstance(runner.attn_backend, FusedCPUAttnBackend)  # what auto picks on CPU
     assert runner.weight_bytes == weight_bytes(runner.model) > 0
     assert len(_kv_lines(caplog)) == 1
 

@@ -251,7 +251,7 @@ def test_one_backend_across_batches_and_inference_mode():
             backend.init_forward_metadata(case.fb)
             out = backend.forward(case.q, case.k, case.v, case.layer, case.fb)
         torch.testing.assert_close(out, reference(case), rtol=1e-4, atol=1e-5)
-        ptrs.append(backend._workspace[0].data_ptr())
+        ptrs.append(backend.workspace._buffers[0].data_ptr())
     assert ptrs[0] == ptrs[1]  # same size class: reused
     assert ptrs[2] != ptrs[1]  # much smaller batch: re-made
 

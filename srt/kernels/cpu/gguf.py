@@ -140,16 +140,22 @@ def dequantize(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     return dequantize_ref(data, qtype, cols)
 
 
+def _on_rows(op, x: torch.Tensor, data: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``op`` (a native GGUF matmul taking x ``[M, K]`` with a contiguous last dim) on x
+    ``[..., K]``, the leading dims flattened into rows and restored on the output."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = op(x2, data, qtype, bias)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def quant_linear(
     x: torch.Tensor, data: torch.Tensor, qtype: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] float32 @ W.T (+ bias) -> [..., N], W [N, K] the GGUF rows ``data`` [N, bpr]."""
     if qtype in native_qtypes():
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        out = torch.ops.srt_cpu.gguf_linear(x2, data, qtype, bias)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+        return _on_rows(torch.ops.srt_cpu.gguf_linear, x, data, qtype, bias)
     return quant_linear_ref(x, data, qtype, bias)
 
 
@@ -326,9 +332,5 @@ def quant_linear_q8a(
     ``gguf_linear_q8a`` when the extension has it (it runs types outside ``q8a_qtypes()`` in
     float32), else ``quant_linear_q8a_ref``."""
     if qtype in native_qtypes() and _op_registered("gguf_linear_q8a"):
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        out = torch.ops.srt_cpu.gguf_linear_q8a(x2, data, qtype, bias)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+        return _on_rows(torch.ops.srt_cpu.gguf_linear_q8a, x, data, qtype, bias)
     return quant_linear_q8a_ref(x, data, qtype, bias)

@@ -28,11 +28,12 @@ what ``AttentionBackendContext`` names from the runner.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from srt.layers.forward_batch import AttentionLayer, ForwardBatch
+from srt.layers.forward_batch import AttentionLayer, ForwardBatch, ForwardMode
 
 __all__ = ["AttentionBackend", "AttentionBackendContext", "AttentionLayer", "save_and_read_kv"]
 
@@ -105,6 +106,46 @@ class AttentionBackend(ABC):
         if mode.is_extend():
             return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         raise ValueError(f"attention called for a batch in mode {mode.name}")
+
+    # ------------------------------------------------------------------ fused decode stacks
+    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(req_to_token, req_pool_indices, seq_lens)`` (int64) of the current batch's decode
+        sequences for a native decode stack that attends through srt's paged CPU kernel
+        (``srt/models/llama_native.py``), or None when this backend offers none (the default)."""
+        return None
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    # The graph runner calls these; a backend that supports graphs overrides all three and sets
+    # ``supports_cuda_graph``. Inputs of a captured batch are padded to ``bs`` (the padding rows
+    # point at a dummy slot with length 1), and nothing here may synchronise with the device.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate the fixed buffers every captured batch of up to ``max_bs`` sequences reads."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: Sequence[int],
+        forward_mode: ForwardMode,
+    ) -> None:
+        """Before capturing batch size ``bs``: the metadata the captured forward reads, built
+        from a dummy batch outside the capture, in buffers that stay fixed."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: Sequence[int],
+        forward_mode: ForwardMode,
+    ) -> None:
+        """Before replaying batch size ``bs``: rewrite those fixed buffers for the live batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
 
 def save_and_read_kv(

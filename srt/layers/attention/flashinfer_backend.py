@@ -124,6 +124,8 @@ class FlashInferAttnBackend(AttentionBackend):
     """See the module docstring. Reads ``device``, ``dtype`` (q and output), ``kv_cache_dtype`` and
     ``page_size`` from ``model_runner``."""
 
+    supports_cuda_graph = True
+
     def __init__(
         self,
         model_runner: AttentionBackendContext,
@@ -202,26 +204,11 @@ class FlashInferAttnBackend(AttentionBackend):
         return self.geometry
 
     # ------------------------------------------------------------------ per layer
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    # forward_extend / forward_decode: the signature, shapes and contract of AttentionBackend's
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return self._forward("prefill", q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return self._forward("decode", q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(
@@ -265,14 +252,10 @@ class FlashInferAttnBackend(AttentionBackend):
         zeros = lambda n: torch.zeros(n, dtype=INDEX_DTYPE, device=self.device)  # noqa: E731
         self.graph_state = DecodeGraphState(zeros(max_bs + 1), zeros(max_bs * max_pages), zeros(max_bs))
 
+    # the graph hooks: the signatures and contract of AttentionBackend's
     def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens_cpu: Sequence[int],
-        forward_mode: ForwardMode,
-    ) -> None:
+        self, bs, req_to_token, req_pool_indices, seq_lens_cpu, forward_mode
+    ):
         """Before capturing batch size ``bs``: build its ``use_cuda_graph`` decode wrapper over the
         fixed buffers and plan it with this (dummy) batch, outside the capture."""
         state = self._graph_state(bs, forward_mode)
@@ -291,13 +274,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_graph(wrapper, req_to_token, req_pool_indices, seq_lens_cpu)
 
     def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens_cpu: Sequence[int],
-        forward_mode: ForwardMode,
-    ) -> None:
+        self, bs, req_to_token, req_pool_indices, seq_lens_cpu, forward_mode
+    ):
         """Before replaying batch size ``bs`` (inputs already padded to ``bs``): plan its wrapper
         with the live batch, which rewrites the fixed buffers the graph reads."""
         state = self._graph_state(bs, forward_mode)

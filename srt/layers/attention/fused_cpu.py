@@ -10,7 +10,8 @@ batch's sequences in one call, register-tiled, causal blocks skipped) when the a
 float32 and the head dim a multiple of 64, torch's SDPA otherwise.
 
 When the extension is not built (no compiler, a failed build, ``SRT_DISABLE_NATIVE_KERNELS=1``)
-the backend is exactly ``TorchNativeAttnBackend``; one log line at start-up says which decode
+the backend computes exactly what ``TorchNativeAttnBackend`` does (it is built from the same
+functions of torch_native.py, composed, not inherited); one log line at start-up says which decode
 path is in use and why. ``TorchNativeAttnBackend`` stays the oracle the kernel is tested against
 (tests/unit/test_cpu_decode_attention.py, tests/unit/test_fused_cpu_attention.py).
 """
@@ -23,123 +24,122 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.kernels import cpu as cpu_kernels
-from srt.layers.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+from srt.layers.attention.base import AttentionBackend, save_and_read_kv
+from srt.layers.attention.torch_native import (
+    GatherWorkspace,
+    TorchNativeMetadata,
+    attend_extend_batch,
+    build_metadata,
+    sdpa_decode,
+    sdpa_extend,
+)
 
 if TYPE_CHECKING:
     from srt.layers.attention.base import AttentionBackendContext, AttentionLayer
+    from srt.layers.forward_batch import ForwardBatch
 
 logger = logging.getLogger("srt.attention")
 
 
-class FusedCPUAttnBackend(TorchNativeAttnBackend):
+class FusedCPUAttnBackend(AttentionBackend):
     """See the module docstring. The decode metadata is the decode sequences' pool rows and
     lengths (int64 ``[nd]``) and ``req_to_token``; nothing is gathered."""
 
     def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
-        super().__init__(model_runner)
         self.native = cpu_kernels.native_available()
         self._extend_native = self.native and hasattr(torch.ops.srt_cpu, "extend_attention")
-        if self.native:
-            logger.info(
-                "fused_cpu attention: decode through %s; extend through %s",
-                cpu_kernels.kernel_status(),
-                "torch.ops.srt_cpu.extend_attention (float32, head dim a multiple of 64; SDPA otherwise)"
-                if self._extend_native
-                else "SDPA (the loaded kernels have no extend_attention)",
-            )
-        else:
+        self._log_paths()
+        self.forward_metadata: TorchNativeMetadata | None = None
+        self.workspace = GatherWorkspace()  # the fallback paths' gathers
+        # the extend sequences' (q_starts, kv_starts, extend_lens, seq_lens) of the current batch
+        self._extend_desc: tuple[torch.Tensor, ...] | None = None
+        # (req_to_token, decode rows, decode lengths) of the current batch, for the native kernel
+        self._decode_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _log_paths(self) -> None:
+        if not self.native:
             logger.warning(
                 "fused_cpu attention: decode through torch_native's gather path and extend through "
                 "SDPA, the native kernels are unavailable (%s)",
                 cpu_kernels.kernel_status(),
             )
-        # the extend sequences' (q_starts, kv_starts, extend_lens, seq_lens) of the current batch
-        self._extend_desc: tuple[torch.Tensor, ...] | None = None
-        self._req_to_token: torch.Tensor | None = None
-        self._decode_rows: torch.Tensor | None = None
-        self._decode_lens: torch.Tensor | None = None
+            return
+        logger.info(
+            "fused_cpu attention: decode through %s; extend through %s",
+            cpu_kernels.kernel_status(),
+            "torch.ops.srt_cpu.extend_attention (float32, head dim a multiple of 64; SDPA otherwise)"
+            if self._extend_native
+            else "SDPA (the loaded kernels have no extend_attention)",
+        )
 
-    def _init_extend(
-        self,
-        md: TorchNativeMetadata,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: list[int],
-        extend_lens: list[int],
-        prefix_lens: list[int],
-    ) -> None:
-        super()._init_extend(md, req_to_token, req_pool_indices, seq_lens, extend_lens, prefix_lens)
-        self._extend_desc = None
-        if self._extend_native:
-            q_starts, kv_starts = [], []
-            for run in md.extend_runs:
-                q_starts += [run.q_start + i * run.extend_len for i in range(run.n)]
-                kv_starts += [run.kv_start + i * run.seq_len for i in range(run.n)]
-            n = len(q_starts)
-            lens = (q_starts, kv_starts, extend_lens[:n], seq_lens[:n])
-            self._extend_desc = tuple(torch.tensor(x, dtype=torch.int64) for x in lens)
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        md = build_metadata(fb, decode_chunks=not self.native)
+        self.forward_metadata = md
+        self._extend_desc = self._decode_args = None
+        if md.num_extend_seqs and self._extend_native:
+            self._extend_desc = extend_descriptor(md, fb)
+        if md.num_decode_seqs and self.native:
+            req_to_token = fb.req_to_token_pool.req_to_token
+            ne = md.num_extend_seqs
+            seq_lens = (fb.seq_lens_cpu or fb.seq_lens.tolist())[ne:]
+            rows = fb.req_pool_indices[ne:].to(device=req_to_token.device, dtype=torch.int64)
+            lens = torch.tensor(seq_lens, dtype=torch.int64, device=req_to_token.device)
+            self._decode_args = (req_to_token, rows, lens)
 
-    def _extend(
-        self,
-        q3: torch.Tensor,
-        kx: torch.Tensor,
-        vx: torch.Tensor,
-        md: TorchNativeMetadata,
-        layer: AttentionLayer,
-        out: torch.Tensor,
-    ) -> None:
+    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(req_to_token, req_pool_indices, seq_lens)`` of the current batch's decode sequences
+        as the native kernel takes them (what ``srt/models/llama_native.py`` passes to its fused
+        layers), or None when decode runs on the fallback path."""
+        return self._decode_args
+
+    # ------------------------------------------------------------------ per layer
+    # forward_extend / forward_decode: the signature, shapes and contract of AttentionBackend's
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        kv = (k, v, *save_and_read_kv(k, v, layer, forward_batch, save_kv_cache))
+        return attend_extend_batch(q, kv, self._metadata(), layer, self.workspace, self._extend, self._decode)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        kv_buf = save_and_read_kv(k, v, layer, forward_batch, save_kv_cache)
+        bs, h, d = q.shape[0], layer.num_heads, layer.head_dim
+        return self._decode(q.reshape(bs, h, d), *kv_buf, self._metadata(), layer).reshape(bs, h * d)
+
+    def _extend(self, q3, kx, vx, md: TorchNativeMetadata, layer: AttentionLayer, out: torch.Tensor) -> None:
+        """The native extend kernel for float32 and head dims that are multiples of 64, SDPA else."""
         desc = self._extend_desc
         if desc is None or q3.dtype != torch.float32 or kx.dtype != torch.float32 or layer.head_dim % 64:
-            super()._extend(q3, kx, vx, md, layer, out)
+            sdpa_extend(q3, kx, vx, md, layer, out)
             return
         ne_tok = md.num_extend_tokens
         out[:ne_tok] = torch.ops.srt_cpu.extend_attention(q3[:ne_tok], kx, vx, *desc, layer.scaling)
 
-    def _init_decode(
-        self,
-        md: TorchNativeMetadata,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: list[int],
-        budget_rows: int,
-    ) -> None:
-        if not self.native:
-            super()._init_decode(md, req_to_token, req_pool_indices, seq_lens, budget_rows)
-            return
-        md.num_decode_seqs = len(seq_lens)
-        self._req_to_token = req_to_token
-        self._decode_rows = req_pool_indices.to(device=req_to_token.device, dtype=torch.int64)
-        self._decode_lens = torch.tensor(seq_lens, dtype=torch.int64, device=req_to_token.device)
-
-    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(req_to_token, req_pool_indices, seq_lens)`` of the current DECODE batch as the native
-        kernel takes them (what ``srt/models/llama_native.py`` passes to its fused layers), or
-        None when decode runs on the fallback path."""
-        if not self.native or self._req_to_token is None:
-            return None
-        assert self._decode_rows is not None and self._decode_lens is not None
-        return self._req_to_token, self._decode_rows, self._decode_lens
-
-    def _decode(
-        self,
-        q3: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        md: TorchNativeMetadata,
-        layer: AttentionLayer,
-    ) -> torch.Tensor:
-        """q3 ``[nd, H, D]`` (one query per decoding sequence) -> ``[nd, H, D]``."""
-        if not self.native:
-            return super()._decode(q3, k_buf, v_buf, md, layer)
-        assert self._req_to_token is not None and self._decode_rows is not None
-        assert self._decode_lens is not None
+    def _decode(self, q3, k_buf, v_buf, md: TorchNativeMetadata, layer: AttentionLayer) -> torch.Tensor:
+        """q3 ``[nd, H, D]`` (one query per decoding sequence) -> ``[nd, H, D]``: the native kernel
+        reading K/V in place, or torch-native's chunked gathers without it."""
+        if self._decode_args is None:
+            return sdpa_decode(q3, (k_buf, v_buf), md, layer, self.workspace)
+        req_to_token, rows, lens = self._decode_args
         out = cpu_kernels.paged_decode_attention(
-            q3.float(),
-            k_buf,
-            v_buf,
-            self._req_to_token,
-            self._decode_rows,
-            self._decode_lens,
-            layer.scaling,
+            q3.float(), k_buf, v_buf, req_to_token, rows, lens, layer.scaling
         )
         return out.to(q3.dtype)
+
+    def _metadata(self) -> TorchNativeMetadata:
+        if self.forward_metadata is None:
+            raise RuntimeError("init_forward_metadata was not called for this batch")
+        return self.forward_metadata
+
+
+def extend_descriptor(md: TorchNativeMetadata, fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    """``(q_starts, kv_starts, extend_lens, seq_lens)`` int64 ``[ne]`` of the extend sequences, as
+    ``extend_attention`` takes them (offsets into the batch's q and the gathered extend K/V)."""
+    q_starts: list[int] = []
+    kv_starts: list[int] = []
+    for run in md.extend_runs:
+        q_starts += [run.q_start + i * run.extend_len for i in range(run.n)]
+        kv_starts += [run.kv_start + i * run.seq_len for i in range(run.n)]
+    n = len(q_starts)
+    extend_lens = (fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist())[:n]
+    seq_lens = (fb.seq_lens_cpu or fb.seq_lens.tolist())[:n]
+    return tuple(torch.tensor(x, dtype=torch.int64) for x in (q_starts, kv_starts, extend_lens, seq_lens))
