@@ -248,6 +248,27 @@ def _heavier_mass(wbuf: Tensor, than: Tensor, scratch: Tensor, mask: Tensor) -> 
 
 def _sample_full_rows(work: Tensor, rows: Tensor, info: SamplingBatchInfo, ws: _Workspace) -> Tensor:
     """Rows with top_k disabled (or above the candidate limit): weights over the whole vocab."""
+    vocab = work.shape[1]
+    wbuf = _full_weights(work, rows, info, ws)
+    w = wbuf[:, :vocab]
+    p_rows = (info.top_ps[rows] < 1.0).nonzero().squeeze(1) if info.need_top_p else None
+    if p_rows is not None and p_rows.numel():
+        # the nucleus is decided on the top-k filtered weights, before min_p
+        total = _block_sums(wbuf).sum(dim=1).index_select(0, p_rows)
+    if info.need_min_p:
+        w.masked_fill_(w < info.min_ps[rows].unsqueeze(1), 0.0)
+    # (the clamp only matters for a row whose every logit is -inf: NaN weights)
+    tokens = _block_inverse_cdf(wbuf, _uniform(info, rows)).clamp_(max=vocab - 1)
+    if p_rows is None or p_rows.numel() == 0:
+        return tokens
+    limit = info.top_ps[rows].index_select(0, p_rows) * total  # [np]
+    _top_p_by_rejection(tokens, wbuf, rows, p_rows, limit, info, ws, vocab)
+    return tokens
+
+
+def _full_weights(work: Tensor, rows: Tensor, info: SamplingBatchInfo, ws: _Workspace) -> Tensor:
+    """``[n, padded]`` weights ``exp((logit - max) / T)`` of ``rows`` (top_k applied; max weight
+    exactly 1; the padding past the vocab is 0), in the workspace."""
     n, vocab = rows.numel(), work.shape[1]
     padded = -(-vocab // CDF_BLOCK) * CDF_BLOCK
     wbuf = ws.get("w", (n, padded), torch.float32, work.device)
@@ -264,32 +285,33 @@ def _sample_full_rows(work: Tensor, rows: Tensor, info: SamplingBatchInfo, ws: _
         k = info.top_ks[rows]
         kth = torch.topk(w, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
         w.masked_fill_(w < kth, float("-inf"))  # top_k, ties kept
-    # w = exp((logit - max) / T): max weight exactly 1
     w.sub_(w.amax(dim=1, keepdim=True)).div_(info.temperatures[rows].unsqueeze(1)).exp_()
+    return wbuf
 
-    p_rows = (info.top_ps[rows] < 1.0).nonzero().squeeze(1) if info.need_top_p else None
-    if p_rows is not None and p_rows.numel():
-        # the nucleus is decided on the top-k filtered weights, before min_p
-        total = _block_sums(wbuf).sum(dim=1).index_select(0, p_rows)
-    if info.need_min_p:
-        w.masked_fill_(w < info.min_ps[rows].unsqueeze(1), 0.0)
-    # (the clamp only matters for a row whose every logit is -inf: NaN weights)
-    tokens = _block_inverse_cdf(wbuf, _uniform(info, rows)).clamp_(max=vocab - 1)
-    if p_rows is None or p_rows.numel() == 0:
-        return tokens
 
-    # top_p by rejection. min_p cannot change the mass heavier than a token that passed it.
-    limit = info.top_ps[rows].index_select(0, p_rows) * total  # [np]
+def _top_p_by_rejection(
+    tokens: Tensor,
+    wbuf: Tensor,
+    rows: Tensor,
+    p_rows: Tensor,
+    limit: Tensor,
+    info: SamplingBatchInfo,
+    ws: _Workspace,
+    vocab: int,
+) -> None:
+    """Redraw, in place in ``tokens``, the rows ``p_rows`` (of this group) whose draw is outside
+    their nucleus (``limit``: top_p times the row's total weight). min_p cannot change the mass
+    heavier than a token that passed it."""
     pending = p_rows  # rows (of this group) whose current draw is not yet accepted
     cand = _rows(wbuf, p_rows)  # their remaining candidate weights (aliases wbuf when all rows)
-    scratch = ws.get("scratch", tuple(cand.shape), torch.float32, work.device)
-    mask = ws.get("mask", tuple(cand.shape), torch.bool, work.device)
+    scratch = ws.get("scratch", tuple(cand.shape), torch.float32, wbuf.device)
+    mask = ws.get("mask", tuple(cand.shape), torch.bool, wbuf.device)
     drawn = tokens.index_select(0, p_rows)
     for round_ in range(1, MAX_TOP_P_ROUNDS + 1):
         val = cand.gather(1, drawn.unsqueeze(1)).squeeze(1)
         rejected = (_heavier_mass(cand, val, scratch, mask) >= limit).nonzero().squeeze(1)
         if rejected.numel() == 0:
-            return tokens
+            return
         pending, limit, val = pending[rejected], limit[rejected], val[rejected]
         cand = cand.index_select(0, rejected)  # a copy from here on: wbuf is never edited
         cand.masked_fill_(cand <= val.unsqueeze(1), 0.0)
@@ -307,7 +329,6 @@ def _sample_full_rows(work: Tensor, rows: Tensor, info: SamplingBatchInfo, ws: _
         cand.masked_fill_(cand < desc.gather(1, (m - 1).unsqueeze(1)), 0.0)
         last = _block_inverse_cdf(cand, _uniform(info, rows[pending], MAX_TOP_P_ROUNDS + 1))
         tokens[pending] = last.clamp_(max=vocab - 1)
-    return tokens
 
 
 # ---------------------------------------------------------------- logprobs

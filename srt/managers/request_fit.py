@@ -1,9 +1,11 @@
 """The fit rule: can a request ever be scheduled? One rule, used at two places.
 
 The tokenizer manager applies it before anything is sent (HTTP 400 / ``ContextLengthError``),
-and the scheduler applies it again at arrival (a request sent by another client of the socket,
-or one whose ``max_new_tokens`` was resolved there) and finishes a request that can never fit
-with an abort carrying status 400. Pure arithmetic: no torch, no pools.
+and the scheduler applies it again at arrival (a request sent by another client of the socket)
+and finishes a request that can never fit with an abort carrying status 400. It is a capacity
+check: ``max_new_tokens`` is resolved before it, once, by `SamplingParams.normalize` (None: as
+many as fit, `srt.sampling.sampling_params.resolve_max_new_tokens`). Pure arithmetic: no torch,
+no pools.
 
 A request of ``prompt_len`` tokens that may generate ``max_new_tokens`` more fits when
 
@@ -30,16 +32,6 @@ class FitError:
     message: str
     param: str
     context_length: bool = True
-
-
-def resolve_max_new_tokens(
-    requested: int | None, prompt_len: int, context_len: int, max_total_tokens: int
-) -> int:
-    """``max_new_tokens`` of a request: None means "as many as fit" -- up to the context length
-    and the whole KV pool (never below 0)."""
-    if requested is not None:
-        return requested
-    return max(0, min(context_len, max_total_tokens) - prompt_len)
 
 
 def request_fit_error(

@@ -19,7 +19,7 @@ Definitions (applied in this order to the raw logits ``l``):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -67,75 +67,115 @@ class LogitAdjustments:
         return logits
 
 
-def build_logit_adjustments(
-    params: list[SamplingParams],
-    output_ids: list[list[int]],
-    prompt_ids: list[list[int]] | None,
-    vocab_size: int,
-    device: torch.device | str = "cpu",
-    eos_token_ids: list[int] | None = None,
-) -> LogitAdjustments:
+@dataclass(frozen=True, slots=True)
+class BatchTokens:
+    """The tokens of a batch's rows that the edits depend on (row i = request i).
+
+    ``output_ids[i]``: generated so far; ``prompt_ids[i]``: the prompt (None: the repetition
+    penalty sees the output only); ``eos_token_ids``: the model's EOS ids (masked while
+    ``min_new_tokens`` is not reached). Tensors are built on ``device``."""
+
+    output_ids: list[list[int]]
+    prompt_ids: list[list[int]] | None
+    vocab_size: int
+    device: torch.device | str = "cpu"
+    eos_token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class _RowScan:
+    """What one pass over the rows finds: the rows of each penalty, and the flat bias / mask edits."""
+
+    rep_rows: list[int] = field(default_factory=list)
+    fp_rows: list[int] = field(default_factory=list)
+    bias_idx: list[int] = field(default_factory=list)
+    bias_val: list[float] = field(default_factory=list)
+    mask_idx: list[int] = field(default_factory=list)
+
+
+def build_logit_adjustments(params: list[SamplingParams], tokens: BatchTokens) -> LogitAdjustments:
     """Precompute the sparse logit edits of a batch (row i = ``params[i]``).
 
-    ``prompt_ids=None`` restricts the repetition penalty to the output tokens. Token ids outside
-    ``[0, vocab_size)`` (e.g. an EOS id of a padded vocab) are ignored. Only rows that use a feature
-    pay for it; a batch without penalties/bias/min-tokens costs one pass over ``params``.
+    Token ids outside ``[0, vocab_size)`` (e.g. an EOS id of a padded vocab) are ignored. Only rows
+    that use a feature pay for it; a batch without penalties/bias/min-tokens costs one pass over
+    ``params``.
     """
+    scan = _scan_rows(params, tokens)
+    device = tokens.device
     adj = LogitAdjustments()
-    rep_rows: list[int] = []
-    fp_rows: list[int] = []
-    bias_idx: list[int] = []
-    bias_val: list[float] = []
-    mask_idx: list[int] = []
-    eos = [t for t in (eos_token_ids or []) if 0 <= t < vocab_size]
+    if scan.rep_rows:
+        adj.repetition_idx, adj.repetition_penalty = _repetition_edits(params, scan.rep_rows, tokens)
+    add_idx: list[Tensor] = []
+    add_delta: list[Tensor] = []
+    if scan.fp_rows:
+        fp = _frequency_presence_edits(params, scan.fp_rows, tokens)
+        if fp is not None:
+            add_idx.append(fp[0])
+            add_delta.append(fp[1])
+    if scan.bias_idx:
+        add_idx.append(torch.tensor(scan.bias_idx, dtype=torch.int64, device=device))
+        add_delta.append(torch.tensor(scan.bias_val, dtype=torch.float32, device=device))
+    if add_idx:
+        adj.additive_idx = torch.cat(add_idx)
+        adj.additive_delta = torch.cat(add_delta)
+    if scan.mask_idx:
+        adj.mask_idx = torch.tensor(scan.mask_idx, dtype=torch.int64, device=device)
+    return adj
+
+
+def _scan_rows(params: list[SamplingParams], tokens: BatchTokens) -> _RowScan:
+    vocab_size = tokens.vocab_size
+    eos = [t for t in (tokens.eos_token_ids or []) if 0 <= t < vocab_size]
+    scan = _RowScan()
     for i, p in enumerate(params):
+        out = tokens.output_ids[i]
         if p.repetition_penalty != 1.0:
-            rep_rows.append(i)
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            if output_ids[i]:
-                fp_rows.append(i)
+            scan.rep_rows.append(i)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and out:
+            scan.fp_rows.append(i)
         if p.logit_bias:
             for tid, b in p.logit_bias_items():
                 if 0 <= tid < vocab_size:
-                    bias_idx.append(i * vocab_size + tid)
-                    bias_val.append(b)
-        if p.min_new_tokens > 0 and len(output_ids[i]) < p.min_new_tokens:
+                    scan.bias_idx.append(i * vocab_size + tid)
+                    scan.bias_val.append(b)
+        if p.min_new_tokens > 0 and len(out) < p.min_new_tokens:
             banned = list(p.stop_token_ids or [])
             if not p.ignore_eos:
                 banned += eos
             base = i * vocab_size
-            mask_idx.extend(base + t for t in banned if 0 <= t < vocab_size)
+            scan.mask_idx.extend(base + t for t in banned if 0 <= t < vocab_size)
+    return scan
 
-    if rep_rows:
-        seqs = [(prompt_ids[i] if prompt_ids is not None else []) + list(output_ids[i]) for i in rep_rows]
-        flat, rows = _flat_indices(rep_rows, seqs, vocab_size, device)
-        if flat is not None:
-            penalty = torch.tensor([params[i].repetition_penalty for i in rep_rows], dtype=torch.float32)
-            adj.repetition_idx = flat
-            adj.repetition_penalty = penalty.to(device)[rows]
 
-    add_idx: list[Tensor] = []
-    add_delta: list[Tensor] = []
-    if fp_rows:
-        flat, _ = _flat_indices(fp_rows, [output_ids[i] for i in fp_rows], vocab_size, device)
-        if flat is not None:
-            uniq, counts = torch.unique(flat, return_counts=True)
-            rows_of = uniq // vocab_size
-            freq = torch.zeros(len(params), dtype=torch.float32, device=device)
-            pres = torch.zeros(len(params), dtype=torch.float32, device=device)
-            freq[fp_rows] = torch.tensor([params[i].frequency_penalty for i in fp_rows], device=device)
-            pres[fp_rows] = torch.tensor([params[i].presence_penalty for i in fp_rows], device=device)
-            add_idx.append(uniq)
-            add_delta.append(-(freq[rows_of] * counts.to(torch.float32) + pres[rows_of]))
-    if bias_idx:
-        add_idx.append(torch.tensor(bias_idx, dtype=torch.int64, device=device))
-        add_delta.append(torch.tensor(bias_val, dtype=torch.float32, device=device))
-    if add_idx:
-        adj.additive_idx = torch.cat(add_idx)
-        adj.additive_delta = torch.cat(add_delta)
-    if mask_idx:
-        adj.mask_idx = torch.tensor(mask_idx, dtype=torch.int64, device=device)
-    return adj
+def _repetition_edits(
+    params: list[SamplingParams], rows: list[int], tokens: BatchTokens
+) -> tuple[Tensor | None, Tensor | None]:
+    """(flat indices, penalty per index) over each row's prompt + output tokens (None, None: none)."""
+    prompts = tokens.prompt_ids
+    seqs = [(prompts[i] if prompts is not None else []) + list(tokens.output_ids[i]) for i in rows]
+    flat, which = _flat_indices(rows, seqs, tokens.vocab_size, tokens.device)
+    if flat is None:
+        return None, None
+    penalty = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32)
+    return flat, penalty.to(tokens.device)[which]
+
+
+def _frequency_presence_edits(
+    params: list[SamplingParams], rows: list[int], tokens: BatchTokens
+) -> tuple[Tensor, Tensor] | None:
+    """(flat indices, additive deltas) of the frequency and presence penalties over each row's
+    output tokens (each distinct token once, with its count)."""
+    vocab_size, device = tokens.vocab_size, tokens.device
+    flat, _ = _flat_indices(rows, [tokens.output_ids[i] for i in rows], vocab_size, device)
+    if flat is None:
+        return None
+    uniq, counts = torch.unique(flat, return_counts=True)
+    rows_of = uniq // vocab_size
+    freq = torch.zeros(len(params), dtype=torch.float32, device=device)
+    pres = torch.zeros(len(params), dtype=torch.float32, device=device)
+    freq[rows] = torch.tensor([params[i].frequency_penalty for i in rows], device=device)
+    pres[rows] = torch.tensor([params[i].presence_penalty for i in rows], device=device)
+    return uniq, -(freq[rows_of] * counts.to(torch.float32) + pres[rows_of])
 
 
 def _flat_indices(

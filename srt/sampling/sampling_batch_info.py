@@ -4,13 +4,16 @@ Built once per forward step by the scheduler/runner from plain Python lists
 (`SamplingBatchInfo.from_reqs`) and consumed by `srt.layers.sampler.Sampler`.
 
 Rows are split into three groups, each chosen from the row's OWN parameters only (so a request is
-sampled the same way whatever else shares its batch):
+sampled the same way whatever else shares its batch). The parameters are trusted to be normalized
+(`SamplingParams.normalize`, with the vocabulary size): greedy was decided there and left as
+``temperature=0.0, top_k=1`` (either field marks a greedy row, so a 0 temperature is never divided
+by); a disabled top-k is -1 and any other ``top_k`` is below the vocabulary size.
 
 =========  ===========================================  =======================================
 group      rows                                          work in the sampler
 =========  ===========================================  =======================================
-greedy     temperature < 1e-6 or top_k == 1              argmax of the (penalized) logits
-top-k      2 <= top_k <= TOPK_CANDIDATE_LIMIT, < vocab   ``topk`` candidates, filtered, sampled
+greedy     top_k == 1 or temperature == 0 (normalized)   argmax of the (penalized) logits
+top-k      2 <= top_k <= TOPK_CANDIDATE_LIMIT            ``topk`` candidates, filtered, sampled
 full       everything else (top_k disabled or large)     whole-vocab weights, filtered, sampled
 =========  ===========================================  =======================================
 """
@@ -23,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from srt.sampling.penalties import LogitAdjustments, build_logit_adjustments
-from srt.sampling.sampling_params import GREEDY_EPS, SamplingParams
+from srt.sampling.penalties import BatchTokens, LogitAdjustments, build_logit_adjustments
+from srt.sampling.sampling_params import SamplingParams
 
 # rows with top_k up to this many candidates sample from `torch.topk` candidates instead of the vocab
 TOPK_CANDIDATE_LIMIT = 1024
@@ -105,62 +108,75 @@ class SamplingBatchInfo:
     ) -> SamplingBatchInfo:
         """Build the batch's tensors from per-request lists (all of length ``bs``).
 
-        ``seeds[i]``: the request's seed (its own ``params[i].seed`` or one drawn at admission).
-        ``output_ids[i]``: the tokens generated so far (penalties, min_new_tokens, noise position).
-        ``prompt_ids[i]``: prompt tokens (repetition penalty only; None -> output tokens only).
-        ``eos_token_ids``: the model's EOS ids (masked while ``min_new_tokens`` is not reached).
-        ``step[i]``: overrides the noise position (default ``len(output_ids[i])``).
-        Params are read as given (``top_k`` 0 or -1 = disabled; temperature < 1e-6 = greedy).
+        ``params[i]``: normalized (module docstring). ``seeds[i]``: the request's seed (its own
+        ``params[i].seed`` or one drawn at admission). ``output_ids[i]``: the tokens generated so
+        far (penalties, min_new_tokens, noise position). ``prompt_ids[i]``: prompt tokens
+        (repetition penalty only; None -> output tokens only). ``eos_token_ids``: the model's EOS
+        ids (masked while ``min_new_tokens`` is not reached). ``step[i]``: overrides the noise
+        position (default ``len(output_ids[i])``).
         """
         bs = len(params)
         assert len(seeds) == bs and len(output_ids) == bs
         assert prompt_ids is None or len(prompt_ids) == bs
         positions = step if step is not None else [len(o) for o in output_ids]
         assert len(positions) == bs
-
-        temps: list[float] = []
-        top_ks: list[int] = []
-        greedy: list[int] = []
-        topk_rows: list[int] = []
-        full_rows: list[int] = []
-        topk_max = 0
-        full_needs_top_k = need_top_p = need_min_p = False
-        for i, p in enumerate(params):
-            k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-            top_ks.append(k)
-            if p.temperature < GREEDY_EPS or k == 1:
-                greedy.append(i)
-                temps.append(1.0)
-                continue
-            temps.append(float(p.temperature))
-            need_top_p |= p.top_p < 1.0
-            need_min_p |= p.min_p > 0.0
-            if k < vocab_size and k <= TOPK_CANDIDATE_LIMIT:
-                topk_rows.append(i)
-                topk_max = max(topk_max, k)
-            else:
-                full_rows.append(i)
-                full_needs_top_k |= k < vocab_size
+        g = _RowGroups.of(params, vocab_size)
 
         def t(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        tokens = BatchTokens(output_ids, prompt_ids, vocab_size, device, eos_token_ids)
         return cls(
             vocab_size=vocab_size,
-            temperatures=t(temps, torch.float32),
+            temperatures=t(g.temps, torch.float32),
             top_ps=t([float(p.top_p) for p in params], torch.float32),
-            top_ks=t(top_ks, torch.int64),
+            top_ks=t(g.top_ks, torch.int64),
             min_ps=t([float(p.min_p) for p in params], torch.float32),
             seeds=t([seed_to_int64(s) for s in seeds], torch.int64),
             positions=t(list(positions), torch.int64),
-            greedy_idx=t(greedy, torch.int64),
-            topk_idx=t(topk_rows, torch.int64),
-            full_idx=t(full_rows, torch.int64),
-            topk_max=topk_max,
-            full_needs_top_k=full_needs_top_k,
-            need_top_p=need_top_p,
-            need_min_p=need_min_p,
-            adjustments=build_logit_adjustments(
-                params, output_ids, prompt_ids, vocab_size, device, eos_token_ids
-            ),
+            greedy_idx=t(g.greedy, torch.int64),
+            topk_idx=t(g.topk_rows, torch.int64),
+            full_idx=t(g.full_rows, torch.int64),
+            topk_max=g.topk_max,
+            full_needs_top_k=g.full_needs_top_k,
+            need_top_p=g.need_top_p,
+            need_min_p=g.need_min_p,
+            adjustments=build_logit_adjustments(params, tokens),
         )
+
+
+@dataclass(slots=True)
+class _RowGroups:
+    """Per-row temperature and top_k, the rows of each group, and the flags of `SamplingBatchInfo`."""
+
+    temps: list[float] = field(default_factory=list)  # 1.0 on greedy rows: never divide by 0
+    top_ks: list[int] = field(default_factory=list)  # vocab_size when disabled
+    greedy: list[int] = field(default_factory=list)
+    topk_rows: list[int] = field(default_factory=list)
+    full_rows: list[int] = field(default_factory=list)
+    topk_max: int = 0
+    full_needs_top_k: bool = False
+    need_top_p: bool = False
+    need_min_p: bool = False
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab_size: int) -> _RowGroups:
+        """The groups of normalized ``params`` (module docstring's table)."""
+        g = cls()
+        for i, p in enumerate(params):
+            k = p.top_k if p.top_k > 0 else vocab_size
+            g.top_ks.append(k)
+            if k == 1 or p.temperature == 0.0:  # normalize's greedy form (either field marks it)
+                g.greedy.append(i)
+                g.temps.append(1.0)
+                continue
+            g.temps.append(float(p.temperature))
+            g.need_top_p |= p.top_p < 1.0
+            g.need_min_p |= p.min_p > 0.0
+            if k < vocab_size and k <= TOPK_CANDIDATE_LIMIT:
+                g.topk_rows.append(i)
+                g.topk_max = max(g.topk_max, k)
+            else:
+                g.full_rows.append(i)
+                g.full_needs_top_k |= k < vocab_size
+        return g

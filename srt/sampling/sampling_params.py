@@ -1,16 +1,20 @@
-"""Per-request sampling parameters (SGLang's names and defaults) and their validation.
+"""Per-request sampling parameters (SGLang's names and defaults): validation and normalisation, once.
 
 `SamplingParams` is a ``msgspec.Struct``: it travels inside ``TokenizedGenerateReqInput`` over
-msgpack, so it holds only plain values. Validation happens at the boundary (tokenizer manager /
-HTTP layer) with `verify()` or `validation_errors()`; the scheduler assumes verified, normalized
-params.
+msgpack, so it holds only plain values. A user's dict becomes a verified, normalized
+`SamplingParams` in `parse_sampling_params` (the tokenizer manager, before anything is sent);
+`SamplingParams.normalize` is the one place that decides greedy, resolves ``max_new_tokens`` and
+clamps, and everything after it (the wire, the scheduler, `SamplingBatchInfo`) reads the
+canonical form it leaves.
 
 Conventions:
 - ``temperature == 0`` (anything below ``GREEDY_EPS``) means greedy decoding; `normalize()` turns it
-  into the canonical greedy form ``temperature=0.0, top_k=1``.
+  into the canonical greedy form ``temperature=0.0, top_k=1`` (``top_k == 1`` then marks a greedy row).
 - ``top_k == -1`` disables top-k. ``top_k == 0`` is accepted as a synonym (HF / some OpenAI-style
-  clients use 0 for "disabled") and `normalize()` rewrites it to -1.
-- ``max_new_tokens=None`` means "until the context length"; the scheduler caps it.
+  clients use 0 for "disabled") and `normalize()` rewrites it to -1, as it does a ``top_k`` at or
+  above the vocabulary size when it knows that size.
+- ``max_new_tokens=None`` means "as many as fit": `normalize(bounds)` resolves it with
+  `resolve_max_new_tokens` once the prompt length is known.
 - ``seed=None`` means "no seed given": the scheduler draws one at admission so that every request
   samples from a reproducible (seed, position) noise stream.
 - ``logit_bias`` maps token ids written as decimal strings (OpenAI's shape) to an additive bias in
@@ -20,15 +24,21 @@ Conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from srt.utils.errors import RequestError
 
 GREEDY_EPS = 1e-6
 # seeds are reduced to 64 bits for the counter-based noise; accept the signed and unsigned range
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LOGIT_BIAS_LIMIT = 100.0
+_CONSTRAINTS = ("json_schema", "regex", "ebnf")
+_FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 class SamplingParamsError(ValueError):
@@ -43,6 +53,30 @@ class SamplingParamsError(ValueError):
         self.value = value
         self.requirement = requirement
         super().__init__(f"{param} {requirement}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LengthBounds:
+    """What bounds one request's output: its prompt, the model's context, the whole KV pool."""
+
+    prompt_len: int
+    context_len: int
+    max_total_tokens: int
+
+    @property
+    def room(self) -> int:
+        """Tokens left for the output (negative when the prompt alone does not fit)."""
+        return min(self.context_len, self.max_total_tokens) - self.prompt_len
+
+
+def resolve_max_new_tokens(
+    requested: int | None, prompt_len: int, context_len: int, max_total_tokens: int
+) -> int:
+    """``max_new_tokens`` of a request: None means "as many as fit" -- up to the context length
+    and the whole KV pool (never below 0)."""
+    if requested is not None:
+        return requested
+    return max(0, LengthBounds(prompt_len, context_len, max_total_tokens).room)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -80,7 +114,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # ------------------------------------------------------------------ properties
     @property
     def is_greedy(self) -> bool:
-        """True when the request decodes greedily (argmax): temperature ~0 or top_k == 1."""
+        """The greedy rule (temperature ~0 or top_k == 1), applied by `normalize`; after it a
+        greedy request is exactly ``top_k == 1``."""
         return self.temperature < GREEDY_EPS or self.top_k == 1
 
     @property
@@ -94,77 +129,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     # ------------------------------------------------------------------ validation
     def validation_errors(self, vocab_size: int | None = None) -> list[SamplingParamsError]:
-        """Every invalid value, one `SamplingParamsError` each (empty list when valid).
-
-        ``vocab_size`` (when given) bounds ``stop_token_ids`` and ``logit_bias`` keys.
-        """
-        errs: list[SamplingParamsError] = []
-
-        def err(param: str, requirement: str) -> None:
-            errs.append(SamplingParamsError(param, getattr(self, param), requirement))
-
-        # -- lengths
-        mnt = self.max_new_tokens
-        if mnt is not None and (not _is_int(mnt) or mnt < 0):
-            err("max_new_tokens", "must be an integer >= 0 (or null for 'up to the context length')")
-        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            err("min_new_tokens", "must be an integer >= 0")
-        elif _is_int(mnt) and mnt >= 0 and self.min_new_tokens > mnt:
-            err("min_new_tokens", f"must be <= max_new_tokens ({mnt})")
-
-        # -- distribution shaping
-        if not _is_real(self.temperature) or not self.temperature >= 0.0:
-            err("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            err("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 0):
-            err("top_k", "must be -1 (disabled), 0 (also disabled) or an integer >= 1")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            err("min_p", "must be in [0, 1]")
-
-        # -- penalties
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not _is_real(v) or not -2.0 <= v <= 2.0:
-                err(name, "must be in [-2, 2]")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            err("repetition_penalty", "must be in (0, 2] (1 disables it)")
-
-        # -- stopping
-        if self.stop is not None:
-            stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                err("stop", "must be a non-empty string or a list of non-empty strings")
-        if self.stop_token_ids is not None:
-            ids = self.stop_token_ids
-            if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
-                err("stop_token_ids", "must be a list of integers >= 0")
-            elif vocab_size is not None and any(t >= vocab_size for t in ids):
-                err("stop_token_ids", f"must be token ids in [0, {vocab_size})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            if not isinstance(getattr(self, name), bool):
-                err(name, "must be a boolean")
-
-        # -- constrained decoding (the grammar itself is checked by the grammar backend)
-        given = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
-        for name in given:
-            v = getattr(self, name)
-            if not isinstance(v, str) or not v.strip():
-                err(name, "must be a non-empty string")
-        if len(given) > 1:
-            err(
-                given[1], f"cannot be combined with {given[0]} (give at most one of json_schema, regex, ebnf)"
-            )
-
-        # -- misc
-        if not _is_int(self.n) or self.n < 1:
-            err("n", "must be an integer >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
-            err("seed", f"must be an integer in [{_SEED_MIN}, {_SEED_MAX}] or null")
-        if self.logit_bias is not None:
-            problem = _logit_bias_problem(self.logit_bias, vocab_size)
-            if problem is not None:
-                err("logit_bias", problem)
+        """Every invalid value, one `SamplingParamsError` each, in ``_RULES`` order (empty list
+        when valid). ``vocab_size`` (when given) bounds ``stop_token_ids`` and ``logit_bias`` keys."""
+        errs = []
+        for param, rule in _RULES:
+            requirement = rule(self, vocab_size)
+            if requirement is not None:
+                errs.append(SamplingParamsError(param, getattr(self, param), requirement))
         return errs
 
     def verify(self, vocab_size: int | None = None) -> None:
@@ -173,20 +144,37 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if errs:
             raise errs[0]
 
-    def normalize(self) -> SamplingParams:
-        """Rewrite to canonical form in place (call after `verify`); returns ``self``.
+    def normalize(
+        self,
+        bounds: LengthBounds | None = None,
+        *,
+        vocab_size: int | None = None,
+        max_new_tokens_given: bool = True,
+    ) -> SamplingParams:
+        """Rewrite to canonical form in place (call after `verify`); returns ``self``. Idempotent.
 
         - ``stop``: a string becomes a one-element list;
-        - ``top_k == 0`` becomes -1 (disabled);
-        - temperature below 1e-6 or top_k == 1 becomes the greedy form ``temperature=0.0, top_k=1``.
+        - greedy (`is_greedy`) becomes ``temperature=0.0, top_k=1``;
+        - ``top_k`` 0, or at or above ``vocab_size`` (when given), becomes -1 (disabled);
+        - with ``bounds``: ``max_new_tokens=None`` becomes `resolve_max_new_tokens` (as many as
+          fit), and a default the client did not send (``max_new_tokens_given=False``) is capped
+          to the room the prompt leaves (at least 1): the default never makes a request fail.
         """
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.top_k == 0:
-            self.top_k = -1
         if self.is_greedy:
             self.temperature = 0.0
             self.top_k = 1
+        elif self.top_k == 0 or (vocab_size is not None and self.top_k >= vocab_size):
+            self.top_k = -1
+        if bounds is not None:
+            if self.max_new_tokens is None:
+                b = bounds
+                self.max_new_tokens = resolve_max_new_tokens(
+                    None, b.prompt_len, b.context_len, b.max_total_tokens
+                )
+            elif not max_new_tokens_given:
+                self.max_new_tokens = max(min(self.max_new_tokens, bounds.room), 1)
         return self
 
     def logit_bias_items(self) -> list[tuple[int, float]]:
@@ -196,6 +184,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return [(int(k), float(v)) for k, v in self.logit_bias.items()]
 
 
+# ---------------------------------------------------------------------- the rules
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -204,8 +193,64 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _logit_bias_problem(bias: Any, vocab_size: int | None) -> str | None:
-    upper = f"{vocab_size}" if vocab_size is not None else "vocab_size"
+_Rule = Callable[[SamplingParams, "int | None"], "str | None"]
+
+
+def _field(name: str, ok: Callable[[Any], bool], requirement: str) -> _Rule:
+    """A rule on one field's value alone."""
+    return lambda p, _vocab: None if ok(getattr(p, name)) else requirement
+
+
+def _min_new_tokens(p: SamplingParams, _vocab: int | None) -> str | None:
+    if not _is_int(p.min_new_tokens) or p.min_new_tokens < 0:
+        return "must be an integer >= 0"
+    mnt = p.max_new_tokens
+    if _is_int(mnt) and mnt >= 0 and p.min_new_tokens > mnt:  # type: ignore[operator]
+        return f"must be <= max_new_tokens ({mnt})"
+    return None
+
+
+def _stop(p: SamplingParams, _vocab: int | None) -> str | None:
+    stops = [p.stop] if isinstance(p.stop, str) else p.stop
+    if stops is None or (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+        return None
+    return "must be a non-empty string or a list of non-empty strings"
+
+
+def _stop_token_ids(p: SamplingParams, vocab: int | None) -> str | None:
+    ids = p.stop_token_ids
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        return "must be a list of integers >= 0"
+    if vocab is not None and any(t >= vocab for t in ids):
+        return f"must be token ids in [0, {vocab})"
+    return None
+
+
+def _constraint(name: str) -> _Rule:
+    """json_schema / regex / ebnf: a non-empty string, and at most one of them (the grammar itself
+    is checked by the grammar backend)."""
+
+    def rule(p: SamplingParams, _vocab: int | None) -> str | None:
+        v = getattr(p, name)
+        if v is None:
+            return None
+        if not isinstance(v, str) or not v.strip():
+            return "must be a non-empty string"
+        given = [c for c in _CONSTRAINTS if getattr(p, c) is not None]
+        if len(given) > 1 and given[1] == name:
+            return f"cannot be combined with {given[0]} (give at most one of json_schema, regex, ebnf)"
+        return None
+
+    return rule
+
+
+def _logit_bias(p: SamplingParams, vocab: int | None) -> str | None:
+    bias = p.logit_bias
+    if bias is None:
+        return None
+    upper = f"{vocab}" if vocab is not None else "vocab_size"
     requirement = (
         f"must map token ids (decimal strings in [0, {upper})) to numbers in "
         f"[-{_LOGIT_BIAS_LIMIT:g}, {_LOGIT_BIAS_LIMIT:g}]"
@@ -217,8 +262,128 @@ def _logit_bias_problem(bias: Any, vocab_size: int | None) -> str | None:
             tid = int(key)
         except (TypeError, ValueError):
             return requirement
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+        if tid < 0 or (vocab is not None and tid >= vocab):
             return requirement
         if not _is_real(value) or abs(value) > _LOGIT_BIAS_LIMIT:
             return requirement
     return None
+
+
+def _penalty(name: str) -> tuple[str, _Rule]:
+    return name, _field(name, lambda v: _is_real(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]")
+
+
+# (param, rule): every rule returns the requirement a bad value breaks, or None; errors are
+# reported in this order
+_RULES: tuple[tuple[str, _Rule], ...] = (
+    (
+        "max_new_tokens",
+        _field(
+            "max_new_tokens",
+            lambda v: v is None or (_is_int(v) and v >= 0),
+            "must be an integer >= 0 (or null for 'up to the context length')",
+        ),
+    ),
+    ("min_new_tokens", _min_new_tokens),
+    (
+        "temperature",
+        _field(
+            "temperature", lambda v: _is_real(v) and v >= 0.0, "must be a finite number >= 0 (0 means greedy)"
+        ),
+    ),
+    ("top_p", _field("top_p", lambda v: _is_real(v) and 0.0 < v <= 1.0, "must be in (0, 1]")),
+    (
+        "top_k",
+        _field(
+            "top_k",
+            lambda v: _is_int(v) and (v == -1 or v >= 0),
+            "must be -1 (disabled), 0 (also disabled) or an integer >= 1",
+        ),
+    ),
+    ("min_p", _field("min_p", lambda v: _is_real(v) and 0.0 <= v <= 1.0, "must be in [0, 1]")),
+    _penalty("frequency_penalty"),
+    _penalty("presence_penalty"),
+    (
+        "repetition_penalty",
+        _field(
+            "repetition_penalty",
+            lambda v: _is_real(v) and 0.0 < v <= 2.0,
+            "must be in (0, 2] (1 disables it)",
+        ),
+    ),
+    ("stop", _stop),
+    ("stop_token_ids", _stop_token_ids),
+    *((name, _field(name, lambda v: isinstance(v, bool), "must be a boolean")) for name in _FLAGS),
+    *((name, _constraint(name)) for name in _CONSTRAINTS),
+    ("n", _field("n", lambda v: _is_int(v) and v >= 1, "must be >= 1")),  # OpenAI's wording too
+    (
+        "seed",
+        _field(
+            "seed",
+            lambda v: v is None or (_is_int(v) and _SEED_MIN <= v <= _SEED_MAX),
+            f"must be an integer in [{_SEED_MIN}, {_SEED_MAX}] or null",
+        ),
+    ),
+    ("logit_bias", _logit_bias),
+)
+_RULE_OF = dict(_RULES)
+
+
+def check_param(param: str, value: Any) -> SamplingParamsError | None:
+    """``param``'s own rule (one that needs no other field and no vocabulary) applied to ``value``
+    before a `SamplingParams` exists; the error it breaks, or None."""
+    requirement = _RULE_OF[param](SamplingParams(**{param: value}), None)
+    return None if requirement is None else SamplingParamsError(param, value, requirement)
+
+
+# ---------------------------------------------------------------------- user dicts
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def parse_sampling_params(
+    params: dict[str, Any], vocab_size: int | None, param_names: Mapping[str, str] | None = None
+) -> SamplingParams:
+    """A verified, normalized `SamplingParams` from a user dict (nothing prompt-dependent yet:
+    ``normalize(bounds)`` resolves ``max_new_tokens`` once the prompt is tokenized).
+
+    Raises `RequestError` naming every bad value (unknown names, wrong types, out-of-range values);
+    ``param`` of the error is the first offending parameter as the caller spells it
+    (``param_names``: internal name -> the caller's, e.g. OpenAI's max_new_tokens -> max_tokens).
+    """
+    names = param_names or {}
+    unknown = sorted(k for k in params if k not in _SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
+    clean = {k: v for k, v in params.items() if v is not None or k in ("max_new_tokens", "seed")}
+    try:
+        sp = msgspec.convert(clean, SamplingParams, strict=True)
+    except msgspec.ValidationError as e:
+        raise type_error(str(e), names) from None
+    errors = sp.validation_errors(vocab_size)
+    if errors:
+
+        def requirement(text: str) -> str:
+            for internal, external in names.items():
+                text = text.replace(internal, external)
+            return text
+
+        shown = [names.get(e.param, e.param) for e in errors]
+        message = "; ".join(
+            f"{s} {requirement(e.requirement)}, got {e.value!r}" for s, e in zip(shown, errors)
+        )
+        raise RequestError(message, param=shown[0])
+    return sp.normalize(vocab_size=vocab_size)
+
+
+def type_error(msg: str, names: Mapping[str, str] | None = None) -> RequestError:
+    """The `RequestError` (code ``invalid_type``) of a msgspec validation message such as
+    "Expected `float`, got `str` - at `$.temperature`": it names the top-level field (as the
+    caller spells it, ``names``)."""
+    names = names or {}
+    param = None
+    head, at, path = msg.partition(" - at `$.")
+    if at:
+        param = path.rstrip("`").split(".")[0].split("[")[0]
+        param = names.get(param, param)
+    text = head.replace("`", "")
+    return RequestError(f"{param}: {text}" if param else text, param=param, code="invalid_type")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from srt.managers.request_fit import check_request_fits, resolve_max_new_tokens
+from srt.managers.request_fit import check_request_fits
 from srt.managers.scheduler.req import Req
 from srt.managers.scheduler.schedule_policy import (
     AddResult,
@@ -20,7 +20,7 @@ from srt.managers.scheduler.schedule_policy import (
     plan_retraction,
     retraction_order,
 )
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.sampling_params import SamplingParams, resolve_max_new_tokens
 from srt.utils.pages import page_ceil
 
 

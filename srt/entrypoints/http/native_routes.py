@@ -4,8 +4,9 @@
 /generate returns the output dict (SGLang's shape, `srt.managers.tokenizer.req_output`) of a single prompt,
 or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks (each holding the output so
 far, or only its new part with ``--incremental-streaming-output``), an error mid-stream as
-``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``; body fields srt does not
-know are ignored. /health never needs the API key and turns 503 once a child process died.
+``{"error": {"message", "type", "code"}}`` and always ``data: [DONE]``. The body is a
+`GenerateReqInput` (`GenerateReqInput.from_json`: strict types, 400 naming the field; fields srt
+does not know are ignored). /health never needs the API key and turns 503 once a child process died.
 
     POST /tokenize    {"prompt": str | [str], "add_special_tokens": true}
                       -> {"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}
@@ -33,7 +34,7 @@ from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import collect, parse_body, serve
 from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import error_response, json_response, raise_abort_error
-from srt.entrypoints.openai.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from srt.managers.data_parallel.replies import split_dp_state
 from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.utils.errors import SrtError
@@ -60,8 +61,7 @@ def _generate_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
 
 @router.post("/generate")
 async def generate(request: Request, ctx: Ctx) -> Response:
-    req = await parse_body(request, GenerateRequest)
-    obj = GenerateReqInput(**req.model_dump(include=set(GenerateRequest.model_fields)))
+    obj = GenerateReqInput.from_json(await request.body())
     return await serve(request, ctx.tm, obj, partial(_generate_body, obj), _generate_stream)
 
 

@@ -44,19 +44,17 @@ def json_response(content: Any, status_code: int = 200, headers: dict[str, str] 
 
 
 def error_response(
-    message: str,
-    status_code: int,
-    param: str | None = None,
-    code: str | None = None,
-    error_type: str | None = None,
-    headers: dict[str, str] | None = None,
+    message: str, status_code: int, headers: dict[str, str] | None = None, **fields: str | None
 ) -> Response:
-    return json_response(error_body(message, status_code, param, code, error_type), status_code, headers)
+    """`error_body` as a JSON response (``fields``: its ``param``, ``code``, ``error_type``)."""
+    return json_response(error_body(message, status_code, **fields), status_code, headers)
 
 
 def srt_error_response(e: SrtError) -> Response:
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-    return error_response(e.message, e.status_code, e.param, e.code, e.error_type, headers)
+    return error_response(
+        e.message, e.status_code, headers, param=e.param, code=e.code, error_type=e.error_type
+    )
 
 
 # A finish reason here is the output dict's ``meta_info["finish_reason"]``: None while running,

@@ -3,9 +3,11 @@
 Requests are validated with ``Model.model_validate_json(body, strict=True)``: malformed JSON and
 wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected. Unknown fields
 are ignored with one debug log line (newer clients send fields we have never heard of); fields
-srt knows but cannot honour (``UNSUPPORTED_FIELDS``) are rejected with a 400 naming them. Value ranges are checked by `SamplingParams.validation_errors` (via
-`sampling_params_from_request`) so that the native and the OpenAI APIs agree. Responses are built
-as plain dicts and serialized with orjson (see ``serving_*``).
+srt knows but cannot honour (``UNSUPPORTED_FIELDS``) are rejected with a 400 naming them. The
+sampling fields are mapped to `SamplingParams` by `srt.sampling.openai_params` and their ranges
+checked by `SamplingParams.validation_errors`, so that the native and the OpenAI APIs agree.
+Responses are built as plain dicts and serialized with orjson (see ``serving_*``). The native
+/generate body is `srt.managers.tokenizer.generate_input.GenerateReqInput`.
 
 Besides OpenAI's fields the requests take SGLang's sampling extras: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``,
@@ -171,47 +173,6 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MAX_TOP_LOGPROBS = 20
 
 
-def sampling_params_from_request(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, max_tokens_name: str
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """SGLang sampling params for ``req`` and the OpenAI spelling of their names (for errors).
-
-    Fields the client did not send keep SamplingParams' defaults. ``max_tokens <= 0`` is rejected
-    here (SamplingParams allows 0 for prefill-only internal requests)."""
-    if max_tokens is not None and max_tokens <= 0:
-        raise RequestError(f"{max_tokens_name} must be >= 1, got {max_tokens}", param=max_tokens_name)
-    if req.n < 1:
-        raise RequestError(f"n must be >= 1, got {req.n}", param="n")
-    sp: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "min_new_tokens": req.min_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
-        "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
-        "spaces_between_special_tokens": req.spaces_between_special_tokens,
-        "no_stop_trim": req.no_stop_trim,
-        "n": req.n,
-        "seed": req.seed,
-        "logit_bias": req.logit_bias,
-    }
-    names = {"max_new_tokens": max_tokens_name, "min_new_tokens": "min_tokens"}
-    if req.response_format is not None:
-        sp["json_schema"] = req.response_format.to_json_schema()
-        names["json_schema"] = "response_format"
-    sp["regex"] = req.regex
-    sp["ebnf"] = req.ebnf
-    sp = {k: v for k, v in sp.items() if v is not None or k == "max_new_tokens"}
-    return sp, names
-
-
 # OpenAI request fields srt knows but cannot honour, and the values that are harmless to accept
 # (the default, or "off"): any other value gets a 400 naming the field, never a silent drop
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -252,21 +213,6 @@ def check_top_logprobs(value: int | None, name: str) -> int:
     if not 0 <= value <= _MAX_TOP_LOGPROBS:
         raise RequestError(f"{name} must be in [0, {_MAX_TOP_LOGPROBS}], got {value}", param=name)
     return value
-
-
-class GenerateRequest(_Request):
-    """Body of the native POST /generate (SGLang's shape; one prompt or a batch)."""
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
-    stream: bool = False
-    priority: int | list[int] | None = None
-    timeout: float | None = None  # seconds from receipt (X-Request-Timeout when absent)
 
 
 class AbortRequest(_Model):

@@ -31,24 +31,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from srt.entrypoints.http.sse import sse_stream
 from srt.entrypoints.openai.common import (
     ChunkStream,
-    Envelope,
     matched_stop,
     openai_finish_reason,
-    raise_abort_error,
-    stream_error_payload,
     token_text,
-    with_timings,
 )
 from srt.entrypoints.openai.protocol import (
     CHAT_ROLES,
     ChatCompletionRequest,
     NamedToolChoice,
     check_top_logprobs,
-    sampling_params_from_request,
 )
+from srt.entrypoints.openai.serving_base import OpenAIServing
 from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.parsers.reasoning import ReasoningParser, create_reasoning_parser
 from srt.parsers.tool_calls import (
@@ -62,6 +57,7 @@ from srt.parsers.tool_calls import (
     render_tools_system_prompt,
     tool_choice_schema,
 )
+from srt.sampling.openai_params import openai_sampling_params
 from srt.utils.errors import RequestError
 
 
@@ -170,9 +166,11 @@ def chat_logprobs(tokenizer: Any, meta: dict[str, Any], with_top: bool) -> dict[
     return {"content": content}
 
 
-class OpenAIServingChat:
+class OpenAIServingChat(OpenAIServing):
+    id_prefix = "chatcmpl"
+
     def __init__(self, tokenizer_manager: Any) -> None:
-        self.tm = tokenizer_manager
+        super().__init__(tokenizer_manager)
         args = tokenizer_manager.server_args
         self.tool_call_parser_name: str | None = args.tool_call_parser
         self.tool_call_parser = (
@@ -181,9 +179,6 @@ class OpenAIServingChat:
         self.reasoning_parser = (
             create_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
         )
-
-    def _envelope(self, obj: str) -> Envelope:
-        return Envelope("chatcmpl", obj, self.tm.model_name, self.tm.server_args.enable_cache_report)
 
     def output_plan(self, req: ChatCompletionRequest) -> _OutputPlan:
         """How ``req``'s output is read back; RequestError for tool settings that cannot work."""
@@ -223,10 +218,7 @@ class OpenAIServingChat:
                     param=f"messages[{i}].role",
                 )
         messages = [_history_message(m) for m in req.messages]
-        max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, name = req.max_tokens, "max_tokens"
-        sp, names = sampling_params_from_request(req, max_tokens, name)
+        sp, names = openai_sampling_params(req)
         top = check_top_logprobs(req.top_logprobs, "top_logprobs")
         if top and not req.logprobs:
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
@@ -253,23 +245,17 @@ class OpenAIServingChat:
                     messages = messages[1:]
                 messages = [system, *messages]
         prompt = self.tm.apply_chat_template(messages, **kwargs)
-        return GenerateReqInput(
+        return self._generate_input(
+            req,
+            (sp, names),
+            add_special_tokens=False,
             text=prompt,
-            sampling_params=sp,
-            rid=req.rid,
             return_logprob=req.logprobs,
             top_logprobs_num=top,
-            stream=req.stream,
-            priority=req.priority,
-            timeout=req.timeout,
-            incremental_stream=True,
-            add_special_tokens=False,
-            param_names=names,
         )
 
     def build_response(self, req: ChatCompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
-        for o in outputs:
-            raise_abort_error(o["meta_info"]["finish_reason"])
+        self._raise_aborts(outputs)
         plan = self.output_plan(req)
         choices = []
         for o in outputs:
@@ -300,14 +286,7 @@ class OpenAIServingChat:
                     "matched_stop": matched_stop(meta["finish_reason"]),
                 }
             )
-        env = self._envelope("chat.completion")
-        return with_timings(env.body(choices, env.usage_of(outputs, req.n)), outputs, req.return_timings)
-
-    def stream(
-        self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
-    ) -> AsyncIterator[bytes]:
-        """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
-        return sse_stream(self.stream_chunks(req, chunks), stream_error_payload)
+        return self._body(req, outputs, choices, "chat.completion")
 
     async def stream_chunks(
         self, req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]

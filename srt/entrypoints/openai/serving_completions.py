@@ -11,23 +11,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from srt.entrypoints.http.sse import sse_stream
-from srt.entrypoints.openai.common import (
-    ChunkStream,
-    Envelope,
-    matched_stop,
-    openai_finish_reason,
-    raise_abort_error,
-    stream_error_payload,
-    token_text,
-    with_timings,
-)
-from srt.entrypoints.openai.protocol import (
-    CompletionRequest,
-    check_top_logprobs,
-    sampling_params_from_request,
-)
+from srt.entrypoints.openai.common import ChunkStream, matched_stop, openai_finish_reason, token_text
+from srt.entrypoints.openai.protocol import CompletionRequest, check_top_logprobs
+from srt.entrypoints.openai.serving_base import OpenAIServing
 from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.sampling.openai_params import openai_sampling_params
 from srt.utils.errors import RequestError
 
 
@@ -58,12 +46,8 @@ class CompletionLogprobs:
         }
 
 
-class OpenAIServingCompletion:
-    def __init__(self, tokenizer_manager: Any) -> None:
-        self.tm = tokenizer_manager
-
-    def _envelope(self, obj: str) -> Envelope:
-        return Envelope("cmpl", obj, self.tm.model_name, self.tm.server_args.enable_cache_report)
+class OpenAIServingCompletion(OpenAIServing):
+    id_prefix = "cmpl"
 
     def build_input(self, req: CompletionRequest) -> GenerateReqInput:
         if req.suffix:
@@ -73,23 +57,18 @@ class OpenAIServingCompletion:
         prompt = req.prompt
         if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], list) and not all(prompt))):
             raise RequestError("prompt must not be empty", param="prompt")
-        sp, names = sampling_params_from_request(req, req.max_tokens, "max_tokens")
+        sampling = openai_sampling_params(req)
         top = check_top_logprobs(req.logprobs, "logprobs")
         want_lp = req.logprobs is not None
         is_ids = isinstance(prompt, list) and isinstance(prompt[0], (int, list))
-        return GenerateReqInput(
+        return self._generate_input(
+            req,
+            sampling,
             text=None if is_ids else prompt,
             input_ids=prompt if is_ids else None,
-            sampling_params=sp,
-            rid=req.rid,
             return_logprob=want_lp,
             logprob_start_len=0 if (want_lp and req.echo) else -1,
             top_logprobs_num=top,
-            stream=req.stream,
-            priority=req.priority,
-            timeout=req.timeout,
-            incremental_stream=True,
-            param_names=names,
         )
 
     def _prompt_text(self, req: CompletionRequest, prompt_index: int) -> str:
@@ -132,15 +111,9 @@ class OpenAIServingCompletion:
 
     def build_response(self, req: CompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
         """The non-streaming response; raises the abort error of an output aborted with a status."""
-        for o in outputs:
-            raise_abort_error(o["meta_info"]["finish_reason"])
+        self._raise_aborts(outputs)
         choices = [self._choice(req, o, self._logprob_builder(req), True) for o in outputs]
-        env = self._envelope("text_completion")
-        return with_timings(env.body(choices, env.usage_of(outputs, req.n)), outputs, req.return_timings)
-
-    def stream(self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-        """SSE events for ``chunks`` (the tokenizer manager's stream), ending in ``data: [DONE]``."""
-        return sse_stream(self.stream_chunks(req, chunks), stream_error_payload)
+        return self._body(req, outputs, choices, "text_completion")
 
     async def stream_chunks(
         self, req: CompletionRequest, chunks: AsyncIterator[dict[str, Any]]

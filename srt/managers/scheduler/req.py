@@ -229,20 +229,22 @@ class Req:
     def from_input(
         cls,
         msg: TokenizedGenerateReqInput,
+        sampling_params: SamplingParams,
         *,
-        max_new_tokens: int,
         seed: int,
         eos_token_ids: list[int],
         queue_seq: int,
     ) -> Req:
-        """A WAITING request from the tokenizer manager's message (a logprob start outside
-        the prompt means no prompt logprobs)."""
+        """A WAITING request from the tokenizer manager's message, with its ``sampling_params``
+        normalized for the prompt (``max_new_tokens`` resolved; see `RequestTable.add`). A logprob
+        start outside the prompt means no prompt logprobs."""
+        assert sampling_params.max_new_tokens is not None, "normalize(bounds) resolves max_new_tokens"
         n = len(msg.input_ids)
         return cls(
             msg.rid,
             msg.input_ids,
-            msg.sampling_params,
-            max_new_tokens=max_new_tokens,
+            sampling_params,
+            max_new_tokens=sampling_params.max_new_tokens,
             seed=seed,
             eos_token_ids=eos_token_ids,
             return_logprob=msg.return_logprob,

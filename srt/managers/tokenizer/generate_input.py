@@ -1,33 +1,40 @@
-"""GenerateReqInput: one native generation request (SGLang's /generate and Engine.generate shape).
+"""GenerateReqInput: one native generation request, declared once: the body of POST /generate
+(decoded by `GenerateReqInput.from_json`), what ``Engine.generate`` builds, and what the OpenAI
+routes build from their requests.
 
 In-process only (it never crosses a socket; `srt.managers.tokenizer.input_processor` turns it into
 ``io_struct.TokenizedGenerateReqInput``s). A request is *single* (``text: str`` or
 ``input_ids: list[int]``) or a *batch* (``text: list[str]`` or ``input_ids: list[list[int]]``);
 per-prompt fields (``sampling_params``, ``rid``, ``return_logprob`` ...) are either one value for
 all prompts or a list with one value per prompt. `expand` normalizes this into `SingleInput`s.
+``sampling_params`` stays the user's dict here; `srt.sampling.sampling_params.parse_sampling_params`
+turns it into a verified `SamplingParams`.
 
-Parsing helpers here turn user dicts into verified `SamplingParams`, raising `RequestError` with
-a message per bad value (parameter names as the caller spells them, see ``param_names``).
+How a route serves the request (``incremental_stream``, ``add_special_tokens``, ``param_names``)
+is not part of the body: class defaults that a route overrides on its instance with `serve_as`, so
+no client can set them.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import msgspec
 
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.sampling_params import type_error
 from srt.utils.errors import RequestError
 
-_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
+class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
+    """The /generate body (SGLang's shape; one prompt or a batch). Construction does not check
+    types (`from_json` does, for HTTP bodies); `expand` checks shapes."""
 
-@dataclass
-class GenerateReqInput:
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int | list[int]] | None = None  # token ids, or one list of them per prompt
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
@@ -37,16 +44,44 @@ class GenerateReqInput:
     stream: bool = False
     # queue priority (higher first; needs --enable-priority-scheduling); None: not given (0)
     priority: int | list[int] | None = None
-    # streamed chunks hold only the new output (True) or the whole output so far (False); None:
-    # the server's --incremental-streaming-output (the OpenAI routes always ask for deltas)
-    incremental_stream: bool | None = None
     # seconds from the server's receipt after which the request is aborted with a "timeout"
     # finish reason (HTTP: the body field, else the X-Request-Timeout header); None: no deadline
     timeout: float | None = None
+
+    # ---- how the route serves it (not body fields; `serve_as` sets them on one instance)
+    # streamed chunks hold only the new output (True) or the whole output so far (False); None:
+    # the server's --incremental-streaming-output (the OpenAI routes always ask for deltas)
+    incremental_stream: ClassVar[bool | None] = None
     # False for text that already holds the special tokens (chat-templated prompts)
-    add_special_tokens: bool = True
+    add_special_tokens: ClassVar[bool] = True
     # how the caller names SamplingParams fields in error messages (OpenAI: max_new_tokens -> max_tokens)
-    param_names: dict[str, str] = field(default_factory=dict)
+    param_names: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    @classmethod
+    def from_json(cls, body: bytes) -> GenerateReqInput:
+        """The request of a JSON body (an empty body is ``{}``); unknown fields are ignored.
+        `RequestError` (code ``invalid_type``) for malformed JSON or a mistyped field."""
+        try:
+            return msgspec.json.decode(body or b"{}", type=cls)
+        except msgspec.ValidationError as e:
+            raise type_error(str(e)) from None
+        except msgspec.DecodeError as e:
+            raise RequestError(f"malformed JSON body: {e}", code="invalid_type") from None
+
+    def serve_as(
+        self,
+        *,
+        incremental_stream: bool | None = None,
+        add_special_tokens: bool = True,
+        param_names: Mapping[str, str] | None = None,
+    ) -> GenerateReqInput:
+        """Set how this request is served (see the fields' comments); returns ``self``."""
+        self.__dict__.update(
+            incremental_stream=incremental_stream,
+            add_special_tokens=add_special_tokens,
+            param_names=MappingProxyType(dict(param_names or {})),
+        )
+        return self
 
     @property
     def is_batch(self) -> bool:
@@ -142,47 +177,3 @@ def _check_type(value: Any, name: str, kind: type) -> None:
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if value is not None and not ok:
         raise RequestError(f"{name} must be a {kind.__name__}, got {type(value).__name__}", param=name)
-
-
-def parse_sampling_params(
-    params: dict[str, Any], vocab_size: int | None, param_names: dict[str, str] | None = None
-) -> SamplingParams:
-    """A verified, normalized `SamplingParams` from a user dict.
-
-    Raises `RequestError` naming every bad value (unknown names, wrong types, out-of-range values);
-    ``param`` of the error is the first offending parameter as the caller spells it.
-    """
-    names = param_names or {}
-
-    def shown(p: str) -> str:
-        return names.get(p, p)
-
-    unknown = sorted(k for k in params if k not in _SAMPLING_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
-    clean = {k: v for k, v in params.items() if v is not None or k in ("max_new_tokens", "seed")}
-    try:
-        sp = msgspec.convert(clean, SamplingParams, strict=True)
-    except msgspec.ValidationError as e:
-        raise _type_error(str(e), shown) from None
-    errors = sp.validation_errors(vocab_size)
-    if errors:
-
-        def requirement(text: str) -> str:
-            for internal, external in names.items():
-                text = text.replace(internal, external)
-            return text
-
-        message = "; ".join(f"{shown(e.param)} {requirement(e.requirement)}, got {e.value!r}" for e in errors)
-        raise RequestError(message, param=shown(errors[0].param))
-    return sp.normalize()
-
-
-def _type_error(msg: str, shown) -> RequestError:
-    # msgspec: "Expected `float`, got `str` - at `$.temperature`"
-    param = None
-    if " - at `$." in msg:
-        head, _, path = msg.partition(" - at `$.")
-        param = path.rstrip("`").split(".")[0].split("[")[0]
-        msg = f"{shown(param)}: {head.replace('`', '')}"
-    return RequestError(msg, param=shown(param) if param else None, code="invalid_type")

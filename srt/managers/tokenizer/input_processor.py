@@ -4,6 +4,7 @@
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
         --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
         --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
+        --normalize(bounds)------> max_new_tokens resolved for the prompt (`SamplingParams.normalize`)
         --check_prompt-----------> vocabulary, the fit rule (`srt.managers.request_fit`), logprob_start_len
         --fan-out----------------> TokenizedGenerateReqInput per output (+ the n > 1 warm-up)
 
@@ -23,7 +24,7 @@ import asyncio
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,10 @@ import msgspec
 from srt.constrained.base import GrammarError, GrammarSpec
 from srt.constrained.registry import backend_class
 from srt.managers.io_struct import TokenizedGenerateReqInput
-from srt.managers.request_fit import request_fit_error, resolve_max_new_tokens
-from srt.managers.tokenizer.generate_input import GenerateReqInput, SingleInput, parse_sampling_params
+from srt.managers.request_fit import request_fit_error
+from srt.managers.tokenizer.generate_input import GenerateReqInput, SingleInput
 from srt.managers.tokenizer.tokenize_batcher import TokenizeBatcher
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.sampling_params import LengthBounds, SamplingParams, parse_sampling_params
 from srt.utils.errors import ContextLengthError, RequestError
 
 # grammars already validated, remembered so that a repeated schema is not checked again
@@ -125,12 +126,11 @@ class InputProcessor:
         warmups: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
         deadline = now + timeout if timeout is not None else 0.0
+        lim = self.limits
         for s, sp, ids in zip(singles, params, ids_list):
-            if "max_new_tokens" not in s.sampling_params and sp.max_new_tokens is not None:
-                # the default (128) never makes a request fail: cap it to what the context leaves
-                room = min(self.limits.context_len, self.limits.pool) - len(ids)
-                sp.max_new_tokens = max(min(sp.max_new_tokens, room), 1)
-            self.check_prompt(s, sp.max_new_tokens, ids, names)
+            bounds = LengthBounds(len(ids), lim.context_len, lim.pool)
+            sp.normalize(bounds, max_new_tokens_given="max_new_tokens" in s.sampling_params)
+            self.check_prompt(s, sp, ids, names)
             if in_use(s.rid) or s.rid in seen:
                 raise RequestError(f"rid {s.rid!r} is already in use", param="rid")
             seen.add(s.rid)
@@ -183,17 +183,18 @@ class InputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def check_prompt(
-        self, s: SingleInput, max_new: int | None, ids: list[int], names: dict[str, str]
+        self, s: SingleInput, sp: SamplingParams, ids: list[int], names: Mapping[str, str]
     ) -> None:
         """Token ids inside the vocabulary, the fit rule (empty prompt, context length, KV pool;
-        ``max_new=None`` means "as many as fit"), and ``logprob_start_len`` inside the prompt."""
+        ``sp`` normalized with the prompt's bounds), and ``logprob_start_len`` inside the prompt."""
         n = len(ids)
         vocab = self.limits.vocab_size
         if ids and vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if t < 0 or t >= vocab)
             raise RequestError(f"input token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         lim = self.limits
-        m = resolve_max_new_tokens(max_new, n, lim.context_len, lim.pool)
+        m = sp.max_new_tokens
+        assert m is not None, "normalize(bounds) resolves max_new_tokens"
         mnt_name = names.get("max_new_tokens", "max_new_tokens")
         err = request_fit_error(n, m, lim.context_len, lim.pool, lim.page_size, mnt_name)
         if err is not None:
