@@ -41,6 +41,7 @@ lint: setup
 	$(PY) -m ruff format --check srt tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m tests.helpers.import_cycles srt
+	$(PY) -m tests.helpers.sizes srt
 
 format: setup
 	$(PY) -m ruff format srt tests benchmarks

@@ -60,3 +60,21 @@ def test_configuration_imports_without_torch():
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_srt_modules_and_functions_within_size_limits():
+    from tests.helpers.sizes import oversized
+
+    problems = oversized(REPO_ROOT / "srt")
+    assert not problems, "split these (STYLE.md):\n" + "\n".join(problems)
+
+
+def test_size_check_finds_a_long_function_and_module(tmp_path):
+    from tests.helpers.sizes import oversized
+
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    _write(tmp_path, "pkg/long.py", f"def f():\n{body}\n" + "\n" * 340)
+    found = oversized(tmp_path)
+    assert any("f: 62 lines" in p for p in found) and any("long.py: 402 lines" in p for p in found)
+    _write(tmp_path, "pkg/long.py", "def f():\n    return 1\n")
+    assert oversized(tmp_path) == []
