@@ -122,6 +122,17 @@ def _with_generate_params(
     return decorate
 
 
+_END = object()  # what _next_or_end gives once a stream is exhausted
+
+
+async def _next_or_end(agen: AsyncIterator[dict[str, Any]]) -> Any:
+    """The stream's next chunk, or ``_END`` once it is exhausted."""
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
 class Engine:
     """Launch the scheduler and detokenizer processes and serve requests in-process.
 
@@ -181,11 +192,7 @@ class Engine:
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
         agen = self.tokenizer_manager.generate(obj)
         try:
-            while True:
-                try:
-                    chunk = self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+            while (chunk := self._call(_next_or_end(agen))) is not _END:
                 yield chunk
         finally:
             if not self._loop.is_closed():
@@ -208,18 +215,18 @@ class Engine:
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         agen = self.tokenizer_manager.generate(obj)
+        on_loop = self._loop
+
+        async def call(coro: Coroutine) -> Any:  # run on the engine loop, awaited from the caller's
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, on_loop))
+
         try:
-            while True:
-                fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
-                try:
-                    chunk = await asyncio.wrap_future(fut)
-                except StopAsyncIteration:
-                    return
+            while (chunk := await call(_next_or_end(agen))) is not _END:
                 yield chunk
         finally:
-            if not self._loop.is_closed():
+            if not on_loop.is_closed():
                 try:
-                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+                    await call(agen.aclose())
                 except RuntimeError:  # the generator is still being cancelled: it aborts by itself
                     pass
 

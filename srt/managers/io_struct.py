@@ -230,6 +230,13 @@ SchedulerInput = Union[
 ControlReply = Union[
     FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput, UpdateWeightsFromDiskReqOutput
 ]
+# control request type -> the type of its reply
+REPLY_TYPE: dict[type, type] = {
+    FlushCacheReq: FlushCacheReqOutput,
+    GetInternalStateReq: GetInternalStateReqOutput,
+    ProfileReq: ProfileReqOutput,
+    UpdateWeightsFromDiskReq: UpdateWeightsFromDiskReqOutput,
+}
 DetokenizerInput = Union[
     BatchTokenIDOut,
     SchedulerReady,

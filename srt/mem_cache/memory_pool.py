@@ -98,12 +98,8 @@ class MHATokenToKVPool:
     ) -> None:
         if size < 1 or page_size < 1:
             raise ValueError(f"MHATokenToKVPool needs size >= 1 and page_size >= 1, got {size}, {page_size}")
-        self.size = size
-        self.page_size = page_size
-        self.dtype = dtype
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.layer_num = layer_num
+        self.size, self.page_size, self.dtype = size, page_size, dtype
+        self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
         self.device = torch.device(device)
         shape = (size + page_size, head_num, head_dim)
         self.k_buffer: list[torch.Tensor] = [self._new_buffer(shape) for _ in range(layer_num)]

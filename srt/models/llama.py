@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -305,12 +305,8 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral = Llama layout; the sliding window is not implemented (full attention)."""
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        dtype: torch.dtype = torch.float32,
-        linear_backend: LinearBackend | None = None,
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, *args: Any, **kwargs: Any) -> None:
+        """``LlamaForCausalLM``'s arguments."""
         window = getattr(config, "sliding_window", None)
         if window:
             logger.warning(
@@ -319,4 +315,4 @@ class MistralForCausalLM(LlamaForCausalLM):
                 window,
                 window,
             )
-        super().__init__(config, dtype, linear_backend)
+        super().__init__(config, *args, **kwargs)

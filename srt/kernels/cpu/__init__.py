@@ -127,13 +127,7 @@ def kernel_status() -> str:
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale: float
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, K/V read through the page table.
 

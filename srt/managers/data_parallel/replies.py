@@ -21,25 +21,9 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from srt.managers.io_struct import (
-    ControlReply,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    ProfileReq,
-    ProfileReqOutput,
-    UpdateWeightsFromDiskReq,
-    UpdateWeightsFromDiskReqOutput,
-)
+from srt.managers.io_struct import REPLY_TYPE, ControlReply, GetInternalStateReqOutput, ProfileReqOutput
 
-# control request type -> the type of its reply
-REPLY_TYPE: dict[type, type] = {
-    FlushCacheReq: FlushCacheReqOutput,
-    GetInternalStateReq: GetInternalStateReqOutput,
-    ProfileReq: ProfileReqOutput,
-    UpdateWeightsFromDiskReq: UpdateWeightsFromDiskReqOutput,
-}
+__all__ = ["REPLY_TYPE", "ReplyMerger", "merge_internal_states", "merge_replies", "split_dp_state"]
 
 # float figures of a scheduler state that add up over groups (other floats: group 0's value)
 _SUMMED_FLOATS = frozenset({"gen_throughput"})
