@@ -49,3 +49,22 @@ format: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- GPU path (docs/gpu.md) ----
+# gpu-wheels (here, where pip reaches a registry): the cp312 manylinux wheels the GPU test
+# machine's image lacks, into $(GPU_WHEELS) (git-ignored); prints the folder's size and the
+# source tree's, and fails if the two together pass 50 MiB or a wheel's needs are not covered.
+# gpu-check (on the GPU machine, whose python3 holds a CUDA torch): installs those wheels offline,
+# runs the gpu-marked tests and the GPU benchmark within a time budget, and writes
+# benchmarks/results/gpu/<time>/gpu_check.json + summary.md (also to $OUT when set).
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels: setup
+	$(PY) -m benchmarks.gpu.wheels download --dest $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
