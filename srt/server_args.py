@@ -135,8 +135,8 @@ class ServerArgs:
     )
     attention_backend: str | None = _f(
         None,
-        "Attention backend (auto: fused_cpu on CPU, torch_native on CUDA until srt has its "
-        "flashinfer backend). fused_cpu runs srt's native kernels: paged decode, and causal extend "
+        "Attention backend (auto: fused_cpu on CPU; on CUDA flashinfer when the flashinfer package "
+        "imports, else torch_native). fused_cpu runs srt's native kernels: paged decode, and causal extend "
         "for float32 (built by make setup; torch_native's path when they are not built); "
         "torch_native is the reference.",
         list(ATTENTION_BACKENDS),
@@ -148,6 +148,18 @@ class ServerArgs:
         "packed for srt's kernel (--linear-backend native) decodes through one native call for all "
         "its layers (same kernels, same results, no per-op overhead); this flag is for comparison "
         "and debugging.",
+    )
+    disable_cuda_graph: bool = _f(
+        False,
+        "Run every decode step eagerly. By default, on CUDA with an attention backend that has "
+        "CUDA-graph hooks (flashinfer), DECODE batches of up to --cuda-graph-max-bs sequences replay "
+        "graphs captured at start-up (padded to the next captured size). Never used on CPU.",
+    )
+    cuda_graph_max_bs: int | None = _f(
+        None,
+        "Largest decode batch captured as a CUDA graph (auto: 256, or --max-running-requests when "
+        "smaller). Captured sizes: 1, 2, 4, 8, then every multiple of 8 up to it, and it; larger "
+        "batches run eagerly.",
     )
     num_threads: int | None = _f(
         None,

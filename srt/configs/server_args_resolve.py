@@ -7,6 +7,7 @@ after another (the order is the order the errors are reported in)::
     memory                 --mem-fraction-static
     chunk and page sizes   --chunked-prefill-size, --page-size, --max-prefill-tokens
     compute backends       --attention-backend, --linear-backend
+    CUDA graphs            --cuda-graph-max-bs
     CPU threads            --cpu-omp-threads-bind, --num-threads, --aux-process-nice
     parallelism            --tp-size, --nnodes, --node-rank, --dist-*, --dp-size, --load-balance-method
     model and weights      hub ids to snapshot paths, --load-format, --quantization, int8 activations
@@ -37,6 +38,9 @@ LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
 # which the fused decode-attention kernel streams (docs/benchmarks.md, session 25).
 CPU_PAGE_SIZE = 16
 
+# The auto --cuda-graph-max-bs (SGLang's choice for one 80 GB GPU)
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+
 
 class ResolvableArgs(Protocol):
     """The fields of ``ServerArgs`` that resolution reads or writes."""
@@ -54,12 +58,14 @@ class ResolvableArgs(Protocol):
     json_model_override_args: str
     served_model_name: str | None
     mem_fraction_static: float | None
+    max_running_requests: int | None
     max_prefill_tokens: int
     chunked_prefill_size: int | None
     page_size: int | None
     schedule_policy: str
     enable_priority_scheduling: bool
     attention_backend: str | None
+    cuda_graph_max_bs: int | None
     num_threads: int | None
     cpu_omp_threads_bind: str
     aux_process_nice: int
@@ -84,6 +90,7 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_memory(a)
     _resolve_chunk_and_page(a)
     _resolve_compute_backends(a)
+    _resolve_cuda_graph(a)
     _resolve_cpu_threads(a)
     _check_parallelism(a)
     _resolve_model_location(a)
@@ -143,6 +150,17 @@ def _resolve_compute_backends(a: ResolvableArgs) -> None:
         a.linear_backend = resolve_linear_backend(a.linear_backend, a.device, a.dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def _resolve_cuda_graph(a: ResolvableArgs) -> None:
+    """auto --cuda-graph-max-bs: DEFAULT_CUDA_GRAPH_MAX_BS, or --max-running-requests when smaller
+    (a larger decode batch never forms). Resolved on every device; only CUDA captures graphs."""
+    if a.cuda_graph_max_bs is None:
+        a.cuda_graph_max_bs = min(
+            DEFAULT_CUDA_GRAPH_MAX_BS, a.max_running_requests or DEFAULT_CUDA_GRAPH_MAX_BS
+        )
+    if a.cuda_graph_max_bs < 1:
+        raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {a.cuda_graph_max_bs}.")
 
 
 def _resolve_cpu_threads(a: ResolvableArgs) -> None:

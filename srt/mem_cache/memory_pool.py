@@ -8,9 +8,10 @@ Two-level indirection (the same as SGLang's):
 
 Slot layout of the KV pool (``P`` = page size, ``N`` = usable size in tokens):
 
-    slot 0 .. P-1        reserved padding page: never handed out, kept zero. Attention backends
-                         point padded gather positions at slot 0, so a padded read is a finite
-                         zero vector (masked out of the softmax) and never NaN garbage.
+    slot 0 .. P-1        reserved padding page: never handed out, zeroed at start. Attention
+                         backends point padded gather positions at slot 0, so a padded read is
+                         finite (masked out of the softmax) and never NaN garbage; the padded rows
+                         of a replayed CUDA graph write finite throwaway K/V there.
     slot P .. N+P-1      handed out page by page by ``TokenToKVPoolAllocator``
 
 Nothing here decides *which* slots a request gets; that is the allocator's job

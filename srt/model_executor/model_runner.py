@@ -5,12 +5,16 @@ Start-up (``ModelRunner(server_args)``, server_args already ``resolve()``d):
     ModelConfig.from_server_args -> linear backend (--linear-backend, passed to the model)
     -> get_model (weights loaded, eval mode)
     -> attention backend (by name, lazily imported) -> Sampler
+    -> CUDA graphs (CUDA, a backend with graph hooks, not --disable-cuda-graph): the graph
+       runner's fixed buffers (srt/model_executor/cuda_graph_runner.py)
     -> KV pool size: --max-total-tokens, or profiled (srt/mem_cache/pool_size.py):
            one dummy extend of the largest prefill (max_prefill_tokens, or chunked_prefill_size
            if smaller) on throw-away pools measures the activation peak; then
-           tokens = (mem_fraction_static * memory - weights - req pool - activation peak) / bytes per token
+           tokens = (mem_fraction_static * memory - weights - req pool - activation peak
+                     - CUDA-graph reserve) / bytes per token
     -> ReqToTokenPool, MHATokenToKVPool, TokenToKVPoolAllocator
     -> one log line "KV cache: N tokens, X GiB, page size P, max prefill tokens M"
+    -> CUDA graphs captured (decode batch sizes up to --cuda-graph-max-bs); one log line
 
 Tensor parallelism (``ModelRunner(server_args, tp_rank=r)`` with ``server_args.tp_size`` > 1, the
 default torch.distributed group being the TP group): the model is this rank's shard
@@ -23,7 +27,8 @@ load_format)`` (the scheduler calls it only when idle; srt/model_loader/reload.p
 
 Per step (called by the scheduler): ``forward_batch_generation(forward_batch)`` =
 ``forward`` (attach pools + backend to the batch, ``init_forward_metadata``, model forward under
-``torch.inference_mode``) then ``sample``. The caller has already allocated the batch's KV slots
+``torch.inference_mode``; a DECODE batch that fits a captured CUDA graph replays it instead)
+then ``sample``. The caller has already allocated the batch's KV slots
 (``out_cache_loc``) and written every token's slot into ``req_to_token``.
 """
 
@@ -45,6 +50,7 @@ from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_off_reason
 from srt.model_loader import get_model
 from srt.model_loader.reload import replacement_config, shape_mismatch
 from srt.model_loader.weight_utils import release_free_memory, weight_bytes
@@ -63,6 +69,7 @@ class ModelRunner:
     ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
     Also: ``model``, ``attn_backend``, ``linear_backend``, ``sampler``, ``kv_cache_dtype``,
     ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled),
+    ``cuda_graph_runner`` (None when decode runs eagerly), ``cuda_graph_reserve_bytes``,
     ``loaded_model_path`` (the checkpoint the weights came from), ``tp`` (``TPInfo``) and
     ``num_kv_heads`` (this rank's KV heads: what the KV pool holds)."""
 
@@ -76,7 +83,10 @@ class ModelRunner:
         if server_args.num_threads:
             torch.set_num_threads(server_args.num_threads)
         self._init_model(server_args)
+        self.cuda_graph_runner = self._new_cuda_graph_runner(server_args)
         self._init_memory_pools(server_args)
+        if self.cuda_graph_runner is not None:
+            self.cuda_graph_runner.capture(self.max_running_requests)
 
     def _init_model(self, server_args: ServerArgs) -> None:
         """Model config, linear backend, weights, sampler and attention backend; one log line."""
@@ -108,6 +118,17 @@ class ModelRunner:
             torch.get_num_threads(),
         )
 
+    def _new_cuda_graph_runner(self, server_args: ServerArgs) -> CudaGraphRunner | None:
+        """The graph runner with its fixed buffers (captured once the pools exist), or None."""
+        why = cuda_graph_off_reason(
+            self.device, server_args.disable_cuda_graph, self.attn_backend, self.tp.enabled
+        )
+        if why is not None:
+            log = logger.info if self.device.type == "cuda" else logger.debug
+            log("CUDA graphs off: %s", why)
+            return None
+        return CudaGraphRunner(self, server_args.cuda_graph_max_bs)
+
     def _init_memory_pools(self, server_args: ServerArgs) -> None:
         """KV pool size (given or profiled, the minimum over TP ranks), then the req_to_token pool,
         the KV pool and its allocator; one log line."""
@@ -122,6 +143,7 @@ class ModelRunner:
             cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.kv_cache_dtype.itemsize
         )
         self.activation_peak_bytes = 0
+        self.cuda_graph_reserve_bytes = 0
         self.max_total_num_tokens = self.tp.all_reduce_min(self._resolve_max_total_num_tokens())
         self.max_running_requests = (
             server_args.max_running_requests
@@ -201,6 +223,8 @@ class ModelRunner:
         self._enable_native_decode(model)
         self.model = model  # the old model (and its native decode stack) is freed here
         release_free_memory()
+        if self.cuda_graph_runner is not None:  # the graphs read the old weights' memory
+            self.cuda_graph_runner.capture(self.max_running_requests)
         self.weight_bytes = weight_bytes(model)
         self.loaded_model_path = cfg.model_path
         seconds = time.perf_counter() - t0
@@ -216,6 +240,8 @@ class ModelRunner:
             return LogitsProcessorOutput(
                 next_token_logits=torch.empty(0, self.model_config.vocab_size, device=self.device)
             )
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         return self._run_model(forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SampleOutput:
@@ -278,6 +304,10 @@ class ModelRunner:
         else:
             total = pool_size.available_cpu_memory()
         self.activation_peak_bytes = self._profile_activation_peak()
+        if self.cuda_graph_runner is not None:
+            self.cuda_graph_reserve_bytes = self.cuda_graph_runner.reserve_bytes(
+                self.activation_peak_bytes, self.max_prefill_tokens
+            )
         # the request pool is static memory too; size it for the largest running-request cap
         mrr_bound = a.max_running_requests or pool_size.default_max_running_requests(
             1 << 62, self.device.type
@@ -286,7 +316,7 @@ class ModelRunner:
         tokens = pool_size.profile_max_num_tokens(
             available_bytes=total,
             mem_fraction_static=a.mem_fraction_static,
-            weight_bytes=self.weight_bytes + req_pool_bytes,
+            weight_bytes=self.weight_bytes + req_pool_bytes + self.cuda_graph_reserve_bytes,
             activation_peak_bytes=self.activation_peak_bytes,
             bytes_per_token=self.bytes_per_token,
             page_size=self.page_size,
@@ -296,7 +326,8 @@ class ModelRunner:
             raise ConfigError(
                 f"No memory left for the KV cache: {a.mem_fraction_static} x {total / gib:.2f} GiB "
                 f"- weights {self.weight_bytes / gib:.2f} GiB - activations {self.activation_peak_bytes / gib:.2f} GiB "
-                "<= 0. Raise --mem-fraction-static, lower --max-prefill-tokens/--chunked-prefill-size, "
+                f"- CUDA graphs {self.cuda_graph_reserve_bytes / gib:.2f} GiB <= 0. Raise --mem-fraction-static, "
+                "lower --max-prefill-tokens/--chunked-prefill-size (or --cuda-graph-max-bs), "
                 "or set --max-total-tokens."
             )
         return tokens

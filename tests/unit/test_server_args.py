@@ -161,3 +161,18 @@ def test_surface_flags_parse_with_sglang_names():
 def test_dp_with_tp_is_refused():
     with pytest.raises(ConfigError, match="--dp-size"):
         ServerArgs(dp_size=2, tp_size=2, device="cpu", load_format="dummy").resolve()
+
+
+def test_cuda_graph_flags():
+    d = _parse([])
+    assert d.disable_cuda_graph is False and d.cuda_graph_max_bs is None
+    args = _parse(["--disable-cuda-graph", "--cuda-graph-max-bs", "64"])
+    assert args.disable_cuda_graph and args.cuda_graph_max_bs == 64
+    assert ServerArgs(device="cpu").resolve().cuda_graph_max_bs == 256  # auto
+    assert ServerArgs(device="cpu", max_running_requests=40).resolve().cuda_graph_max_bs == 40
+    assert (
+        ServerArgs(device="cpu", cuda_graph_max_bs=512, max_running_requests=40).resolve().cuda_graph_max_bs
+        == 512
+    )
+    with pytest.raises(ConfigError, match="--cuda-graph-max-bs"):
+        ServerArgs(device="cpu", cuda_graph_max_bs=0).resolve()
