@@ -29,12 +29,16 @@ Logprobs are ``log_softmax`` of the RAW logits (before penalties and temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from srt.kernels.cpu.elementwise import apply_token_bitmask_
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from srt.layers.gpu_sampling import FlashInferSampler
 
 # full-vocab rows draw by inverse CDF in two levels: sums of blocks of this many tokens, then the
 # prefix sum inside the one block holding the target (instead of a sequential [n, vocab] cumsum)
@@ -121,11 +125,17 @@ class _Workspace:
 
 
 class Sampler(nn.Module):
-    """The sampler of a ModelRunner. Holds only reusable scratch memory (`release_buffers`)."""
+    """The sampler of a ModelRunner. Holds only reusable scratch memory (`release_buffers`).
 
-    def __init__(self) -> None:
+    ``flashinfer_sampler`` (`srt.layers.gpu_sampling.create_flashinfer_sampler`): when given, the
+    non-greedy rows go to FlashInfer's kernels, which give up per-seed reproducibility and batch
+    invariance; None (the default) keeps the contract of this module's docstring.
+    """
+
+    def __init__(self, flashinfer_sampler: FlashInferSampler | None = None) -> None:
         super().__init__()
         self._ws = _Workspace()
+        self._flashinfer = flashinfer_sampler
 
     def release_buffers(self) -> None:
         """Drop the cached scratch buffers (they are re-created on the next call)."""
@@ -154,6 +164,8 @@ class Sampler(nn.Module):
 
         if info.is_all_greedy:
             next_ids = work.argmax(dim=-1)
+        elif self._flashinfer is not None:
+            next_ids = self._flashinfer.sample(work, info)
         else:
             next_ids = torch.empty(bs, dtype=torch.int64, device=logits.device)
             g = info.greedy_idx
