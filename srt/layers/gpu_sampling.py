@@ -45,6 +45,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -201,32 +202,30 @@ class FlashInferSampler:
         return self._joint(filtered_probs(logits, rows, info, kth), info, rows, "full").long()
 
     def _joint(self, fp: FilteredProbs, info: SamplingBatchInfo, rows: Tensor, group: str) -> Tensor:
-        seed, offset = call_key(info, rows, group)
+        kw = _kernel_kwargs(info, rows, group)
         return self.ops.top_k_top_p_sampling_from_probs(
-            fp.probs,
-            fp.top_k,
-            fp.top_p,
-            indices=None,
-            filter_apply_order="joint",
-            deterministic=True,
-            generator=None,
-            check_nan=False,
-            seed=seed,
-            offset=offset,
+            fp.probs, fp.top_k, fp.top_p, filter_apply_order="joint", **kw
         )
 
     def _min_p(self, logits: Tensor, info: SamplingBatchInfo, rows: Tensor) -> Tensor:
         """min_p-only group: softmax at temperature, the kernel applies min_p itself."""
         temps = info.temperatures.index_select(0, rows).unsqueeze(1)
         probs = torch.softmax(logits / temps, dim=1)
-        seed, offset = call_key(info, rows, "full")
         return self.ops.min_p_sampling_from_probs(
-            probs,
-            info.min_ps.index_select(0, rows),
-            indices=None,
-            deterministic=True,
-            generator=None,
-            check_nan=False,
-            seed=seed,
-            offset=offset,
+            probs, info.min_ps.index_select(0, rows), **_kernel_kwargs(info, rows, "full")
         )
+
+
+def _kernel_kwargs(info: SamplingBatchInfo, rows: Tensor, group: str) -> dict[str, Any]:
+    """The keyword arguments both FlashInfer sampling kernels take from srt: no row subset, the
+    deterministic algorithm, no torch generator and no NaN check (both would sync), and the
+    call's device-side key (``call_key``)."""
+    seed, offset = call_key(info, rows, group)
+    return {
+        "indices": None,
+        "deterministic": True,
+        "generator": None,
+        "check_nan": False,
+        "seed": seed,
+        "offset": offset,
+    }
