@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -268,4 +269,13 @@ def test_registry_creates_torch_native_and_never_imports_flashinfer():
     assert isinstance(backend, TorchNativeAttnBackend)
     with pytest.raises(UnknownAttentionBackendError, match="torch_native"):
         create_attention_backend("nope", None)
-    assert "flashinfer" not in sys.modules
+    # in a fresh interpreter: other tests of this session may have imported flashinfer on purpose
+    code = (
+        "import sys\n"
+        "from srt.layers.attention.registry import create_attention_backend\n"
+        "create_attention_backend('torch_native', None)\n"
+        "create_attention_backend('fused_cpu', None)\n"
+        "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
