@@ -79,11 +79,11 @@ class FusedCPUAttnBackend(AttentionBackend):
         self.forward_metadata = md
         self._extend_desc = self._decode_args = None
         if md.num_extend_seqs and self._extend_native:
-            self._extend_desc = extend_descriptor(md, fb)
+            self._extend_desc = extend_descriptor(md)
         if md.num_decode_seqs and self.native:
             req_to_token = fb.req_to_token_pool.req_to_token
             ne = md.num_extend_seqs
-            seq_lens = (fb.seq_lens_cpu or fb.seq_lens.tolist())[ne:]
+            seq_lens = md.seq_lens[ne:]
             rows = fb.req_pool_indices[ne:].to(device=req_to_token.device, dtype=torch.int64)
             lens = torch.tensor(seq_lens, dtype=torch.int64, device=req_to_token.device)
             self._decode_args = (req_to_token, rows, lens)
@@ -131,7 +131,7 @@ class FusedCPUAttnBackend(AttentionBackend):
         return self.forward_metadata
 
 
-def extend_descriptor(md: TorchNativeMetadata, fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
+def extend_descriptor(md: TorchNativeMetadata) -> tuple[torch.Tensor, ...]:
     """``(q_starts, kv_starts, extend_lens, seq_lens)`` int64 ``[ne]`` of the extend sequences, as
     ``extend_attention`` takes them (offsets into the batch's q and the gathered extend K/V)."""
     q_starts: list[int] = []
@@ -140,6 +140,5 @@ def extend_descriptor(md: TorchNativeMetadata, fb: ForwardBatch) -> tuple[torch.
         q_starts += [run.q_start + i * run.extend_len for i in range(run.n)]
         kv_starts += [run.kv_start + i * run.seq_len for i in range(run.n)]
     n = len(q_starts)
-    extend_lens = (fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist())[:n]
-    seq_lens = (fb.seq_lens_cpu or fb.seq_lens.tolist())[:n]
-    return tuple(torch.tensor(x, dtype=torch.int64) for x in (q_starts, kv_starts, extend_lens, seq_lens))
+    lens = (q_starts, kv_starts, md.extend_lens[:n], md.seq_lens[:n])
+    return tuple(torch.tensor(x, dtype=torch.int64) for x in lens)

@@ -106,6 +106,9 @@ class TorchNativeMetadata:
     num_decode_seqs: int = 0
     decode_chunks: list[DecodeChunk] = field(default_factory=list)
     max_gather_rows: int = 0  # max(len(extend_kv_slots), rows of a decode chunk): the workspace size
+    # the batch's sequence lengths and the extend sequences' new-token counts, read once per batch
+    seq_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- metadata (once per batch)
@@ -121,9 +124,9 @@ def build_metadata(fb: ForwardBatch, decode_chunks: bool = True) -> TorchNativeM
     bs = fb.batch_size
     seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
     ne = 0 if mode.is_decode() else fb.num_extend_seqs if mode.is_mixed() else bs
-    md = TorchNativeMetadata(num_extend_seqs=ne, num_decode_seqs=bs - ne)
+    md = TorchNativeMetadata(num_extend_seqs=ne, num_decode_seqs=bs - ne, seq_lens=seq_lens)
     if ne:
-        extend_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+        extend_lens = md.extend_lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
         prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
         plan_extend(
             md, req_to_token, fb.req_pool_indices[:ne], seq_lens[:ne], extend_lens[:ne], prefix_lens[:ne]
