@@ -48,8 +48,9 @@ def test_generate_batch_matches_single(engine):
 
 
 def test_generate_stream(engine):
-    full = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
-    chunks = list(engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0}, stream=True))
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}  # long enough not to merge
+    full = engine.generate("Once upon a time", params)
+    chunks = list(engine.generate("Once upon a time", params, stream=True))
     assert len(chunks) > 1
     # SGLang's Engine: each chunk holds the output so far (--incremental-streaming-output: deltas)
     for a, b in zip(chunks, chunks[1:]):

@@ -14,6 +14,7 @@ from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 INTERVAL = 4
+N_STREAM = 96
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,16 @@ def generate_stream(server, **body) -> list[dict]:
 
 
 def test_generate_streams_the_output_so_far_every_interval_tokens(server):
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    # long enough (a few hundred ms of decode) that a consumer stalled by a busy 2-core machine
+    # cannot merge the whole stream into one or two chunks
+    params = {"max_new_tokens": N_STREAM, "temperature": 0, "ignore_eos": True}
     full = requests.post(
         server.url("/generate"), json={"text": "Once upon a time", "sampling_params": params}, timeout=120
     ).json()
     chunks = generate_stream(server, text="Once upon a time", sampling_params=params, priority=2)
-    # the first token at once, then 4 at a time, the last 3 with the finish: 7 chunks (fewer
-    # if the HTTP side lags and merges two)
-    assert 3 <= len(chunks) <= 1 + -(-23 // INTERVAL)
+    # the first token at once, then 4 at a time, the rest with the finish: 1 + ceil(95 / 4) chunks
+    # (fewer if the HTTP side lags and merges some)
+    assert 3 <= len(chunks) <= 1 + -(-(N_STREAM - 1) // INTERVAL)
     assert all(c["meta_info"]["completion_tokens"] % INTERVAL == 1 for c in chunks[:-1])
     for a, b in zip(chunks, chunks[1:]):
         assert b["text"].startswith(a["text"])
