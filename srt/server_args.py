@@ -161,6 +161,17 @@ class ServerArgs:
         "smaller). Captured sizes: 1, 2, 4, 8, then every multiple of 8 up to it, and it; larger "
         "batches run eagerly.",
     )
+    disable_overlap_schedule: bool = _f(
+        False,
+        "Run each batch's forward and then its results in turn (the default on every device today: "
+        "overlap is on by default only where it was measured to help, and so far it was not).",
+    )
+    enable_overlap_schedule: bool = _f(
+        False,
+        "Overlap scheduling: the forward of one batch runs on a worker thread while the scheduler "
+        "processes the previous batch's results and forms the next batch (same tokens). Not with "
+        "--tp-size > 1.",
+    )
     num_threads: int | None = _f(
         None,
         "torch intra-op threads on CPU (default: one per CPU of --cpu-omp-threads-bind; with nobind, "

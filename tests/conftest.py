@@ -1,16 +1,19 @@
 """Suite-wide hooks: the report's closing section names the instruction sets the native CPU ops
-ran in this run (the main run's, and each lowered run's from tests/unit/test_isa_lowering.py)."""
+ran in this run (the main run's, and each lowered run's from tests/unit/test_isa_lowering.py);
+under SRT_TEST_OVERLAP_SCHEDULE=1 overlap scheduling is on by default (tests/helpers/overlap.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import isa
+from tests.helpers import isa, overlap
 from tests.helpers.isa import ISA_RUNS
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[ISA_RUNS] = []
+    if overlap.forced():
+        overlap.force_default_on()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

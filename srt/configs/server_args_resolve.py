@@ -8,6 +8,7 @@ after another (the order is the order the errors are reported in)::
     chunk and page sizes   --chunked-prefill-size, --page-size, --max-prefill-tokens
     compute backends       --attention-backend, --linear-backend
     CUDA graphs            --cuda-graph-max-bs
+    overlap scheduling     --enable-overlap-schedule, --disable-overlap-schedule
     CPU threads            --cpu-omp-threads-bind, --num-threads, --aux-process-nice
     parallelism            --tp-size, --nnodes, --node-rank, --dist-*, --dp-size, --load-balance-method
     model and weights      hub ids to snapshot paths, --load-format, --quantization, int8 activations
@@ -38,6 +39,11 @@ LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
 # which the fused decode-attention kernel streams (docs/benchmarks.md, session 25).
 CPU_PAGE_SIZE = 16
 
+# Overlap scheduling by default, per device: only where a same-run measurement showed it helps.
+# CPU: no gain on 2 cores (docs/benchmarks.md#overlap-scheduling); CUDA: not measured yet (the
+# GPU check compares the tokens; the throughput on / off waits for a GPU run)
+OVERLAP_BY_DEFAULT = {"cuda": False, "cpu": False}
+
 # The auto --cuda-graph-max-bs (SGLang's choice for one 80 GB GPU)
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
@@ -66,6 +72,8 @@ class ResolvableArgs(Protocol):
     enable_priority_scheduling: bool
     attention_backend: str | None
     cuda_graph_max_bs: int | None
+    disable_overlap_schedule: bool
+    enable_overlap_schedule: bool
     num_threads: int | None
     cpu_omp_threads_bind: str
     aux_process_nice: int
@@ -93,6 +101,7 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_cuda_graph(a)
     _resolve_cpu_threads(a)
     _check_parallelism(a)
+    _resolve_overlap(a)
     _resolve_model_location(a)
     _resolve_weights(a)
     _resolve_grammar(a)
@@ -150,6 +159,20 @@ def _resolve_compute_backends(a: ResolvableArgs) -> None:
         a.linear_backend = resolve_linear_backend(a.linear_backend, a.device, a.dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def _resolve_overlap(a: ResolvableArgs) -> None:
+    """Overlap scheduling: resolved into ``disable_overlap_schedule`` (True: off)."""
+    if a.enable_overlap_schedule and a.disable_overlap_schedule:
+        raise ConfigError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other.")
+    if a.enable_overlap_schedule and a.tp_size > 1:
+        raise ConfigError(
+            "--enable-overlap-schedule is not supported with --tp-size > 1 (the ranks step in lock "
+            "step on one thread each)."
+        )
+    by_default = OVERLAP_BY_DEFAULT.get(a.device, False) and a.tp_size == 1
+    on = a.enable_overlap_schedule or (by_default and not a.disable_overlap_schedule)
+    a.disable_overlap_schedule = not on
 
 
 def _resolve_cuda_graph(a: ResolvableArgs) -> None:

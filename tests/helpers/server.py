@@ -21,6 +21,8 @@ import time
 import psutil
 import requests
 
+from tests.helpers import overlap
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a small KV pool keeps start-up fast and memory low on CI machines
 DEFAULT_TEST_ARGS = ["--max-total-tokens", "16384", "--log-level", "warning"]
@@ -64,7 +66,7 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
-            *self.args,
+            *overlap.server_args(self.args),
         ]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT

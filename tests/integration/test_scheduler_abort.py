@@ -78,8 +78,12 @@ class Collector:
 
 
 def step(s: Scheduler, c: Collector, n: int = 1) -> None:
+    """``n`` steps; then the batch launched last is completed (a no-op without overlap
+    scheduling), so that the state checked next is the state between two steps."""
     for _ in range(n):
         c.add(s.step())
+    s.complete_in_flight()
+    c.add(s.take_outputs())
 
 
 def finish_and_check_free(s: Scheduler, c: Collector) -> None:

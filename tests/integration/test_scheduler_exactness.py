@@ -147,6 +147,12 @@ FAKE_CONFIGS = {
     "lpm_small": dict(schedule_policy="lpm", **_SMALL),
     "priority": dict(schedule_policy="priority", max_running_requests=8),
     "conservative": dict(schedule_conservativeness=2.0, _total=1024),
+    # overlap scheduling: decode rows whose input is the token in flight, one-step-late finishes
+    "overlap": dict(enable_overlap_schedule=True),
+    "overlap_mixed_page16_small": dict(
+        enable_overlap_schedule=True, page_size=16, chunked_prefill_size=32, enable_mixed_chunk=True, **_SMALL
+    ),
+    "overlap_lpm_small": dict(enable_overlap_schedule=True, schedule_policy="lpm", **_SMALL),
 }
 
 
@@ -174,10 +180,15 @@ def test_exact_outputs_fake_model(name):
         assert sched.metrics.num_retractions > 0, "the small pool must force retractions"
     if FAKE_CONFIGS[name].get("enable_mixed_chunk"):
         assert "MIXED" in sched.model_runner.modes and sched.metrics.num_mixed_steps > 0
+    if FAKE_CONFIGS[name].get("enable_overlap_schedule"):  # prefills sync; most decodes overlap
+        m = sched.metrics
+        assert m.num_overlapped_steps > (m.num_decode_steps // 2 if name == "overlap" else 0)
     check_clean(sched)
 
 
-@pytest.mark.parametrize("name", ["default", "small_pool", "page16_mixed_small"])
+@pytest.mark.parametrize(
+    "name", ["default", "small_pool", "page16_mixed_small", "overlap", "overlap_mixed_page16_small"]
+)
 def test_eos_min_new_tokens_and_logprobs_fake_model(name):
     """EOS stops (some requests ignore it or must reach min_new_tokens first) and prompt/output
     logprobs, under continuous batching with chunking and retraction."""
@@ -313,6 +324,9 @@ REAL_CONFIGS = {
     "no_radix": dict(disable_radix_cache=True),
     # a pool of a third of the workload's KV and an optimistic new-token estimate: retractions
     "retraction": dict(_total=4096, schedule_conservativeness=0.05),
+    # overlap scheduling, with mixed chunks and with retractions
+    "overlap_mixed": dict(enable_overlap_schedule=True, chunked_prefill_size=64, enable_mixed_chunk=True),
+    "overlap_retraction": dict(enable_overlap_schedule=True, _total=4096, schedule_conservativeness=0.05),
 }
 NEAR_TIES_ALLOWED = NUM_REQS // 24
 
@@ -392,6 +406,8 @@ def test_token_exactness_default_model(name, model_runner, references):
         assert sched.metrics.num_retractions > 0, "the small pool must force retractions"
     if name == "chunk64_mixed_fcfs":
         assert sched.metrics.num_mixed_steps > 0
+    if name.startswith("overlap"):
+        assert sched.metrics.num_overlapped_steps > 0
     check_clean(sched)
 
 

@@ -252,10 +252,14 @@ def test_decode_slots_needed_counts_fresh_pages():
     reqs = []
     for n in (4, 5, 8, 9):
         r = make_req(str(n), [1] * n)
-        r.kv_committed_len = n
+        r.kv_committed_len = r.kv_allocated_len = n
         reqs.append(r)
     assert ScheduleBatch.decode_slots_needed(reqs, 1) == 4
     assert ScheduleBatch.decode_slots_needed(reqs, 4) == 8  # lengths 4 and 8 start a new page
+    # overlap scheduling: a token in flight already holds its slot; the next one goes after it
+    for r, n in zip(reqs, (3, 5, 7, 8)):
+        r.kv_committed_len, r.kv_allocated_len = n, n + 1
+    assert ScheduleBatch.decode_slots_needed(reqs, 4) == 8  # allocated 4 and 8 start a new page
 
 
 def test_ensure_free_evicts_from_the_cache():

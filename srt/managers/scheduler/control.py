@@ -1,13 +1,29 @@
-"""The scheduler's control requests: flush the prefix cache, reload weights, report its state and
-its capacity. Functions of the `Scheduler` (they read several of its parts); the loop dispatches
-the messages to them through ``Scheduler.handle_message``'s table."""
+"""The scheduler's input messages: the table that says what applies each type
+(``message_handlers``), and the control requests: flush the prefix cache, reload weights, report
+its state and its capacity. Functions of the `Scheduler` (they read several of its parts); the
+loop dispatches the messages through ``Scheduler.handle_message``."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from srt.managers.io_struct import FlushCacheReqOutput, SchedulerReady, UpdateWeightsFromDiskReqOutput
+from srt.managers.io_struct import (
+    AbortReq,
+    ControlReply,
+    FinishReason,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    ProfileReq,
+    SchedulerReady,
+    StopStringHit,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
+)
 from srt.mem_cache.pool_size import process_rss_bytes
 
 if TYPE_CHECKING:
@@ -60,6 +76,43 @@ class Scheduler(Protocol):
     def is_idle(self) -> bool: ...
     def check_integrity(self) -> None: ...
     def token_usage(self) -> float: ...
+    def flush_cache(self) -> FlushCacheReqOutput: ...
+    def get_internal_state(self) -> dict[str, Any]: ...
+    def abort_request(self, rid: str, message: str = "aborted", status_code: int | None = None) -> None: ...
+
+
+def message_handlers(s: Scheduler) -> dict[type, Callable[[Any], list[ControlReply]]]:
+    """Each input message type -> what applies it (returning the replies to send now)."""
+
+    def generate(msg: TokenizedGenerateReqInput) -> list[ControlReply]:
+        if not s.weight_gate.hold(msg):
+            s.requests.add(msg, s.step_clock)
+        return []
+
+    def abort(msg: AbortReq) -> list[ControlReply]:
+        s.weight_gate.drop(msg.rid)
+        s.abort_request(msg.rid, msg.message, msg.status_code)
+        return []
+
+    def stop_string(msg: StopStringHit) -> list[ControlReply]:
+        s.requests.finish_between_steps(msg.rid, FinishReason.of_stop(msg.matched))
+        return []
+
+    def weights(msg: UpdateWeightsFromDiskReq) -> list[ControlReply]:
+        refused = s.weight_gate.submit(msg)
+        if refused is not None:
+            return [refused]
+        return [update_weights(s)] if s.is_idle() else []
+
+    return {
+        TokenizedGenerateReqInput: generate,
+        AbortReq: abort,
+        StopStringHit: stop_string,
+        FlushCacheReq: lambda msg: [s.flush_cache()],
+        GetInternalStateReq: lambda msg: [GetInternalStateReqOutput(state=s.get_internal_state())],
+        ProfileReq: lambda msg: [s.profiler.handle(msg)],
+        UpdateWeightsFromDiskReq: weights,
+    }
 
 
 def flush_cache(s: Scheduler) -> FlushCacheReqOutput:
@@ -110,6 +163,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "context_len": s.context_len,
         "schedule_policy": s.policy.policy,
         "radix_cache": not s.server_args.disable_radix_cache,
+        "overlap_schedule": s.overlap,
         "quantization": s.server_args.quantization,
         # the loaded weights (quantized blocks as stored) and this process's resident memory
         "weight_bytes": getattr(s.model_runner, "weight_bytes", None),

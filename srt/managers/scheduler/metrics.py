@@ -28,6 +28,7 @@ class SchedulerMetrics:
     num_decode_steps: int = 0
     num_prefill_steps: int = 0
     num_mixed_steps: int = 0
+    num_overlapped_steps: int = 0  # launched while the batch before was still in flight
     num_generated_tokens: int = 0
     num_prefill_tokens: int = 0  # tokens computed by extends (chunks included)
     num_admitted_input_tokens: int = 0  # input tokens of (re)admitted requests

@@ -10,6 +10,9 @@
                                          finished -> released
     (a request with a grammar advances its matcher past the token; a complete grammar
     finishes it)
+    a row whose request finished before the batch completed (overlap scheduling: it stopped
+    in the batch before, or was aborted while this one ran) is discarded: its request released
+    everything already, its token is dropped
 
 ``build_batch_output`` collects every request that produced tokens or finished: its new
 tokens since the last output (``Req.num_sent``), its finish reason on the last one, and
@@ -45,11 +48,13 @@ class BatchResult:
 
     ``new_decoding``: the extend requests that completed their prompt and keep decoding (to
     join the running batch, in batch order); ``num_generated``: tokens sampled;
-    ``decode_finished``: some decode row (a running request) finished and was released."""
+    ``decode_finished``: some decode row (a running request) finished and was released;
+    ``reqs``: the requests whose rows were applied (every one but the discarded rows)."""
 
     new_decoding: list[Req]
     num_generated: int
     decode_finished: bool
+    reqs: list[Req]
 
 
 def process_batch_result(
@@ -66,10 +71,17 @@ def process_batch_result(
     lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
     tops = sample_output.top_logprobs if lps is not None else None
     input_lp = _input_logprobs_per_req(batch, logits_output) if lps is not None else None
-    new_decoding, generated = _process_extend_rows(batch, next_ids, lps, tops, input_lp, cache, release)
-    decode_finished = _process_decode_rows(batch, next_ids, lps, tops, release)
-    generated += len(batch.reqs) - batch.num_extend_reqs
-    return BatchResult(new_decoding, generated, decode_finished)
+    reqs = batch.reqs
+    # rows of requests that finished before the batch completed (None: no such row)
+    stale: list[bool] | None = [r.state == ReqStatus.FINISHED for r in reqs]
+    if not any(stale):
+        stale = None
+    new_decoding, generated = _process_extend_rows(
+        batch, next_ids, lps, tops, input_lp, cache, release, stale
+    )
+    decode_finished, decoded = _process_decode_rows(batch, next_ids, lps, tops, release, stale)
+    applied = reqs if stale is None else [r for r, gone in zip(reqs, stale) if not gone]
+    return BatchResult(new_decoding, generated + decoded, decode_finished, applied)
 
 
 def _process_extend_rows(
@@ -80,11 +92,15 @@ def _process_extend_rows(
     input_lp: list[InputLogprobs | None] | None,
     cache: CacheManager,
     release: Callable[[Req], None],
+    stale: list[bool] | None,
 ) -> tuple[list[Req], int]:
-    """Rows ``[0, num_extend_reqs)``; returns (the requests that start decoding, tokens sampled)."""
+    """Rows ``[0, num_extend_reqs)`` but the ``stale`` ones; returns (the requests that start
+    decoding, tokens sampled)."""
     new_decoding: list[Req] = []
     generated = 0
     for i in range(batch.num_extend_reqs):
+        if stale is not None and stale[i]:
+            continue
         req = batch.reqs[i]
         end = batch.prefix_lens[i] + batch.extend_lens[i]
         req.kv_committed_len = end
@@ -120,14 +136,20 @@ def _process_decode_rows(
     lps: list[float] | None,
     tops: list[list[tuple[int, float]]] | None,
     release: Callable[[Req], None],
-) -> bool:
-    """Rows ``[num_extend_reqs, bs)`` (the hot loop: O(1) per decoding request); returns
-    whether one of them finished."""
+    stale: list[bool] | None,
+) -> tuple[bool, int]:
+    """Rows ``[num_extend_reqs, bs)`` (the hot loop: O(1) per decoding request), skipping the
+    ``stale`` ones (their requests finished before the batch completed); returns whether one of
+    them finished and how many tokens were appended."""
     reqs = batch.reqs
     finished = False
+    decoded = 0
     for i in range(batch.num_extend_reqs, len(reqs)):
+        if stale is not None and stale[i]:
+            continue
         req = reqs[i]
         t = next_ids[i]
+        decoded += 1
         req.kv_committed_len += 1
         out = req.output_ids
         out.append(t)
@@ -140,7 +162,7 @@ def _process_decode_rows(
         if req.finished_reason is not None:
             release(req)
             finished = True
-    return finished
+    return finished, decoded
 
 
 def _record_logprob(req: Req, lp: float, top: list[tuple[int, float]]) -> None:

@@ -15,6 +15,7 @@ through the launcher's pipe, then runs ``event_loop`` forever on the same thread
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -114,6 +115,24 @@ def bind_compute_threads(server_args: ServerArgs) -> OmpBinding | None:
     return binding
 
 
+def place_compute_threads(server_args: ServerArgs) -> Callable[[], None] | None:
+    """Set up the thread that runs the model: without overlap scheduling this (main) thread, now
+    (returns None); with it the forward worker thread, through the function returned (its
+    ``thread_init``), and this thread runs torch single-threaded from here on: a second OpenMP
+    pool would slow every forward (srt/utils/torch_threads.py)."""
+    if server_args.disable_overlap_schedule:
+        bind_compute_threads(server_args)
+        return None
+    num_threads = torch.get_num_threads()
+
+    def on_worker() -> None:
+        torch.set_num_threads(num_threads)
+        bind_compute_threads(server_args)
+
+    torch.set_num_threads(1)
+    return on_worker
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection) -> None:
     """Entry of the scheduler process (``server_args`` resolved).
 
@@ -123,8 +142,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     ``{"status": "error", "message": traceback}``; any failure exits the process non-zero."""
     ready_sent = False
     try:
-        bind_compute_threads(server_args)
-        scheduler = Scheduler(server_args)
+        scheduler = Scheduler(server_args, forward_thread_init=place_compute_threads(server_args))
         if server_args.watchdog_timeout > 0:  # one heartbeat file per data-parallel group
             path = heartbeat_path(port_args.ipc_dir, port_args.dp_rank or 0)
             scheduler.heartbeat = SchedulerHeartbeat.open(path)

@@ -53,6 +53,12 @@ class BatchMemory(Protocol):
         ...
 
 
+def future_ref(req_pool_idx: int) -> int:
+    """The input id that stands for the token being sampled for request row ``req_pool_idx``
+    by the batch in flight (overlap scheduling: srt/managers/scheduler/overlap.py)."""
+    return -(req_pool_idx + 1)
+
+
 class KVAllocationError(RuntimeError):
     """The allocator had fewer slots than the admission policy promised (a scheduler bug)."""
 
@@ -77,6 +83,9 @@ class ScheduleBatch:
     # DECODE: req_pool_indices / positions as tensors (built once in prepare_decode)
     req_pool_indices_t: torch.Tensor | None = None
     positions_t: torch.Tensor | None = None
+    # overlap scheduling: per row, 1 where the request's previous token is still being sampled
+    # by the batch in flight (its input id is a future reference, overlap.py); empty: none is
+    pending_tokens: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -85,6 +94,11 @@ class ScheduleBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def has_future_refs(self) -> bool:
+        """Whether some input id refers to a token the batch in flight is sampling."""
+        return bool(self.pending_tokens)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -140,17 +154,22 @@ class ScheduleBatch:
         """KV slots one decode step of ``reqs`` takes from the free list."""
         if page_size == 1:
             return len(reqs)
-        return page_size * sum(1 for r in reqs if r.kv_committed_len % page_size == 0)
+        return page_size * sum(1 for r in reqs if r.kv_allocated_len % page_size == 0)
 
     @classmethod
     def prepare_decode(cls, reqs: list[Req], kv: BatchMemory) -> ScheduleBatch:
         """Allocate one KV slot per decoding request (the decode part made sure they exist,
-        retracting if needed) and write it into req_to_token."""
+        retracting if needed) and write it into req_to_token.
+
+        A request whose previous token is still in flight (overlap scheduling: its
+        ``kv_allocated_len`` is one past ``kv_committed_len``) decodes at the position after
+        that token, with a future reference as its input id (overlap.py)."""
         pool = kv.req_to_token_pool
         need = cls.decode_slots_needed(reqs, kv.page_size)
         if not kv.ensure_free(need):
             raise KVAllocationError(f"decode needs {need} KV slots, {kv.available()} obtainable")
-        prefix_lens = [r.kv_committed_len for r in reqs]
+        prefix_lens = [r.kv_allocated_len for r in reqs]
+        pending = [r.kv_allocated_len - r.kv_committed_len for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
         dev = pool.req_to_token.device
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -162,24 +181,31 @@ class ScheduleBatch:
             raise KVAllocationError(f"alloc_decode failed for {need} slots")
         pool.req_to_token[rows_t, pos_t] = out.to(dev)
         for r in reqs:
-            r.kv_allocated_len = r.kv_committed_len + 1
+            r.kv_allocated_len += 1
+        if any(pending):
+            input_ids = [future_ref(r.req_pool_idx) if p else r.output_ids[-1] for r, p in zip(reqs, pending)]
+        else:
+            input_ids, pending = [r.output_ids[-1] for r in reqs], []
         return cls(
             forward_mode=ForwardMode.DECODE,
             reqs=list(reqs),
             num_extend_reqs=0,
-            input_ids=[r.output_ids[-1] for r in reqs],
+            input_ids=input_ids,
             req_pool_indices=rows,
             prefix_lens=prefix_lens,
             extend_lens=[1] * len(reqs),
             out_cache_loc=out,
             req_pool_indices_t=rows_t,
             positions_t=pos_t,
+            pending_tokens=pending,
         )
 
     def mix_with(self, decode: ScheduleBatch) -> None:
         """Append a prepared decode batch to this extend batch: MIXED (extends first)."""
         assert self.forward_mode == ForwardMode.EXTEND and decode.forward_mode == ForwardMode.DECODE
         self.forward_mode = ForwardMode.MIXED
+        if decode.pending_tokens:
+            self.pending_tokens = [0] * len(self.reqs) + decode.pending_tokens
         self.reqs.extend(decode.reqs)
         self.input_ids.extend(decode.input_ids)
         self.req_pool_indices.extend(decode.req_pool_indices)
@@ -249,7 +275,7 @@ class ScheduleBatch:
                 **kw,
             )
         cache = sampling_cache if sampling_cache is not None else SamplingInfoCache()
-        fb.sampling_info = cache.get(reqs, vocab_size, device, eos_token_ids)
+        fb.sampling_info = cache.get(reqs, vocab_size, device, eos_token_ids, self.pending_tokens)
         return fb
 
     def _decode_forward_batch(self, device: str | torch.device, kw: dict[str, Any]) -> ForwardBatch:
@@ -286,13 +312,23 @@ class SamplingInfoCache:
         self._info: SamplingBatchInfo | None = None
 
     def get(
-        self, reqs: list[Req], vocab_size: int, device: str | torch.device, eos_token_ids: list[int] | None
+        self,
+        reqs: list[Req],
+        vocab_size: int,
+        device: str | torch.device,
+        eos_token_ids: list[int] | None,
+        pending_tokens: list[int] | None = None,
     ) -> SamplingBatchInfo:
+        """``pending_tokens[i]``: tokens of request i still being sampled (overlap scheduling),
+        counted in its noise position; empty or None: none."""
         from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
+        positions = [len(r.output_ids) for r in reqs]
+        if pending_tokens:
+            positions = [p + n for p, n in zip(positions, pending_tokens)]
         if self._info is not None and reqs == self._reqs:
-            positions = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
-            return dataclasses.replace(self._info, positions=positions)
+            pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+            return dataclasses.replace(self._info, positions=pos_t)
         info = SamplingBatchInfo.from_reqs(
             [r.sampling_params for r in reqs],
             [r.seed for r in reqs],
@@ -301,6 +337,7 @@ class SamplingInfoCache:
             vocab_size,
             device,
             eos_token_ids,
+            step=positions,
         )
         reusable = all([r.static_sampling for r in reqs])
         self._reqs, self._info = (list(reqs), info) if reusable else (None, None)

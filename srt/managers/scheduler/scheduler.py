@@ -1,31 +1,6 @@
 """The ``Scheduler``: receives requests, runs one step at a time, sends the results.
 
-It only wires the parts together; each part owns one job and its state:
-
-    prefill.py     PrefillManager: waiting queue, request mid-prompt, admission budgets,
-                   chunking, the EXTEND batch
-    decode.py      DecodeManager: running batch, retraction and its hysteresis (NewTokenRatio)
-    cache.py       CacheManager: request rows, KV allocator and prefix cache (match, lock,
-                   insert, free, evict, flush, integrity)
-    output.py      forward results -> Req state; the step's BatchTokenIDOut
-    metrics.py     SchedulerMetrics: counters and log lines
-    deadlines.py   DeadlineTracker: per-request deadlines and --max-queue-time, checked each step
-    step_timing.py StepTimings: per-step scheduling / forward time histograms
-    grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
-    profiler.py    SchedulerProfiler: torch.profiler around steps (/start_profile, /stop_profile)
-    weight_update.py  WeightUpdateGate: a weight update waits for idle, new requests wait for it
-    heartbeat.py   SchedulerHeartbeat: progress and a state summary for the hang watchdog
-    requests.py    RequestTable: the requests not yet reported finished: arrival (params
-                   normalized, fit check, duplicate rids), finishes between steps (abort, stop
-                   string, rejection, deadline) and the routing of retracted requests
-    control.py     control requests: flush the cache, reload weights, internal state, readiness
-    setup.py       the parts built from ServerArgs (model runner, grammars, prefill budgets)
-    process.py     the ZMQ event loop and the process entry point (imports this module)
-    runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
-
-and the pure pieces in ``srt/managers/``: ``schedule_policy.py`` (queue order, budgets, chunk
-split, retraction choice), ``request_fit.py`` (can a request ever fit?), ``req.py`` (Req and
-its state machine), ``schedule_batch.py`` (ScheduleBatch -> ForwardBatch).
+It only wires the parts together (the parts are listed in the package's docstring).
 
 Messages are dispatched by type through one table (``handle_message``).
 
@@ -35,10 +10,14 @@ One iteration (``step``)::
         batch -> EXTEND, or MIXED (+ decode.prepare_batch of every running request) with
                  --enable-mixed-chunk
         none  -> DECODE batch of the running requests (decode.retract_for_room if KV runs short)
-    -> model_runner.forward_batch_generation -> output.process_batch_result (append tokens,
-       finish, hand KV to the prefix cache) -> decode.merge (finished out, new decodes in)
+    -> launch: model_runner.forward_batch_generation (worker.launch)
+    -> complete: output.process_batch_result (append tokens, finish, hand KV to the prefix
+       cache) -> decode.merge (finished out, new decodes in)
     -> output.build_batch_output: one BatchTokenIDOut for every request that produced tokens
        or finished; the integrity check when the scheduler goes idle
+
+With overlap scheduling (overlap.py) the batch launched in a step completes in the next one,
+after that step launched its own batch: the forward runs while the scheduler does the rest.
 
 In-process API (tests, benchmarks): ``handle_message(msg)`` for every ``SchedulerInput``,
 ``step()``, ``take_replies()`` (replies to control requests answered by a step: a deferred weight
@@ -58,17 +37,11 @@ from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ControlReply,
-    FinishReason,
-    FlushCacheReq,
     FlushCacheReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    ProfileReq,
     SchedulerInput,
     SchedulerReady,
     StopStringHit,
     TokenizedGenerateReqInput,
-    UpdateWeightsFromDiskReq,
 )
 from srt.managers.scheduler import control
 from srt.managers.scheduler.cache import CacheManager
@@ -76,13 +49,14 @@ from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.decode import DecodeManager
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
+from srt.managers.scheduler.overlap import InFlight, needs_sync
 from srt.managers.scheduler.prefill import PrefillManager
 from srt.managers.scheduler.profiler import SchedulerProfiler
 from srt.managers.scheduler.req import Req
 from srt.managers.scheduler.requests import ModelLimits, RequestTable
 from srt.managers.scheduler.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
 from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy
-from srt.managers.scheduler.setup import create_grammars, create_prefill_config, load_model_runner
+from srt.managers.scheduler.setup import create_grammars, create_prefill_config, start_model_runner
 from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.utils.fault import FaultHook
@@ -99,20 +73,30 @@ logger = logging.getLogger("srt.scheduler")
 
 # with nothing to run but requests waiting for their grammars, a step waits this long for one
 GRAMMAR_WAIT_SECONDS = 0.005
+# the messages handled without completing the batch in flight first (overlap scheduling)
+_NO_SYNC_MESSAGES = (TokenizedGenerateReqInput, AbortReq, StopStringHit)
 
 
 class Scheduler:
     """See the module docstring. ``server_args`` must be resolved; ``model_runner`` defaults to
     a ``ModelRunner(server_args, tp_rank=tp_rank)`` (tests and benchmarks pass their own). With
-    ``--tp-size`` > 1 every rank builds one and they must stay in lock step (tp_process.py)."""
+    ``--tp-size`` > 1 every rank builds one and they must stay in lock step (tp_process.py).
+    ``forward_thread_init``: run once on the forward worker thread with overlap scheduling (the
+    compute-thread setup of the process; default: torch's thread count of the calling thread)."""
 
     def __init__(
-        self, server_args: ServerArgs, model_runner: SchedulerModelRunner | None = None, tp_rank: int = 0
+        self,
+        server_args: ServerArgs,
+        model_runner: SchedulerModelRunner | None = None,
+        tp_rank: int = 0,
+        forward_thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
-        runner = model_runner if model_runner is not None else load_model_runner(server_args, tp_rank)
-        self.model_runner = runner
+        # the forwards (and the model load) run through the worker: on a thread of its own with
+        # overlap scheduling (overlap.py)
+        self.worker, runner = start_model_runner(server_args, model_runner, tp_rank, forward_thread_init)
+        self.model_runner, self.overlap = runner, self.worker.threaded
         cfg = runner.model_config
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_ids: list[int] = list(cfg.eos_token_ids)
@@ -143,26 +127,22 @@ class Scheduler:
         limits = ModelLimits(
             self.context_len, self.max_total_num_tokens, self.page_size, self.vocab_size, self.eos_token_ids
         )
-        self.requests = RequestTable(
-            limits,
-            self.cache,
-            self.prefill,
-            self.decode,
-            self.grammars,
-            self.deadlines,
-            self.metrics,
-            random.Random(server_args.random_seed),
-        )
+        parts = (self.cache, self.prefill, self.decode, self.grammars, self.deadlines, self.metrics)
+        self.requests = RequestTable(limits, *parts, random.Random(server_args.random_seed))
         # time.time() of the deadlines when set: tensor-parallel ranks use rank 0's, broadcast
         # with the inputs, so that they expire the same requests at the same step
         self.step_clock: float | None = None
         self.step_timings = StepTimings()
         self._replies: list[ControlReply] = []  # answered by a step (take_replies)
-        self._handlers = self._message_handlers()
+        self._handlers = control.message_handlers(self)
         self._was_idle = True
         # hang watchdog: progress published each step (set by process.py); test-only fault hook
         self.heartbeat: SchedulerHeartbeat | None = None
         self.fault = FaultHook.from_env()
+        # at most one batch in flight; outputs of a batch completed out of turn (before a
+        # control message) go out with the next step
+        self._in_flight: InFlight | None = None
+        self._completed_outs: list[BatchTokenIDOut] = []
 
     # the parts' state, read by tests and benchmarks
     @property
@@ -194,46 +174,19 @@ class Scheduler:
         return self.requests.reqs_by_rid
 
     # ================================================================== messages
-    def _message_handlers(self) -> dict[type, Callable[[Any], list[ControlReply]]]:
-        """Each input message type -> what applies it (returning the replies to send now)."""
-        return {
-            TokenizedGenerateReqInput: self._on_generate,
-            AbortReq: self._on_abort,
-            StopStringHit: self._on_stop_string,
-            FlushCacheReq: lambda msg: [self.flush_cache()],
-            GetInternalStateReq: lambda msg: [GetInternalStateReqOutput(state=self.get_internal_state())],
-            ProfileReq: lambda msg: [self.profiler.handle(msg)],
-            UpdateWeightsFromDiskReq: self._on_update_weights,
-        }
-
     def handle_message(self, msg: SchedulerInput) -> list[ControlReply]:
-        """Apply one input message; returns the replies to send now (control requests; a weight
-        update that must wait for idle is answered later through ``take_replies``)."""
+        """Apply one input message (control.py's table); returns the replies to send now (control
+        requests; a weight update that must wait for idle is answered later through
+        ``take_replies``). A control request first completes the batch in flight (overlap
+        scheduling); a new request, an abort or a stop string does not: a request finished now
+        gets no token from the batch in flight (its row there is discarded), as without overlap."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             logger.warning("ignoring unknown message %r", type(msg).__name__)
             return []
+        if type(msg) not in _NO_SYNC_MESSAGES:
+            self.complete_in_flight()
         return handler(msg)
-
-    def _on_generate(self, msg: TokenizedGenerateReqInput) -> list[ControlReply]:
-        if not self.weight_gate.hold(msg):
-            self.requests.add(msg, self.step_clock)
-        return []
-
-    def _on_abort(self, msg: AbortReq) -> list[ControlReply]:
-        self.weight_gate.drop(msg.rid)
-        self.abort_request(msg.rid, msg.message, msg.status_code)
-        return []
-
-    def _on_stop_string(self, msg: StopStringHit) -> list[ControlReply]:
-        self.requests.finish_between_steps(msg.rid, FinishReason.of_stop(msg.matched))
-        return []
-
-    def _on_update_weights(self, msg: UpdateWeightsFromDiskReq) -> list[ControlReply]:
-        refused = self.weight_gate.submit(msg)
-        if refused is not None:
-            return [refused]
-        return [control.update_weights(self)] if self.is_idle() else []
 
     def abort_request(self, rid: str, message: str = "aborted", status_code: int | None = None) -> None:
         """Abort a request in any state ("" aborts every request); unknown rids are ignored."""
@@ -246,51 +199,94 @@ class Scheduler:
             or self.decode.running
             or self.requests.finished_outside
             or (self.grammars is not None and self.grammars.pending)
+            or self._in_flight is not None
+            or self._completed_outs
         )
 
     def step(self) -> list[BatchTokenIDOut]:
-        """One scheduler iteration: form a batch, run it, process the results.
+        """One scheduler iteration: form a batch, launch it, complete the batch launched before
+        (overlap scheduling) or this one (module docstring).
 
-        Returns the step's output (one BatchTokenIDOut, or nothing)."""
+        Returns the step's output (BatchTokenIDOut: at most one, plus any of a batch completed
+        before a control message)."""
         step_start = time.perf_counter()
         self.metrics.num_steps += 1
         self.requests.expire_deadlines(self.step_clock)
+        prev = self._in_flight
+        if prev is not None and needs_sync(prev):
+            self.complete_in_flight()
+            prev = None
         # nothing else to do: wait (briefly, so that new messages are still read) for a grammar
         busy = self.prefill.has_work() or self.decode.running or self.requests.finished_outside
         self.requests.admit_grammar_requests(0.0 if busy else GRAMMAR_WAIT_SECONDS)
         batch = self._next_batch()
+        if self._in_flight is None:  # completed while forming the batch (a retraction)
+            prev = None
         if self.heartbeat is not None:
             self.heartbeat.on_step(self, batch)
         touched = self.requests.take_touched()  # aborted, rejected, retracted too often
-        if batch is not None:
-            self.fault.before_forward()  # test-only (SRT_TEST_FAULT): may stall this step's forward
-            fb = batch.get_forward_batch(
-                self.device, self.vocab_size, self.eos_token_ids, self.sampling_cache
-            )
-            # (a batch without constrained requests builds no row list: this runs every step)
-            if self.grammars is not None and any(r.grammar is not None for r in batch.reqs):
-                masks = self.grammars.fill_masks(batch.reqs, batch.sampling_rows(), self.vocab_size)
-                if masks is not None:
-                    fb.sampling_info = fb.sampling_info.with_grammar_masks(*masks)
-            forward_start = time.perf_counter()
-            logits_output, sample_output = self.model_runner.forward_batch_generation(fb)
-            forward_seconds = time.perf_counter() - forward_start
-            self.cache.begin_free_group()
-            try:
-                result = process_batch_result(
-                    batch, logits_output, sample_output, self.cache, self.requests.release
-                )
-            finally:
-                self.cache.end_free_group()
-            self.metrics.on_generated(result.num_generated)
-            self.decode.merge(result.new_decoding, result.decode_finished)
-            touched = touched + batch.reqs
+        launched = self._launch(batch, step_start) if batch is not None else None
+        if prev is not None:  # overlap: complete the batch before while this one runs
+            self.metrics.num_overlapped_steps += launched is not None
+            touched = touched + self._complete(prev)
+        if launched is not None and not self.overlap:
+            touched = touched + self._complete(launched)
+            launched = None
+        self._in_flight = launched
         out = build_batch_output(touched, self.server_args.stream_interval)
         self.requests.forget_reported()
         self._after_step()
-        if batch is not None:
-            self.step_timings.observe(time.perf_counter() - step_start, forward_seconds)
-        return [out] if out is not None else []
+        # outputs of batches completed out of turn come first (they hold earlier tokens)
+        outs = self.take_outputs()
+        if out is not None:
+            outs.append(out)
+        return outs
+
+    def _launch(self, batch: ScheduleBatch, step_start: float) -> InFlight:
+        """Build ``batch``'s ForwardBatch (grammar masks included) and start its forward
+        (``step_start``: when the step launching it began, for the step timings)."""
+        self.fault.before_forward()  # test-only (SRT_TEST_FAULT): may stall this step's forward
+        fb = batch.get_forward_batch(self.device, self.vocab_size, self.eos_token_ids, self.sampling_cache)
+        # (a batch without constrained requests builds no row list: this runs every step)
+        if self.grammars is not None and any(r.grammar is not None for r in batch.reqs):
+            masks = self.grammars.fill_masks(batch.reqs, batch.sampling_rows(), self.vocab_size)
+            if masks is not None:
+                fb.sampling_info = fb.sampling_info.with_grammar_masks(*masks)
+        return self.worker.launch(batch, fb, step_start)
+
+    def _complete(self, in_flight: InFlight) -> list[Req]:
+        """Wait for ``in_flight``'s forward and apply its results; returns the requests whose
+        rows were applied (to report). The step timings get one entry per batch: from the start
+        of the step that launched it to its results applied, of which its forward."""
+        res = in_flight.wait()
+        self.cache.begin_free_group()
+        try:
+            result = process_batch_result(
+                in_flight.batch, res.logits_output, res.sample_output, self.cache, self.requests.release
+            )
+        finally:
+            self.cache.end_free_group()
+        self.metrics.on_generated(result.num_generated)
+        self.decode.merge(result.new_decoding, result.decode_finished)
+        self.step_timings.observe(time.perf_counter() - in_flight.step_start, res.forward_seconds)
+        return result.reqs
+
+    def take_outputs(self) -> list[BatchTokenIDOut]:
+        """The outputs of batches completed out of turn (``complete_in_flight``) that no step
+        returned yet; the next step returns them otherwise."""
+        outs, self._completed_outs = self._completed_outs, []
+        return outs
+
+    def complete_in_flight(self) -> None:
+        """Complete the batch in flight now, if any (before a control message, a retraction, or
+        a batch that needs its tokens on the host); its output goes out with the next step."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        out = build_batch_output(self._complete(in_flight), self.server_args.stream_interval)
+        self.requests.forget_reported()
+        if out is not None:
+            self._completed_outs.append(out)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[BatchTokenIDOut]:
         """Step until idle (tests); raises RuntimeError after max_steps (a livelock)."""
@@ -320,7 +316,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The cache's slot accounting, counting the slots running requests own (between steps)."""
         chunked = self.prefill.chunked_req
-        self.cache.check_integrity(self.decode.running + ([chunked] if chunked is not None else []))
+        holders = self.decode.running + ([chunked] if chunked is not None else [])
+        if self._in_flight is not None:  # the extends in flight join the running batch later
+            held = {id(r) for r in holders}
+            holders += [
+                r for r in self._in_flight.batch.reqs if id(r) not in held and r.req_pool_idx is not None
+            ]
+        self.cache.check_integrity(holders)
 
     def _next_batch(self) -> ScheduleBatch | None:
         running = self.decode.running
@@ -341,8 +343,12 @@ class Scheduler:
 
         In a MIXED step (``mixed``) the prefill part is already allocated: if the decodes still
         cannot get slots they sit this step out (None). Otherwise the request mid-prompt is
-        retracted too (it holds what the last decode needs) before giving up."""
+        retracted too (it holds what the last decode needs) before giving up. With a batch in
+        flight, a request whose token in flight is its last is left out, and a retraction
+        first completes that batch."""
         decode = self.decode
+        if not decode.has_room() and self._in_flight is not None:
+            self.complete_in_flight()
         if not decode.has_room():
             victims = decode.retract_for_room()
             self.requests.requeue(victims)
@@ -363,13 +369,21 @@ class Scheduler:
                         f"cannot decode {len(decode.running)} request(s): "
                         f"{self.cache.available()} KV slots obtainable"
                     )
-        return decode.prepare_batch(len(self.waiting_queue))
+        if self._in_flight is None:
+            return decode.prepare_batch(len(self.waiting_queue))
+        reqs = [
+            r
+            for r in decode.running
+            if r.kv_allocated_len == r.kv_committed_len or r.remaining_new_tokens > 1
+        ]
+        return decode.prepare_batch(len(self.waiting_queue), reqs) if reqs else None
 
     def token_usage(self) -> float:
         return self.cache.token_usage()
 
     # ================================================================== control (control.py)
     def flush_cache(self) -> FlushCacheReqOutput:
+        self.complete_in_flight()
         return control.flush_cache(self)
 
     def get_internal_state(self) -> dict[str, Any]:

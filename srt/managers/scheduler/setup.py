@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from srt.managers.scheduler.grammar import GrammarManager
+from srt.managers.scheduler.overlap import ForwardWorker, same_thread_count
 from srt.managers.scheduler.prefill import PrefillConfig
 from srt.utils.hf_tokenizer import tokenizer_source
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from srt.managers.scheduler.runner_protocol import SchedulerModelRunner
     from srt.server_args import ServerArgs
 
@@ -50,3 +55,21 @@ def create_prefill_config(server_args: ServerArgs, max_running_requests: int) ->
         enable_mixed_chunk=server_args.enable_mixed_chunk,
         share_in_batch=not server_args.disable_radix_cache,
     )
+
+
+def start_model_runner(
+    server_args: ServerArgs,
+    runner: SchedulerModelRunner | None,
+    tp_rank: int,
+    thread_init: Callable[[], None] | None,
+) -> tuple[ForwardWorker, SchedulerModelRunner]:
+    """The forward worker (on a thread of its own with overlap scheduling, set up by
+    ``thread_init``; default: the calling thread's torch thread count) and the model runner,
+    ``runner`` or a ``ModelRunner`` loaded where the worker runs the forwards."""
+    if thread_init is None:
+        thread_init = same_thread_count(torch.get_num_threads())
+    worker = ForwardWorker(not server_args.disable_overlap_schedule, thread_init)
+    if runner is None:
+        runner = worker.call(load_model_runner, server_args, tp_rank)
+    worker.attach(runner)
+    return worker, runner
