@@ -96,8 +96,9 @@ class ServerArgs:
     # ---- memory and scheduling ----
     mem_fraction_static: float | None = _f(
         None,
-        "Fraction of the memory available to the process used for weights + KV cache "
-        "(auto: 0.88 on CUDA, 0.3 on CPU).",
+        "Fraction of the memory available to the process used for weights + KV cache (auto: 0.88 "
+        "on CUDA; on CPU the KV cache takes half of the memory left free once the weights and "
+        "activations are in, and at least one full-context request where 1 GiB stays free).",
     )
     max_total_tokens: int | None = _f(None, "KV pool size in tokens; overrides --mem-fraction-static.")
     max_running_requests: int | None = _f(None, "Maximum number of requests decoding at once.")
@@ -300,7 +301,7 @@ class ServerArgs:
         1,
         "Data-parallel size: N scheduler groups, each with its own model copy, KV pool and prefix "
         "cache, behind one controller process that routes each request to a group. On one machine "
-        "the groups split --mem-fraction-static (each gets 1/N) and the CPUs of "
+        "the groups split --mem-fraction-static (each gets 1/N; on CPU without it, 0.3 / N each) and the CPUs of "
         "--cpu-omp-threads-bind (contiguous shares); --max-total-tokens applies to each group.",
     )
     load_balance_method: str = _f(

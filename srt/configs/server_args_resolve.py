@@ -128,8 +128,12 @@ def _resolve_device_and_dtype(a: ResolvableArgs) -> None:
 
 
 def _resolve_memory(a: ResolvableArgs) -> None:
+    """0.88 on CUDA; on CPU unset stays None: the KV pool is then sized from the memory left free
+    once the model is loaded (srt/mem_cache/pool_size.py)."""
     if a.mem_fraction_static is None:
-        a.mem_fraction_static = 0.88 if a.device == "cuda" else 0.3
+        if a.device == "cuda":
+            a.mem_fraction_static = 0.88
+        return
     if not 0.0 < a.mem_fraction_static < 1.0:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}.")
 

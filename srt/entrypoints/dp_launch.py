@@ -10,7 +10,9 @@
                           talk to it as they would to a single scheduler
 
 Each group sizes its own KV pool. On one machine the groups share it, so `dp_group_args` gives
-each group ``--mem-fraction-static / N`` and a contiguous share of the CPUs of
+each group ``--mem-fraction-static / N`` (on CPU without the flag ``DP_CPU_MEM_FRACTION / N``:
+groups that load at the same time cannot size their pools from what the others leave free) and
+a contiguous share of the CPUs of
 ``--cpu-omp-threads-bind`` (2 CPUs, dp 2: one CPU per group); ``--max-total-tokens`` is taken
 per group as given. Every other setting is the same for all groups.
 """
@@ -26,6 +28,8 @@ from srt.utils.errors import ConfigError
 from srt.utils.process import ProcessSupervisor
 
 CONTROLLER_NAME = "dp_controller"
+# the weights + KV fraction shared by the groups on CPU when --mem-fraction-static is not given
+DP_CPU_MEM_FRACTION = 0.3
 
 
 def group_name(dp_rank: int) -> str:
@@ -54,8 +58,8 @@ def dp_group_args(server_args: ServerArgs, dp_rank: int) -> ServerArgs:
     compute CPUs (see the module docstring); with nobind the threads stay unpinned and
     ``--num-threads`` (if given) applies to each group."""
     n = server_args.dp_size
-    assert server_args.mem_fraction_static is not None, "server_args must be resolved"
-    changes: dict = {"mem_fraction_static": server_args.mem_fraction_static / n}
+    fraction = server_args.mem_fraction_static or DP_CPU_MEM_FRACTION
+    changes: dict = {"mem_fraction_static": fraction / n}
     cpus = bound_cpus(server_args.cpu_omp_threads_bind)
     if cpus is not None:
         share = split_cpus(cpus, n)[dp_rank]

@@ -12,7 +12,9 @@ Parameters are created uninitialized (``empty_param``) with ``requires_grad=Fals
 Every layer runs its matmul through the ``LinearBackend`` it was built with (``linear_backend``;
 ``TORCH_LINEAR``, i.e. ``F.linear``, when none is given). Once its weights are loaded the
 loader calls ``prepare_weights()``, which lets the backend make a prepacked copy of the weight
-(``packed_weight``, a non-persistent buffer; see ``LinearBackend.pack_weight``). The ModelRunner builds the backend
+(``packed_weight``, a non-persistent buffer; see ``LinearBackend.pack_weight``); a backend that
+needs nothing else (``packed_only``: the native one) gets the plain ``weight`` released, left as a
+``meta`` tensor of the same shape and dtype. The ModelRunner builds the backend
 named by ``--linear-backend`` and passes it down through the model's constructor; see
 ``srt/layers/linear_backend.py``.
 
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
-from srt.layers.parameter import copy_weight, empty_param
+from srt.layers.parameter import copy_weight, empty_param, released_param
 from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
 from srt.utils.errors import WeightLoadError
 
@@ -84,12 +86,16 @@ class Linear(nn.Module):
 
     def prepare_weights(self) -> None:
         """Once loading is done: finish a quantized weight, or let the backend prepack the float
-        one (again after a reload)."""
+        one, releasing the plain one when the backend needs the packed form alone."""
         if self.qweight is not None:
             self.qweight.finalize()
             self.packed_weight = None
             return
+        if self.weight.is_meta:  # packed already; the plain weight was released
+            return
         self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
+        if self.packed_weight is not None and self.linear_backend.packed_only:
+            self.weight = released_param(self.weight)
 
     def shard(self, in_features: int, out_features: int, keep_bias: bool = True) -> None:
         """Tensor parallelism, before loading: become this rank's ``[out_features, in_features]``

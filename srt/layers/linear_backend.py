@@ -39,8 +39,10 @@ and passes back to ``apply`` as ``packed``. The ``onednn`` backend:
 * everything else: oneDNN's matmul on the prepacked weight (``torch.ops.mkldnn._reorder_linear_weight``,
   an opaque ``torch._mkldnn`` tensor; the reorder oneDNN would otherwise redo on every call).
 
-So the ``onednn`` and ``native`` backends keep the float32 linear weights twice (plain and
-packed): the memory accounting counts both. docs/benchmarks.md has the measured speed-ups.
+The ``onednn`` backend keeps the float32 linear weights twice (plain and packed; the memory
+accounting counts both). The ``native`` backend needs the packed form alone (``packed_only``):
+once a layer packed its weight it releases the plain one (a ``meta`` tensor keeps its shape and
+dtype), so a float32 model is held once. docs/benchmarks.md has the measured speed-ups.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class LinearBackend(ABC):
     """The matmul of linear layers; see the module docstring for the contract of ``apply``."""
 
     name: str
+    # apply() needs nothing but the packed weight once pack_weight() made one: the layer then
+    # releases its plain weight (srt/layers/linear.py)
+    packed_only: bool = False
 
     @abstractmethod
     def apply(
@@ -139,10 +144,13 @@ TORCH_LINEAR = TorchLinear()
 
 class NativeLinear(LinearBackend):
     """srt's packed float32 kernel (``torch.ops.srt_cpu.packed_linear``, one kernel for every batch
-    size; see the module docstring) for CPU float32 inputs outside autograd, ``F.linear`` for the
-    rest. Needs the native kernels loaded: ``create_linear_backend`` checks that."""
+    size; see the module docstring) for every CPU input of a packed weight (other dtypes go
+    through float32), ``F.linear`` for weights it did not pack. The plain weight of a packed layer
+    is released (``packed_only``): autograd through it is refused. Needs the native kernels
+    loaded: ``create_linear_backend`` checks that."""
 
     name = "native"
+    packed_only = True
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
@@ -152,14 +160,18 @@ class NativeLinear(LinearBackend):
     def apply(
         self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
     ) -> Tensor:
-        if (
-            packed is None
-            or not _cpu_float32_inference(x, weight)
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
-        ):
+        if packed is None:
             return F.linear(x, weight, bias)
-        out = torch.ops.srt_cpu.packed_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+            raise RuntimeError(
+                "a linear layer packed for srt's native CPU kernel runs CPU inference only (its plain "
+                f"weight was released); got a {x.device.type} input{' that requires grad' * x.requires_grad}. "
+                "Build the model with another linear backend for this."
+            )
+        x32 = x.reshape(-1, x.shape[-1]).float()
+        b32 = None if bias is None else bias.float().contiguous()
+        out = torch.ops.srt_cpu.packed_linear(x32, packed, weight.shape[0], b32)
+        return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 def _native_or_fallback() -> LinearBackend:

@@ -20,6 +20,12 @@ def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def released_param(param: torch.Tensor) -> nn.Parameter:
+    """A parameter with ``param``'s shape and dtype and no memory (on the ``meta`` device): what a
+    layer keeps of a weight it only needs in another form."""
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+
+
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     """``param.copy_(loaded)`` (dtype/device converted) after checking the shapes agree."""
     if param.shape != loaded.shape:

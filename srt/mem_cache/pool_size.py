@@ -2,11 +2,20 @@
 
 The protocol (as TGI's warm-up): the ModelRunner loads the weights, runs one dummy extend of
 the largest prefill the scheduler may form, and measures the activation peak of that forward.
-Then::
+Then, with ``--mem-fraction-static`` (always on CUDA, where it defaults to 0.88)::
 
     budget      = mem_fraction_static * total_memory_of_the_process
     kv_bytes    = budget - weight_bytes - activation_peak_bytes
     max_tokens  = floor(kv_bytes / kv_bytes_per_token), rounded down to a whole page
+
+and on CPU without it (``cpu_auto_max_num_tokens``), from what is left once the model is in::
+
+    free        = total_memory_of_the_process - weight_bytes - activation_peak_bytes
+    kv_bytes    = max(CPU_KV_SHARE * free, min(one full-context request, free - CPU_HEADROOM))
+
+so the KV cache takes half of the free memory (the rest stays for the other processes, the page
+cache and growth), and at least one request of the whole context length where 1 GiB still stays
+free. The CPU pool's memory is committed as it is written, so a large pool costs no RSS up front.
 
 ``total_memory_of_the_process``:
     CPU   psutil's available memory + this process's RSS (memory the process holds already
@@ -35,6 +44,10 @@ CPU_MAX_RUNNING_REQUESTS = 256
 CUDA_MAX_RUNNING_REQUESTS = 4096
 
 _GIB = 1 << 30
+# CPU without --mem-fraction-static: the share of the free memory the KV cache takes, and what
+# the floor of one full-context request always leaves free
+CPU_KV_SHARE = 0.5
+CPU_HEADROOM = _GIB
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_size: int) -> int:
@@ -59,6 +72,25 @@ def profile_max_num_tokens(
     if bytes_per_token <= 0 or page_size <= 0:
         raise ValueError(f"bytes_per_token and page_size must be > 0, got {bytes_per_token}, {page_size}")
     budget = int(available_bytes * mem_fraction_static) - weight_bytes - activation_peak_bytes
+    if budget <= 0:
+        return 0
+    return page_floor(budget // bytes_per_token, page_size)
+
+
+def cpu_auto_max_num_tokens(
+    available_bytes: int,
+    static_bytes: int,
+    activation_peak_bytes: int,
+    bytes_per_token: int,
+    page_size: int,
+    context_len: int,
+) -> int:
+    """KV pool size in tokens on CPU without ``--mem-fraction-static`` (module docstring); 0 when
+    nothing is left. ``static_bytes``: the weights and the request table."""
+    if bytes_per_token <= 0 or page_size <= 0:
+        raise ValueError(f"bytes_per_token and page_size must be > 0, got {bytes_per_token}, {page_size}")
+    free = available_bytes - static_bytes - activation_peak_bytes
+    budget = max(int(free * CPU_KV_SHARE), min(context_len * bytes_per_token, free - CPU_HEADROOM))
     if budget <= 0:
         return 0
     return page_floor(budget // bytes_per_token, page_size)

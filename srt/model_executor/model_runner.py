@@ -313,18 +313,30 @@ class ModelRunner:
             1 << 62, self.device.type
         )
         req_pool_bytes = pool_size.req_to_token_pool_size(mrr_bound) * self.context_len * 8
-        tokens = pool_size.profile_max_num_tokens(
-            available_bytes=total,
-            mem_fraction_static=a.mem_fraction_static,
-            weight_bytes=self.weight_bytes + req_pool_bytes + self.cuda_graph_reserve_bytes,
-            activation_peak_bytes=self.activation_peak_bytes,
-            bytes_per_token=self.bytes_per_token,
-            page_size=self.page_size,
-        )
+        static = self.weight_bytes + req_pool_bytes + self.cuda_graph_reserve_bytes
+        if a.mem_fraction_static is None:  # CPU: half of what is free once the model is in
+            tokens = pool_size.cpu_auto_max_num_tokens(
+                total,
+                static,
+                self.activation_peak_bytes,
+                self.bytes_per_token,
+                self.page_size,
+                self.context_len,
+            )
+        else:
+            tokens = pool_size.profile_max_num_tokens(
+                available_bytes=total,
+                mem_fraction_static=a.mem_fraction_static,
+                weight_bytes=static,
+                activation_peak_bytes=self.activation_peak_bytes,
+                bytes_per_token=self.bytes_per_token,
+                page_size=self.page_size,
+            )
         if tokens < self.page_size:
             gib = 1 << 30
+            share = "the memory" if a.mem_fraction_static is None else f"{a.mem_fraction_static} x"
             raise ConfigError(
-                f"No memory left for the KV cache: {a.mem_fraction_static} x {total / gib:.2f} GiB "
+                f"No memory left for the KV cache: {share} {total / gib:.2f} GiB "
                 f"- weights {self.weight_bytes / gib:.2f} GiB - activations {self.activation_peak_bytes / gib:.2f} GiB "
                 f"- CUDA graphs {self.cuda_graph_reserve_bytes / gib:.2f} GiB <= 0. Raise --mem-fraction-static, "
                 "lower --max-prefill-tokens/--chunked-prefill-size (or --cuda-graph-max-bs), "

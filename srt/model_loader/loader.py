@@ -33,6 +33,7 @@ from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import QuantizedWeight
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
@@ -50,7 +51,9 @@ logger = logging.getLogger(__name__)
 
 def prepare_weights(model: nn.Module) -> None:
     """Let every linear layer, and the LM head's ``logits_processor``, prepack its loaded weight
-    for its backend (a no-op for backends without a packed form)."""
+    for its backend (a no-op for backends without a packed form). Where the backend needs the
+    packed form alone, the plain weights are released: each layer's, and the LM head's unless it
+    is tied to the embedding (whose rows the embedding lookup reads)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare_weights()
@@ -60,8 +63,12 @@ def prepare_weights(model: nn.Module) -> None:
         isinstance(logits, LogitsProcessor)
         and lm_head is not None
         and getattr(lm_head, "qweight", None) is None
+        and not lm_head.weight.is_meta
     ):
         logits.prepare_weights(lm_head.weight)
+        tied = sum(p is lm_head.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
+        if logits.head_packed is not None and logits.linear_backend.packed_only and not tied:
+            lm_head.weight = released_param(lm_head.weight)
 
 
 def get_model(

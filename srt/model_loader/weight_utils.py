@@ -144,10 +144,12 @@ def release_free_memory() -> None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each storage counted once (tied weights);
-    a prepacked (``torch._mkldnn``) weight counts its elements."""
+    a prepacked (``torch._mkldnn``) weight counts its elements, a released one (``meta``) none."""
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_meta:
+            continue
         if t.is_mkldnn:  # opaque, no storage to share
             key, nbytes = id(t), t.numel() * t.element_size()
         else:

@@ -166,6 +166,8 @@ def test_group_args_split_memory_and_cpus():
     assert (g1.cpu_omp_threads_bind, g1.num_threads) == ("1", 1)
     unbound = dp_group_args(ServerArgs(dp_size=2, mem_fraction_static=0.4, cpu_omp_threads_bind="nobind"), 1)
     assert unbound.cpu_omp_threads_bind == "nobind" and unbound.mem_fraction_static == pytest.approx(0.2)
+    auto = dp_group_args(ServerArgs(dp_size=2, cpu_omp_threads_bind="nobind"), 0)  # CPU, no fraction
+    assert auto.mem_fraction_static == pytest.approx(0.15)
     ports = dp_group_port_args(PortArgs("/d", "ipc:///d/t", "ipc:///d/s", "ipc:///d/k", "ipc:///d/c"), 1)
     assert ports.dp_rank == 1 and ports.scheduler_input_ipc_name == "ipc:///d/scheduler_dp1"
     assert ports.detokenizer_ipc_name == "ipc:///d/k"

@@ -25,6 +25,7 @@ from srt.layers.linear_backend import create_linear_backend
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope, rope_parameters
+from srt.model_loader.weight_utils import weight_bytes
 from srt.utils.errors import WeightLoadError
 from tests.helpers.isa import cpu_isa, isa_available, isa_params, skip_reason
 
@@ -367,10 +368,11 @@ def test_packed_linear_avx512_needs_48():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_native_linear_backend_layer_paths(monkeypatch, caplog, native):
-    """After ``prepare_weights`` a layer of the ``native`` backend keeps its plain weight and the
-    panels; every batch size gives F.linear's result through the packed kernel, autograd and
-    other dtypes take F.linear, and without native kernels the backend runs as ``onednn`` (or
-    ``torch``) and says so."""
+    """After ``prepare_weights`` a layer of the ``native`` backend keeps the panels alone (its plain
+    weight released to a ``meta`` tensor of the same shape and dtype); every batch size gives
+    F.linear's result through the packed kernel, other dtypes go through float32, autograd is
+    refused with a clear error; without native kernels the backend runs as ``onednn`` (or
+    ``torch``), says so and keeps the plain weight (autograd works there)."""
     if native:
         _native_or_skip()
     else:
@@ -391,19 +393,32 @@ def test_native_linear_backend_layer_paths(monkeypatch, caplog, native):
     if native:
         nr = layer.packed_weight.shape[2]
         assert nr in (24, 48) and layer.packed_weight.shape == ((plain.shape[0] + nr - 1) // nr, 48, nr)
+        assert (
+            layer.weight.is_meta and layer.weight.shape == plain.shape and layer.weight.dtype == plain.dtype
+        )
+        assert weight_bytes(layer) == layer.packed_weight.nbytes + layer.bias.nbytes  # held once
+        layer.prepare_weights()  # again: nothing to pack, nothing lost
+        assert layer.packed_weight is not None
+    else:
         assert torch.equal(layer.weight, plain)
     with torch.inference_mode():
         for m in (1, 3, 4, 5, 32, 100):
             x = torch.randn(2, m, 48, generator=gen)
             torch.testing.assert_close(layer(x), F.linear(x, plain, layer.bias), atol=1e-5, rtol=1e-5)
-    assert len(calls) == (6 if native else 0)
+        x64 = torch.randn(3, 48, generator=gen, dtype=torch.float64)
+        y64 = layer(x64) if native else backend.apply(x64, plain.double(), layer.bias.double())
+        assert y64.dtype == torch.float64
+        torch.testing.assert_close(
+            y64, F.linear(x64, plain.double(), layer.bias.double()), atol=1e-4, rtol=1e-4
+        )
+    assert len(calls) == (7 if native else 0)
     x = torch.randn(3, 48, generator=gen, requires_grad=True)
-    y = backend.apply(x, layer.weight, None, layer.packed_weight)  # autograd: F.linear
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, plain.sum(0).expand(3, 48), atol=1e-5, rtol=1e-5)
-    x64 = torch.randn(3, 48, generator=gen, dtype=torch.float64)
-    assert torch.equal(backend.apply(x64, plain.double()), F.linear(x64, plain.double()))
-    assert len(calls) == (6 if native else 0)
+    if native:
+        with pytest.raises(RuntimeError, match="plain weight was released"):
+            layer(x)
+    else:
+        layer(x).sum().backward()
+        torch.testing.assert_close(x.grad, plain.sum(0).expand(3, 48), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- radix attention

@@ -255,3 +255,40 @@ def test_safetensors_load_streams(tmp_path):
     stats = _rss_growth(str(tmp_path))
     assert stats["params"] > 100 * 2**20
     assert stats["peak_growth"] < 1.6 * stats["params"], stats
+
+
+# ---------------------------------------------------------------- float32 weights held once
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied LM heads
+def test_native_backend_holds_float32_weights_once(tmp_path, kind):
+    """With the native linear backend every linear layer keeps only its packed panels (the plain
+    weight is a ``meta`` tensor), the LM head too unless it is the embedding; the logits equal
+    those of the same weights on F.linear, and the weight bytes shrink by the plain copies."""
+    from srt.kernels import cpu as cpu_kernels
+    from srt.layers.linear import Linear
+    from srt.layers.linear_backend import create_linear_backend
+    from srt.model_loader.weight_utils import weight_bytes
+    from tests.helpers.tiny_models import extend_batch
+
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    path = save_tiny_model(kind, tmp_path / kind, seed=3)
+    mc = ModelConfig(path)
+    plain = get_model(mc)  # F.linear: nothing packed, nothing released
+    packed = get_model(mc, linear_backend=create_linear_backend("native"))
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.is_meta and m.packed_weight is not None for m in linears)
+    tied = packed.lm_head.weight is packed.model.embed_tokens.weight
+    assert tied == (kind == "qwen2") and packed.lm_head.weight.is_meta == (not tied)
+    assert not packed.model.embed_tokens.weight.is_meta
+    released = sum(m.weight.shape.numel() * 4 for m in linears) + (
+        0 if tied else packed.lm_head.weight.numel() * 4
+    )
+    panels = sum(m.packed_weight.nbytes for m in linears) + packed.logits_processor.head_packed.nbytes
+    assert weight_bytes(packed) == weight_bytes(plain) - released + panels
+    ids = [[5, 17, 33, 2, 41, 7], [9, 3, 28]]
+    with torch.inference_mode():
+        ref, got = (
+            m(fb.input_ids, fb.positions, fb).next_token_logits
+            for m, fb in ((plain, extend_batch(ids)), (packed, extend_batch(ids)))
+        )
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -134,7 +134,10 @@ def test_forward_attaches_pools_and_samples(tiny_path):
 
 
 def _params(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
+    """Every weight the model holds: parameters and buffers (the packed panels included), not the
+    plain weights the native linear backend released (``meta``)."""
+    named = [*runner.model.named_parameters(), *runner.model.named_buffers()]
+    return {k: v.detach().clone() for k, v in named if not v.is_meta}
 
 
 def test_update_weights_from_disk(tiny_path, tmp_path):

@@ -30,7 +30,8 @@ QTYPES = (8, 3, 2)  # Q8_0, Q4_1, Q4_0: projections of one layer get different t
 
 
 def _quantize_projections(runner: ModelRunner) -> None:
-    """Turn every projection of every layer into GGUF blocks (what a GGUF file would load)."""
+    """Turn every projection of every layer into GGUF blocks (what a GGUF file would load); the
+    runner's linear backend must keep the plain weights (``torch``)."""
     for i, layer in enumerate(runner.model.model.layers):
         projections = (
             layer.self_attn.qkv_proj,
@@ -107,7 +108,7 @@ def test_tiny_models_native_equals_python(tmp_path, kind, kv_dtype):
     assert runner.model.model.native_decode is not None  # float32 weights packed for srt's kernel
     _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
     _decode_both_ways(runner, [64], seed=4)
-    runner = _runner(path, kv_cache_dtype=kv_dtype)
+    runner = _runner(path, kv_cache_dtype=kv_dtype, linear_backend="torch")  # plain weights to quantize
     _quantize_projections(runner)
     line = runner.model.enable_native_decode()
     assert line.startswith("native decode layers on"), line
@@ -123,7 +124,7 @@ def test_not_used_where_it_does_not_apply(tmp_path):
         line = runner.model.enable_native_decode()
         assert line.startswith("native decode layers off") and "layer 0" in line, line
     # the torch-native attention backend has no native decode arguments: layer by layer
-    runner = _runner(path, attention_backend="torch_native")
+    runner = _runner(path, attention_backend="torch_native", linear_backend="torch")
     _quantize_projections(runner)
     assert runner.model.enable_native_decode().startswith("native decode layers on")
     rows, loc = _fill(runner, [4, 9], seed=0)

@@ -28,6 +28,26 @@ def test_profile_max_num_tokens_budget():
     assert got == (5_000_000 - 1_000_000 - 500_000) // bpt == 3500
 
 
+def test_cpu_auto_takes_half_of_what_is_free_once_the_model_is_in():
+    """22.5 GiB usable, 6.6 GiB of weights (a 1.5B float32 model held once), 0.4 GiB of activations:
+    half of the 15.5 GiB left (no fixed fraction of the total that a big model could exceed)."""
+    bpt, usable, weights, act = 28672, int(22.5 * GIB), int(6.6 * GIB), int(0.4 * GIB)
+    got = ps.cpu_auto_max_num_tokens(usable, weights, act, bpt, page_size=16, context_len=32768)
+    free = usable - weights - act
+    assert got == int(free * ps.CPU_KV_SHARE) // bpt // 16 * 16
+    # little left free: at least one full-context request (65536 tokens, 1.75 GiB) ...
+    full = ps.cpu_auto_max_num_tokens(usable, usable - 3 * GIB, 0, bpt, page_size=16, context_len=65536)
+    assert full == 65536 and 65536 * bpt > 1.5 * GIB
+    # ... as long as 1 GiB stays free
+    tight = ps.cpu_auto_max_num_tokens(
+        usable, usable - int(2.5 * GIB), 0, bpt, page_size=16, context_len=65536
+    )
+    assert tight == int(1.5 * GIB) // bpt // 16 * 16
+    assert ps.cpu_auto_max_num_tokens(usable, usable, 1, bpt, 16, 4096) == 0  # nothing free
+    with pytest.raises(ValueError):
+        ps.cpu_auto_max_num_tokens(usable, 0, 0, 0, 16, 4096)
+
+
 def test_profile_max_num_tokens_rounds_down_to_pages():
     got = ps.profile_max_num_tokens(10_000_000, 0.5, 1_000_000, 500_000, 1000, page_size=16)
     assert got == 3500 // 16 * 16 == 3488
