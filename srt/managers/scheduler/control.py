@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.deadlines import DeadlineTracker
     from srt.managers.scheduler.decode import DecodeManager
     from srt.managers.scheduler.metrics import SchedulerMetrics
+    from srt.managers.scheduler.overlap import ForwardWorker
     from srt.managers.scheduler.profiler import SchedulerProfiler
     from srt.managers.scheduler.req import Req
     from srt.managers.scheduler.requests import RequestTable
@@ -56,6 +57,7 @@ class Scheduler(Protocol):
     profiler: SchedulerProfiler
     policy: SchedulePolicy
     step_timings: StepTimings
+    worker: ForwardWorker
     step_clock: float | None
     max_total_num_tokens: int
     max_running_requests: int
@@ -129,10 +131,11 @@ def flush_cache(s: Scheduler) -> FlushCacheReqOutput:
 
 
 def update_weights(s: Scheduler) -> UpdateWeightsFromDiskReqOutput:
-    """Run the pending weight update (the scheduler is idle): reload through the model runner,
-    flush the prefix cache (KV of the old weights), then admit the requests held meanwhile."""
+    """Run the pending weight update (the scheduler is idle): reload through the model runner
+    where the forwards run (the forward worker's thread with overlap scheduling), flush the
+    prefix cache (KV of the old weights), then admit the requests held meanwhile."""
     req, held = s.weight_gate.take()
-    ok, message = s.model_runner.update_weights_from_disk(req.model_path, req.load_format)
+    ok, message = s.worker.call(s.model_runner.update_weights_from_disk, req.model_path, req.load_format)
     if ok:
         flushed = flush_cache(s)
         assert flushed.success, flushed.message
