@@ -71,12 +71,15 @@ class DecodeManager:
         """Whether one decode step of ``running`` gets its KV slots (evicting if needed)."""
         return self.cache.ensure_free(ScheduleBatch.decode_slots_needed(self.running, self.cache.page_size))
 
-    def prepare_batch(self, num_waiting: int, reqs: list[Req] | None = None) -> ScheduleBatch:
-        """The DECODE batch of ``running`` (``has_room()`` must hold), or of ``reqs``, a subset
-        (overlap scheduling leaves out the requests whose last token is in flight);
-        ``num_waiting`` is for the decode log line."""
+    def prepare_batch(self, num_waiting: int, in_flight_subset: list[Req] | None = None) -> ScheduleBatch:
+        """The DECODE batch of ``running`` (``has_room()`` must hold); with a batch in flight
+        (overlap scheduling), of ``in_flight_subset``: the running requests whose token in flight
+        is not their last. ``num_waiting`` is for the decode log line."""
         self.new_token_ratio.on_decode_step()
-        batch = ScheduleBatch.prepare_decode(self.running if reqs is None else reqs, self.cache)
+        if in_flight_subset is None:
+            batch = ScheduleBatch.prepare_decode(self.running, self.cache)
+        else:
+            batch = ScheduleBatch.prepare_decode(in_flight_subset, self.cache, batch_in_flight=True)
         self.metrics.on_decode_step(
             len(self.running),
             self.max_total_num_tokens - self.cache.available(),

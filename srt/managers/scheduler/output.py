@@ -63,9 +63,11 @@ def process_batch_result(
     sample_output: SampleResult,
     cache: CacheManager,
     release: Callable[[Req], None],
+    discard_released: bool = False,
 ) -> BatchResult:
     """Apply one forward's results to ``batch.reqs`` (see the module docstring); finished
-    requests are handed to ``release``."""
+    requests are handed to ``release``. ``discard_released`` (overlap scheduling, where a
+    request can finish while its batch runs): skip the rows of requests released already."""
     next_ids: list[int] = sample_output.next_token_ids.tolist()
     token_lps = sample_output.next_token_logprobs
     lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
@@ -73,9 +75,11 @@ def process_batch_result(
     input_lp = _input_logprobs_per_req(batch, logits_output) if lps is not None else None
     reqs = batch.reqs
     # rows of requests that finished before the batch completed (None: no such row)
-    stale: list[bool] | None = [r.state == ReqStatus.FINISHED for r in reqs]
-    if not any(stale):
-        stale = None
+    stale: list[bool] | None = None
+    if discard_released:
+        stale = [r.state == ReqStatus.FINISHED for r in reqs]
+        if not any(stale):
+            stale = None
     new_decoding, generated = _process_extend_rows(
         batch, next_ids, lps, tops, input_lp, cache, release, stale
     )

@@ -157,19 +157,18 @@ class ScheduleBatch:
         return page_size * sum(1 for r in reqs if r.kv_allocated_len % page_size == 0)
 
     @classmethod
-    def prepare_decode(cls, reqs: list[Req], kv: BatchMemory) -> ScheduleBatch:
+    def prepare_decode(cls, reqs: list[Req], kv: BatchMemory, batch_in_flight: bool = False) -> ScheduleBatch:
         """Allocate one KV slot per decoding request (the decode part made sure they exist,
         retracting if needed) and write it into req_to_token.
 
-        A request whose previous token is still in flight (overlap scheduling: its
-        ``kv_allocated_len`` is one past ``kv_committed_len``) decodes at the position after
-        that token, with a future reference as its input id (overlap.py)."""
+        ``batch_in_flight`` (overlap scheduling): a request whose previous token is still being
+        sampled (its ``kv_allocated_len`` is one past ``kv_committed_len``) decodes at the
+        position after that token, with a future reference as its input id (overlap.py)."""
         pool = kv.req_to_token_pool
         need = cls.decode_slots_needed(reqs, kv.page_size)
         if not kv.ensure_free(need):
             raise KVAllocationError(f"decode needs {need} KV slots, {kv.available()} obtainable")
         prefix_lens = [r.kv_allocated_len for r in reqs]
-        pending = [r.kv_allocated_len - r.kv_committed_len for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
         dev = pool.req_to_token.device
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -180,12 +179,13 @@ class ScheduleBatch:
         if out is None:
             raise KVAllocationError(f"alloc_decode failed for {need} slots")
         pool.req_to_token[rows_t, pos_t] = out.to(dev)
-        for r in reqs:
-            r.kv_allocated_len += 1
+        pending = [p - r.kv_committed_len for r, p in zip(reqs, prefix_lens)] if batch_in_flight else []
         if any(pending):
-            input_ids = [future_ref(r.req_pool_idx) if p else r.output_ids[-1] for r, p in zip(reqs, pending)]
+            input_ids = [future_ref(r.req_pool_idx) if n else r.output_ids[-1] for r, n in zip(reqs, pending)]
         else:
             input_ids, pending = [r.output_ids[-1] for r in reqs], []
+        for r in reqs:
+            r.kv_allocated_len += 1
         return cls(
             forward_mode=ForwardMode.DECODE,
             reqs=list(reqs),

@@ -262,7 +262,12 @@ class Scheduler:
         self.cache.begin_free_group()
         try:
             result = process_batch_result(
-                in_flight.batch, res.logits_output, res.sample_output, self.cache, self.requests.release
+                in_flight.batch,
+                res.logits_output,
+                res.sample_output,
+                self.cache,
+                self.requests.release,
+                discard_released=self.overlap,
             )
         finally:
             self.cache.end_free_group()
