@@ -14,7 +14,11 @@ Protocol (default model unless ``--model-path``; float32 on CPU; fixed seeds):
   3. prefill: one EXTEND forward of a ``--prefill-len``-token sequence (512), median of
      ``--repeats`` // 2.
 Timed region = ``ModelRunner.forward`` (metadata, model, logits; no sampling); on CUDA the
-device is synchronized before the clock is read (eager launches: no CUDA graphs).
+device is synchronized before the clock is read. On CUDA, a DECODE batch replays the runner's
+CUDA graph where the attention backend has graph hooks (flashinfer; up to ``--cuda-graph-max-bs``,
+``--disable-cuda-graph`` to time eager launches) and runs eagerly otherwise (torch_native):
+``decode_cuda_graph`` records which, per batch size, and ``decode_host_ms`` how long the host
+takes to return from a step with the device idle (its own share of the step's time).
 
 On a GPU (``--device cuda``; bfloat16 weights, GGUF weights dequantized at load): the KV pool
 holds ``max(batch sizes) x (context + 1)`` tokens, so a Llama-3.1-8B shape at batch 256 and
@@ -99,6 +103,19 @@ def _median_ms(fn, repeats: int, sync: Callable[[], None] = _no_sync) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _host_ms(fn, repeats: int, sync: Callable[[], None]) -> float:
+    """Median time until ``fn()`` returns, the device idle before each call: on CUDA the host's
+    own part of a step (inputs, metadata, plan, launches or graph replay), not the kernels'."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        sync()
     return statistics.median(times) * 1e3
 
 
@@ -238,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention-backend", default=None, help="e.g. torch_native, fused_cpu, flashinfer (default: auto)"
     )
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: decode with eager launches")
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
@@ -268,6 +286,7 @@ def build_runner(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Mode
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         random_seed=args.seed,
+        disable_cuda_graph=args.disable_cuda_graph,
     ).resolve()
     return ModelRunner(server_args), server_args
 
@@ -314,10 +333,15 @@ def bench_decode(
     rows = _fill_context(runner, max(batch_sizes), ctx, args.seed)
     decode_ms: dict[str, float] = {}
     attn_ms: dict[str, float] = {}
+    graphs: dict[str, bool] = {}
+    host_ms: dict[str, float] = {}
     for bs in batch_sizes:
         fb = _decode_batch(runner, rows[:bs], ctx)
+        graphs[str(bs)] = runner.cuda_graph_runner is not None and runner.cuda_graph_runner.can_run(fb)
         decode_ms[str(bs)] = _median_ms(lambda fb=fb: runner.forward(fb), args.repeats, sync)
         attn_ms[str(bs)] = _attention_only_ms(runner, fb, args.repeats)
+        if runner.device.type == "cuda":
+            host_ms[str(bs)] = round(_host_ms(lambda fb=fb: runner.forward(fb), args.repeats, sync), 3)
         print(
             f"decode bs={bs:4d} ctx={ctx}: {decode_ms[str(bs)]:8.1f} ms/step "
             f"(attention {attn_ms[str(bs)]:7.1f} ms, {1e3 * bs / decode_ms[str(bs)]:8.1f} tok/s)"
@@ -329,6 +353,8 @@ def bench_decode(
         result.update(
             decode_ms={k: round(v, 3) for k, v in decode_ms.items()},
             decode_attn_ms={k: round(v, 3) for k, v in attn_ms.items()},
+            decode_cuda_graph=dict(graphs),
+            **({"decode_host_ms": dict(host_ms)} if host_ms else {}),
         )
 
 

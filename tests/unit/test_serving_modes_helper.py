@@ -1,0 +1,34 @@
+"""The helper of tests/gpu/test_serving_modes_gpu.py on the CPU, as the GPU machine runs it:
+without the default model's package it serves a model of the default model's shapes with seeded
+random weights and prompts of seeded random ids, and each prompt alone gives the same greedy
+tokens with overlap scheduling on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+import tests.gpu.test_serving_modes_gpu as modes
+
+
+@pytest.fixture
+def without_default_model(monkeypatch):
+    monkeypatch.setattr(modes, "HAS_DEFAULT_MODEL", False)
+
+
+def test_prompts_without_the_default_model_are_seeded_ids_in_its_vocabulary(without_default_model):
+    from benchmarks.gpu.report import SMOLLM2_135M
+
+    first, again = modes.prompts(), modes.prompts()
+    assert first == again
+    assert [len(p) for p in first] == list(modes.PROMPT_LENGTHS)
+    assert all(0 <= t < SMOLLM2_135M["vocab_size"] for p in first for t in p)
+    assert len({tuple(p[:12]) for p in first}) == len(first)
+
+
+def test_greedy_alone_on_cpu_with_and_without_overlap(without_default_model, tmp_path):
+    model = modes.model_kw(tmp_path / "shapes")
+    assert model["load_format"] == "dummy"
+    plain = modes.greedy_alone("cpu", disable_overlap_schedule=True, **model)
+    overlapped = modes.greedy_alone("cpu", enable_overlap_schedule=True, **model)
+    assert all(len(out) == modes.MAX_NEW for out in plain)
+    assert overlapped == plain
