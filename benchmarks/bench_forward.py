@@ -256,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: decode with eager launches")
+    ap.add_argument(
+        "--enable-int8-activations", action="store_true", help="GGUF: int8 activations (<= 8 rows)"
+    )
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
@@ -287,6 +290,7 @@ def build_runner(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Mode
         quantization=args.quantization,
         random_seed=args.seed,
         disable_cuda_graph=args.disable_cuda_graph,
+        enable_int8_activations=args.enable_int8_activations,
     ).resolve()
     return ModelRunner(server_args), server_args
 

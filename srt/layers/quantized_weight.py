@@ -137,7 +137,12 @@ class QuantizedWeight(nn.Module):
         """From now on, matmuls of at most ``max_rows`` rows quantize x to int8 per block of 32
         (``gguf_linear_q8a``; changes numerics). Its kernels read the GGUF layout, so an x8-packed
         weight is unpacked back."""
-        if self._native is None or self.segments[0][2] not in gguf_kernels.q8a_qtypes():
+        q8a = gguf_kernels.q8a_qtypes()
+        if self._native is None:  # several segments (never x8): each takes the int8 path
+            if self.native_segments is not None and all(q in q8a for _, _, q in self.segments):
+                self.int8_max_rows = max_rows
+            return
+        if self.segments[0][2] not in q8a:
             return
         data, qtype, x8_rows = self._native
         if x8_rows:
@@ -154,6 +159,17 @@ class QuantizedWeight(nn.Module):
         ops handle (``gguf_linear(x, data, qtype)``, or ``gguf_linear_x8(x, data, qtype, x8_rows)``
         when ``x8_rows`` > 0), else None."""
         return self._native
+
+    @property
+    def native_segments(self) -> list[tuple[torch.Tensor, int, int]] | None:
+        """``(data, qtype, x8_rows)`` of each row segment in order when every segment is of a type
+        the native ops handle (a Q4_K_M projection mixing Q4_K and Q6_K rows), else None."""
+        if self._native is not None:
+            return [self._native]
+        native = gguf_kernels.native_qtypes()
+        if not self.segments or any(q not in native for _, _, q in self.segments):
+            return None
+        return [(self._data(i), q, 0) for i, (_, _, q) in enumerate(self.segments)]
 
     @property
     def qtypes(self) -> list[int]:

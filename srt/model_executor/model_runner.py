@@ -43,20 +43,21 @@ from torch import nn
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPInfo, head_shard
 from srt.layers.attention.registry import create_attention_backend
-from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.model_executor.activation_profile import profile_activation_peak
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_off_reason
 from srt.model_loader import get_model
 from srt.model_loader.reload import replacement_config, shape_mismatch
 from srt.model_loader.weight_utils import release_free_memory, weight_bytes
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError
-from srt.utils.pages import page_ceil, page_floor
+from srt.utils.pages import page_floor
 
 logger = logging.getLogger(__name__)
 
@@ -345,49 +346,15 @@ class ModelRunner:
         return tokens
 
     def _profile_activation_peak(self) -> int:
-        """Peak memory growth (bytes) of one dummy extend of ``max_prefill_tokens`` tokens.
-
-        Runs on throw-away pools whose memory is committed before measuring, so only the
-        activations (and one-time kernel workspaces) count."""
-        num_tokens = self.max_prefill_tokens
-        seq_lens = pool_size.split_into_sequences(num_tokens, self.context_len)
-        pool_tokens = page_ceil(num_tokens, self.page_size)
-        req_pool = ReqToTokenPool(len(seq_lens), max(seq_lens), self.device)
-        kv_pool = self._new_kv_pool(pool_tokens)
-        for buf in kv_pool.k_buffer + kv_pool.v_buffer:
-            buf.zero_()
-        slots = torch.arange(
-            self.page_size, self.page_size + num_tokens, dtype=torch.int64, device=self.device
-        )
-        start = 0
-        for row, n in enumerate(seq_lens):
-            req_pool.req_to_token[row, :n] = slots[start : start + n]
-            start += n
-        vocab = self.model_config.vocab_size
-        input_ids = [(7 * i + 11) % vocab for i in range(num_tokens)]
-        fb = ForwardBatch.build(
-            ForwardMode.EXTEND,
-            input_ids,
-            list(range(len(seq_lens))),
-            [0] * len(seq_lens),
-            seq_lens,
-            slots,
+        """Peak memory growth of one dummy extend of ``max_prefill_tokens`` (activation_profile.py)."""
+        return profile_activation_peak(
+            self.model,
+            self._run_model,
+            self._new_kv_pool,
+            self.attn_backend,
+            self.max_prefill_tokens,
+            self.context_len,
+            self.page_size,
+            self.model_config.vocab_size,
             self.device,
         )
-        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = req_pool, kv_pool, self.attn_backend
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            self._run_model(fb)
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-            del fb, kv_pool, req_pool
-            torch.cuda.empty_cache()
-            return max(0, peak)
-        meter = pool_size.PeakRSSMeter()
-        meter.start()
-        self._run_model(fb)
-        return meter.peak_growth()

@@ -7,8 +7,9 @@ stack to ``torch.classes.srt_cpu.DecodeLayers`` (srt/kernels/cpu/decode_layers.c
 the same kernels in the same order from C++: its output is bit for bit the Python path's
 (tests/unit/test_native_decode_layers.py).
 
-It applies when every projection of every layer is either GGUF blocks of one natively supported
-type (``--quantization gguf``, the default for GGUF models on CPU) or a float32 weight packed for
+It applies when every projection of every layer is either GGUF blocks of natively supported types
+(``--quantization gguf``, the default for GGUF models on CPU; a projection whose rows mix types,
+as a Q4_K_M file's q/k/v do, runs one kernel per type) or a float32 weight packed for
 srt's kernel (``--linear-backend native``, the default on AVX2 CPUs), activations are float32 on
 the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
@@ -34,18 +35,18 @@ if TYPE_CHECKING:
 PACKED_F32 = -1
 
 
-def _blocks(linear: Linear) -> tuple[torch.Tensor, int, int] | None:
-    """``(data, qtype, rows)`` as DecodeLayers.add_layer takes a projection: GGUF blocks of one
-    native type, or the native backend's packed float32 weight (``PACKED_F32``, rows = N); None
-    when the projection has neither."""
+def _blocks(linear: Linear) -> list[tuple[torch.Tensor, int, int]] | None:
+    """The ``(data, qtype, rows)`` segments of a projection as DecodeLayers.add_layer takes them:
+    GGUF blocks of native types (one segment per type, in row order), or the native backend's
+    packed float32 weight (``PACKED_F32``, rows = N); None when the projection has neither."""
     if linear.qweight is not None:
-        return linear.qweight.native_blocks
+        return linear.qweight.native_segments
     packed = linear.packed_weight
     if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype != torch.float32:
         return None
     if linear.bias is not None and (linear.bias.dtype != torch.float32 or not linear.bias.is_contiguous()):
         return None
-    return packed, PACKED_F32, linear.out_features
+    return [(packed, PACKED_F32, linear.out_features)]
 
 
 def _int8_rows(linear: Linear) -> int:
@@ -88,7 +89,7 @@ class NativeDecodeLayers:
             blocks = [_blocks(p) for p in projections]
             if any(b is None for b in blocks):
                 return None, (
-                    f"layer {i} has a projection that is neither one natively supported GGUF type "
+                    f"layer {i} has a projection that is neither natively supported GGUF types "
                     "nor a float32 weight packed for --linear-backend native"
                 )
             if any(_int8_rows(p) != int8_max_rows for p in projections):
@@ -99,8 +100,9 @@ class NativeDecodeLayers:
             if attn.rotary_emb is not rope:
                 return None, f"layer {i} has its own rotary embedding"
             args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for proj, (data, qtype, x8_rows) in zip(projections, blocks, strict=True):
-                args += [data, qtype, x8_rows, proj.bias]
+            for proj, segments in zip(projections, blocks, strict=True):
+                data, qtypes, x8_rows = (list(col) for col in zip(*segments, strict=True))
+                args += [data, qtypes, x8_rows, proj.bias]
             qk = (attn.q_norm, attn.k_norm)
             args += [None if n is None else n.weight for n in qk]
             stack.add_layer(*args)

@@ -12,7 +12,17 @@ import os
 import shutil
 from typing import Protocol
 
+from srt.utils.errors import ConfigError
 from srt.utils.model_path import resolve_model_path
+
+# what a model folder holds when it carries its tokenizer (one is enough)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tiktoken.model",
+)
 
 
 class TokenizerPaths(Protocol):
@@ -80,6 +90,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if ggufs and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0], **kwargs)
+        if not ggufs and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(
+                f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}, no .gguf): "
+                "pass --tokenizer-path, or --skip-tokenizer-init and send input_ids"
+            )
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 

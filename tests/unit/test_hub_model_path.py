@@ -132,3 +132,12 @@ def test_tokenizer_loader_gets_the_flag_and_stays_offline(tmp_path, monkeypatch)
     (tmp_path / "tokenizer.json").write_text("{}")
     assert load_tokenizer(str(tmp_path), trust_remote_code=True) == "tokenizer"
     assert seen == {"path": str(tmp_path), "trust_remote_code": True, "local_files_only": True}
+
+
+def test_a_folder_without_a_tokenizer_is_a_config_error_naming_the_ways_out(tmp_path):
+    from srt.utils.errors import ConfigError
+    from srt.utils.hf_tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ConfigError, match="no tokenizer in .*--tokenizer-path.*--skip-tokenizer-init"):
+        load_tokenizer(str(tmp_path))

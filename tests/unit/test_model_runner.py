@@ -167,3 +167,28 @@ def test_update_weights_refusals_keep_the_old_weights(tiny_path, tmp_path):
     ok, message = runner.update_weights_from_disk(tiny_path, "gguf")
     assert not ok and "gguf" in message
     assert runner.model is model and all(torch.equal(v, before[k]) for k, v in _params(runner).items())
+
+
+def test_the_cpu_activation_profile_runs_one_layer_and_restores_the_model(tiny_path, monkeypatch):
+    from srt.model_executor import activation_profile
+
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=1000, page_size=16))
+    inner = runner.model.model
+    layers, native = inner.layers, inner.native_decode
+    assert len(layers) >= 2
+    seen = []
+    real = type(layers[0]).forward
+
+    def counting(self, *a, **kw):
+        seen.append(self)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(layers[0]), "forward", counting)
+    peak = runner._profile_activation_peak()
+    assert peak >= 0
+    assert seen == [layers[0]]  # the first layer only, over the whole extend
+    assert inner.layers is layers and inner.native_decode is native
+    with pytest.raises(RuntimeError, match="boom"), activation_profile.first_layer_only(runner.model) as cut:
+        assert cut and len(inner.layers) == 1 and inner.native_decode is None
+        raise RuntimeError("boom")
+    assert inner.layers is layers and inner.native_decode is native

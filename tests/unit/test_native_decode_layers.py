@@ -159,3 +159,42 @@ def test_weight_reload_rebuilds_the_native_layers():
     native = runner.model.model.native_decode
     assert native is not None and native is not old_native  # the new model's blocks, not the old ones
     _decode_both_ways(runner, [300, 2, 41], seed=5)
+
+
+def test_projections_whose_rows_mix_types_run_natively(tmp_path):
+    """A Q4_K_M file's qkv holds q/k in one type and v in another: the native stack runs one kernel
+    per row segment and still equals the Python path bit for bit (here Q4_0 + Q8_0 rows, and
+    down in Q4_1 + Q8_0 halves)."""
+    path = save_tiny_model("llama", tmp_path / "m", seed=2)
+    runner = _runner(path, linear_backend="torch")
+    for layer in runner.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_rows = (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+        plan = (
+            (attn.qkv_proj, ((0, qk_rows, 2), (qk_rows, None, 8))),
+            (attn.o_proj, ((0, None, 3),)),
+            (mlp.gate_up_proj, ((0, None, 2),)),
+            (
+                mlp.down_proj,
+                ((0, mlp.down_proj.out_features // 2, 3), (mlp.down_proj.out_features // 2, None, 8)),
+            ),
+        )
+        for lin, parts in plan:
+            w = lin.weight.detach().numpy().astype(np.float32)
+            lin._float_rows = []
+            for start, stop, qtype in parts:
+                rows = w[start:stop]
+                data = torch.from_numpy(np.ascontiguousarray(quantize(rows, qtype)))
+                lin._load_rows(start, GGUFTensor(qtype, rows.shape[0], rows.shape[1], data), "weight")
+            lin.prepare_weights()
+            assert len(lin.qweight.segments) == len(parts)
+    line = runner.model.enable_native_decode()
+    assert line.startswith("native decode layers on"), line
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=5)
+    if {2, 3, 8} <= gguf_kernels.q8a_qtypes():  # int8 activations reach every segment too
+        for module in runner.model.modules():
+            if hasattr(module, "use_int8_activations"):
+                module.use_int8_activations()
+        assert runner.model.model.layers[0].self_attn.qkv_proj.qweight.int8_max_rows > 0
+        assert runner.model.enable_native_decode().startswith("native decode layers on")
+        _decode_both_ways(runner, [3, 40], seed=6)

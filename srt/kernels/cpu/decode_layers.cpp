@@ -38,21 +38,48 @@ namespace {
 // qtype of a float32 weight packed by pack_linear_weight (not a ggml type)
 constexpr int64_t kPackedF32 = -1;
 
-struct QuantLinear {
-  at::Tensor data;  // uint8 [N, bytes per row], x8 groups (gguf_x8.h) when x8_rows > 0, or float32
+// One row range of a projection's weight, of one type.
+struct Segment {
+  at::Tensor data;  // uint8 [rows, bytes per row], x8 groups (gguf_x8.h) when x8_rows > 0, or float32
                     // panels [P, K, nr] (qtype kPackedF32)
   int64_t qtype;
-  int64_t x8_rows;  // N of an x8-packed weight or of a packed float32 one, 0 for GGUF rows
-  c10::optional<at::Tensor> bias;
+  int64_t x8_rows;  // rows of an x8-packed weight or N of a packed float32 one, 0 for GGUF rows
 
   // int8_max_rows: inputs of at most that many rows take the int8-activation kernel (as the
   // Python path's QuantizedWeight.linear does; never for float32 weights)
-  at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows) const {
+  at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows, const c10::optional<at::Tensor>& bias) const {
     if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
     if (x.size(0) <= int8_max_rows) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }
 };
+
+// A projection: its row segments in order (a Q4_K_M file stores a layer's q/k as Q4_K and v as
+// Q6_K), each computed by its own kernel and concatenated, then the bias, as QuantizedWeight.linear.
+struct QuantLinear {
+  std::vector<Segment> segments;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows) const {
+    if (segments.size() == 1) return segments[0].apply(x, int8_max_rows, bias);
+    std::vector<at::Tensor> parts;
+    parts.reserve(segments.size());
+    for (const Segment& seg : segments) parts.push_back(seg.apply(x, int8_max_rows, c10::nullopt));
+    at::Tensor out = at::cat(parts, 1);
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+  }
+};
+
+QuantLinear make_linear(const std::vector<at::Tensor>& data, const std::vector<int64_t>& qtypes,
+                        const std::vector<int64_t>& x8_rows, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(!data.empty() && data.size() == qtypes.size() && data.size() == x8_rows.size(),
+              "DecodeLayers: a projection needs one qtype and one x8 count per segment (got ", data.size(), ", ",
+              qtypes.size(), ", ", x8_rows.size(), ")");
+  QuantLinear lin{{}, std::move(bias)};
+  for (size_t i = 0; i < data.size(); ++i) lin.segments.push_back(Segment{data[i], qtypes[i], x8_rows[i]});
+  return lin;
+}
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
@@ -119,20 +146,23 @@ class DecodeLayers : public torch::CustomClassHolder {
                 " x ", D_);
   }
 
-  // each projection: (data, qtype, x8 rows / N or 0, bias); see QuantLinear
-  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor qkv, int64_t qkv_type,
-                 int64_t qkv_x8, c10::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, int64_t o_x8,
-                 c10::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type, int64_t gate_up_x8,
-                 c10::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type, int64_t down_x8,
+  // each projection: its segments' (data, qtype, x8 rows / N or 0) as three lists, and its bias;
+  // see Segment and QuantLinear
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, std::vector<at::Tensor> qkv,
+                 std::vector<int64_t> qkv_type, std::vector<int64_t> qkv_x8, c10::optional<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> o, std::vector<int64_t> o_type, std::vector<int64_t> o_x8,
+                 c10::optional<at::Tensor> o_bias, std::vector<at::Tensor> gate_up, std::vector<int64_t> gate_up_type,
+                 std::vector<int64_t> gate_up_x8, c10::optional<at::Tensor> gate_up_bias,
+                 std::vector<at::Tensor> down, std::vector<int64_t> down_type, std::vector<int64_t> down_x8,
                  c10::optional<at::Tensor> down_bias, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayers: q_norm and k_norm come together");
     layers_.push_back(Layer{std::move(input_norm),
                             std::move(post_attention_norm),
-                            {std::move(qkv), qkv_type, qkv_x8, std::move(qkv_bias)},
-                            {std::move(o), o_type, o_x8, std::move(o_bias)},
-                            {std::move(gate_up), gate_up_type, gate_up_x8, std::move(gate_up_bias)},
-                            {std::move(down), down_type, down_x8, std::move(down_bias)},
+                            make_linear(qkv, qkv_type, qkv_x8, std::move(qkv_bias)),
+                            make_linear(o, o_type, o_x8, std::move(o_bias)),
+                            make_linear(gate_up, gate_up_type, gate_up_x8, std::move(gate_up_bias)),
+                            make_linear(down, down_type, down_x8, std::move(down_bias)),
                             std::move(q_norm),
                             std::move(k_norm)});
   }

