@@ -54,13 +54,38 @@ class VocabEmbedding(_VocabWeight):
         super().__init__(num_embeddings, embedding_dim, dtype)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        # a tied LM head packed by the native linear backend ([P, K, nr] panels: row n of the weight
+        # is panels[n // nr, :, n % nr]); once set, the plain weight can be released
+        self.packed_rows: torch.Tensor | None
+        self.register_buffer("packed_rows", None, persistent=False)
+
+    def read_rows_from(self, panels: torch.Tensor) -> None:
+        """Look rows up in ``panels`` (the tied LM head's packed form) from now on: they must hold
+        exactly the plain weight's rows (checked), which the caller may then release."""
+        rows, nr = self.weight.shape[0], panels.shape[2]
+        same = panels.dim() == 3 and panels.shape[1] == self.embedding_dim and panels.shape[0] * nr >= rows
+        for start in range(0, rows, 8192):  # in chunks: no second full copy at load
+            if not same:
+                break
+            ids = torch.arange(start, min(rows, start + 8192))
+            same = torch.equal(panels[ids // nr, :, ids % nr], self.weight[start : start + ids.numel()])
+        if not same:
+            raise ValueError("the packed LM head does not hold the embedding's rows")
+        self.packed_rows = panels
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids)
+        if self.packed_rows is not None:
+            nr = self.packed_rows.shape[2]
+            flat = ids.reshape(-1)
+            return self.packed_rows[flat // nr, :, flat % nr].view(*ids.shape, self.embedding_dim)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:
             return self._parallel_forward(input_ids)
-        if self.qweight is not None:
-            return self.qweight.rows(input_ids)
-        return F.embedding(input_ids, self.weight)
+        return self._lookup(input_ids)
 
     def _parallel_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Masked lookup of the local rows, then the sum over the ranks."""
@@ -69,7 +94,7 @@ class VocabEmbedding(_VocabWeight):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= rows)
         local = local.masked_fill(outside, 0)
-        out = self.qweight.rows(local) if self.qweight is not None else F.embedding(local, self.weight)
+        out = self._lookup(local)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 

@@ -35,6 +35,7 @@ from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import QuantizedWeight
+from srt.layers.vocab_embedding import VocabEmbedding
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
@@ -52,8 +53,8 @@ logger = logging.getLogger(__name__)
 def prepare_weights(model: nn.Module) -> None:
     """Let every linear layer, and the LM head's ``logits_processor``, prepack its loaded weight
     for its backend (a no-op for backends without a packed form). Where the backend needs the
-    packed form alone, the plain weights are released: each layer's, and the LM head's unless it
-    is tied to the embedding (whose rows the embedding lookup reads)."""
+    packed form alone, the plain weights are released: each layer's and the LM head's; a head tied
+    to the embedding is released once the embedding reads its rows from the packed panels."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare_weights()
@@ -67,7 +68,12 @@ def prepare_weights(model: nn.Module) -> None:
     ):
         logits.prepare_weights(lm_head.weight)
         tied = sum(p is lm_head.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
-        if logits.head_packed is not None and logits.linear_backend.packed_only and not tied:
+        if logits.head_packed is None or not logits.linear_backend.packed_only:
+            return
+        if tied and isinstance(lm_head, VocabEmbedding) and lm_head.weight.dim() == 2:
+            lm_head.read_rows_from(logits.head_packed)  # the tied module: embedding and head at once
+            lm_head.weight = released_param(lm_head.weight)
+        elif not tied:
             lm_head.weight = released_param(lm_head.weight)
 
 

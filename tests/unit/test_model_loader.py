@@ -261,8 +261,9 @@ def test_safetensors_load_streams(tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied and tied LM heads
 def test_native_backend_holds_float32_weights_once(tmp_path, kind):
     """With the native linear backend every linear layer keeps only its packed panels (the plain
-    weight is a ``meta`` tensor), the LM head too unless it is the embedding; the logits equal
-    those of the same weights on F.linear, and the weight bytes shrink by the plain copies."""
+    weight is a ``meta`` tensor), the LM head too, and a head tied to the embedding as well (the
+    embedding then looks its rows up in the head's panels); the logits equal those of the same
+    weights on F.linear, and the weight bytes shrink by the plain copies."""
     from srt.kernels import cpu as cpu_kernels
     from srt.layers.linear import Linear
     from srt.layers.linear_backend import create_linear_backend
@@ -278,11 +279,12 @@ def test_native_backend_holds_float32_weights_once(tmp_path, kind):
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight.is_meta and m.packed_weight is not None for m in linears)
     tied = packed.lm_head.weight is packed.model.embed_tokens.weight
-    assert tied == (kind == "qwen2") and packed.lm_head.weight.is_meta == (not tied)
-    assert not packed.model.embed_tokens.weight.is_meta
-    released = sum(m.weight.shape.numel() * 4 for m in linears) + (
-        0 if tied else packed.lm_head.weight.numel() * 4
-    )
+    assert tied == (kind == "qwen2") and packed.lm_head.weight.is_meta
+    embed = packed.model.embed_tokens
+    assert embed.weight.is_meta == tied and (embed.packed_rows is not None) == tied
+    every_row = torch.arange(embed.num_embeddings)
+    torch.testing.assert_close(embed(every_row), plain.model.embed_tokens(every_row), atol=0, rtol=0)
+    released = sum(m.weight.shape.numel() * 4 for m in linears) + packed.lm_head.weight.numel() * 4
     panels = sum(m.packed_weight.nbytes for m in linears) + packed.logits_processor.head_packed.nbytes
     assert weight_bytes(packed) == weight_bytes(plain) - released + panels
     ids = [[5, 17, 33, 2, 41, 7], [9, 3, 28]]
