@@ -65,8 +65,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `benchmarks` and `tests` importable
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import cpu_model, default_model_dir_and_file, read_bandwidth_gbs  # noqa: E402
-from tests.helpers.gguf_models import SHAPES, tensor_plan, write_llama_gguf  # noqa: E402
+from benchmarks.common import cpu_model, default_model_dir_and_file, memory_read_bandwidth  # noqa: E402
+from tests.helpers.gguf_models import SHAPES, decode_read_tensors, tensor_plan, write_llama_gguf  # noqa: E402
 
 BENCH_SHAPES: dict[str, dict[str, int]] = {
     **SHAPES,
@@ -76,26 +76,6 @@ GIB = 1 << 30
 
 
 # ------------------------------------------------------------------------ measurements
-def memory_read_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, Any]:
-    """Read bandwidth (GB/s) of ``torch.sum`` over a ``gib`` GiB float32 tensor: the best
-    time of ``repeats`` at one thread and at torch's thread count; the faster is the bound's."""
-    import torch
-
-    threads = torch.get_num_threads()
-    by_threads = {}
-    try:
-        for n in sorted({1, threads}):
-            torch.set_num_threads(n)
-            by_threads[n] = read_bandwidth_gbs(gib, repeats)
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "bandwidth_gbs": max(by_threads.values()),
-        "bandwidth_gbs_by_threads": by_threads,
-        "bandwidth_tensor_gib": gib,
-    }
-
-
 @contextlib.contextmanager
 def stderr_to(path: str) -> Iterator[None]:
     """File descriptor 2 (this process's and the children it spawns meanwhile) to ``path``."""
@@ -165,8 +145,7 @@ def proc_status_bytes(pid: int) -> dict[str, int]:
 def bytes_per_token(shape: dict[str, int], vocab: int, scheme: str, quantized: bool) -> int:
     """Weight bytes one decode step reads: every matrix and norm of the decoder layers and the
     LM head (``output.weight``), as stored (``quantized``) or as float32."""
-    plan = tensor_plan(**shape, vocab=vocab, qtype_scheme=scheme)
-    read = [p for p in plan if p.name.startswith("blk.") or p.name in ("output.weight", "output_norm.weight")]
+    read = decode_read_tensors(tensor_plan(**shape, vocab=vocab, qtype_scheme=scheme))
     if quantized:
         return sum(p.nbytes for p in read)
     return sum(4 * math.prod(p.shape) for p in read)

@@ -236,3 +236,23 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def memory_read_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict:
+    """Read bandwidth (GB/s) of ``torch.sum`` over a ``gib`` GiB float32 tensor: the best
+    time of ``repeats`` at one thread and at torch's thread count; the faster is the bound's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    by_threads = {}
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            by_threads[n] = read_bandwidth_gbs(gib, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "bandwidth_gbs": max(by_threads.values()),
+        "bandwidth_gbs_by_threads": by_threads,
+        "bandwidth_tensor_gib": gib,
+    }

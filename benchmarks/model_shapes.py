@@ -172,17 +172,16 @@ def _hf_matrices(cfg: dict) -> tuple[int, int]:
     return n * per_layer, cfg["vocab_size"] * h
 
 
-def _gguf_plan(shape: Shape):
-    from tests.helpers.gguf_models import gguf_vocab_size, tensor_plan
+def _gguf_read_per_token(shape: Shape) -> list:
+    """The tensors of the shape's GGUF that a decode step reads (``decode_read_tensors``)."""
+    from tests.helpers.gguf_models import decode_read_tensors, gguf_vocab_size, tensor_plan
 
     spec = shape.gguf or {}
     dims = {k: spec[k] for k in GGUF_KEYS}
     vocab = gguf_vocab_size(_default_gguf())
-    return tensor_plan(**dims, vocab=vocab, qtype_scheme=spec.get("qtype_scheme", "Q4_K_M"))
-
-
-def _read_per_token(plan) -> list:
-    return [p for p in plan if p.name.startswith("blk.") or p.name in ("output.weight", "output_norm.weight")]
+    return decode_read_tensors(
+        tensor_plan(**dims, vocab=vocab, qtype_scheme=spec.get("qtype_scheme", "Q4_K_M"))
+    )
 
 
 def weight_bytes_per_token(shape: Shape) -> int:
@@ -191,15 +190,14 @@ def weight_bytes_per_token(shape: Shape) -> int:
         dec, head = _hf_matrices(cfg)
         norms = (2 * cfg["num_hidden_layers"] + 1) * cfg["hidden_size"]
         return 4 * (dec + head + norms)
-    return sum(p.nbytes for p in _read_per_token(_gguf_plan(shape)))
+    return sum(p.nbytes for p in _gguf_read_per_token(shape))
 
 
 def flops_per_token(shape: Shape) -> float:
     if shape.kind == "hf":
         dec, head = _hf_matrices(shape.config or {})
         return 2.0 * (dec + head)
-    plan = _read_per_token(_gguf_plan(shape))
-    return 2.0 * sum(math.prod(p.shape) for p in plan if len(p.shape) == 2)
+    return 2.0 * sum(math.prod(p.shape) for p in _gguf_read_per_token(shape) if len(p.shape) == 2)
 
 
 def main(argv: list[str] | None = None) -> int:

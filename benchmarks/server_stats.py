@@ -82,16 +82,15 @@ def machine_bounds() -> dict[str, float]:
     """{"read_gbs": GB/s, "matmul_gflops": float32 GFLOP/s}, measured here and now."""
     import torch
 
-    from benchmarks.common import _time_matmul, read_bandwidth_gbs
+    from benchmarks.common import _time_matmul, memory_read_bandwidth
 
-    threads = torch.get_num_threads()
-    reads = []
-    for n in sorted({1, threads}):
-        torch.set_num_threads(n)
-        reads.append(read_bandwidth_gbs(1.0))
-    torch.set_num_threads(threads)
+    read = memory_read_bandwidth(1.0, repeats=5)["bandwidth_gbs"]
     rate = _time_matmul(512, 4096, 4096, 0.5)
-    return {"read_gbs": round(max(reads), 2), "matmul_gflops": round(rate / 1e9, 1), "threads": threads}
+    return {
+        "read_gbs": round(read, 2),
+        "matmul_gflops": round(rate / 1e9, 1),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def fractions(run: dict, shape: Shape, bounds: dict) -> dict[str, float]:

@@ -59,6 +59,12 @@ class VocabEmbedding(_VocabWeight):
         self.packed_rows: torch.Tensor | None
         self.register_buffer("packed_rows", None, persistent=False)
 
+    @staticmethod
+    def _panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) of the weight packed in ``panels``."""
+        nr = panels.shape[2]
+        return panels[ids // nr, :, ids % nr]
+
     def read_rows_from(self, panels: torch.Tensor) -> None:
         """Look rows up in ``panels`` (the tied LM head's packed form) from now on: they must hold
         exactly the plain weight's rows (checked), which the caller may then release."""
@@ -68,7 +74,7 @@ class VocabEmbedding(_VocabWeight):
             if not same:
                 break
             ids = torch.arange(start, min(rows, start + 8192))
-            same = torch.equal(panels[ids // nr, :, ids % nr], self.weight[start : start + ids.numel()])
+            same = torch.equal(self._panel_rows(panels, ids), self.weight[start : start + ids.numel()])
         if not same:
             raise ValueError("the packed LM head does not hold the embedding's rows")
         self.packed_rows = panels
@@ -77,9 +83,7 @@ class VocabEmbedding(_VocabWeight):
         if self.qweight is not None:
             return self.qweight.rows(ids)
         if self.packed_rows is not None:
-            nr = self.packed_rows.shape[2]
-            flat = ids.reshape(-1)
-            return self.packed_rows[flat // nr, :, flat % nr].view(*ids.shape, self.embedding_dim)
+            return self._panel_rows(self.packed_rows, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -67,14 +67,13 @@ def prepare_weights(model: nn.Module) -> None:
         and not lm_head.weight.is_meta
     ):
         logits.prepare_weights(lm_head.weight)
-        tied = sum(p is lm_head.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
         if logits.head_packed is None or not logits.linear_backend.packed_only:
             return
-        if tied and isinstance(lm_head, VocabEmbedding) and lm_head.weight.dim() == 2:
+        if sum(p is lm_head.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1:  # tied
+            if not isinstance(lm_head, VocabEmbedding):
+                return
             lm_head.read_rows_from(logits.head_packed)  # the tied module: embedding and head at once
-            lm_head.weight = released_param(lm_head.weight)
-        elif not tied:
-            lm_head.weight = released_param(lm_head.weight)
+        lm_head.weight = released_param(lm_head.weight)
 
 
 def get_model(

@@ -118,16 +118,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02, views
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            param_seed = _param_seed(seed, name)
             view = (views or {}).get(name)
+            if view is None and param.device.type == "cuda":
+                gen = torch.Generator(device=param.device).manual_seed(param_seed)
+                param.normal_(0.0, std, generator=gen)
+                continue
+            gen = torch.Generator().manual_seed(param_seed)
             if view is not None:
                 full = torch.empty(view.full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
                 param.copy_(torch.cat([full.narrow(view.dim, a, n) for a, n in view.ranges], dim=view.dim))
                 del full
-                continue
-            if param.device.type == "cuda":
-                gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-                param.normal_(0.0, std, generator=gen)
                 continue
             if param.dtype == torch.float32 and param.device.type == "cpu":
                 param.normal_(0.0, std, generator=gen)

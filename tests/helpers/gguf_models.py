@@ -321,6 +321,12 @@ def _fit(qtype, cols: int):
     return T.F32
 
 
+def decode_read_tensors(plan: list[TensorPlan]) -> list[TensorPlan]:
+    """The tensors of ``plan`` a decode step reads whole: every block tensor, the final norm and
+    the LM head (``output.weight``); of the embedding only one row, left out."""
+    return [p for p in plan if p.name.startswith("blk.") or p.name in ("output.weight", "output_norm.weight")]
+
+
 def tensor_plan(
     *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, qtype_scheme: str
 ) -> list[TensorPlan]:
