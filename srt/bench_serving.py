@@ -247,9 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--dataset-name",
         default="random",
-        choices=["random", "random-ids", "sharegpt", "generated-shared-prefix"],
+        choices=["random", "random-ids", "sharegpt", "generated-shared-prefix", "jsonl"],
     )
-    a("--dataset-path", default=None, help="Local ShareGPT JSON (sharegpt; optional text source for random).")
+    a(
+        "--dataset-path",
+        default=None,
+        help="Local ShareGPT JSON (sharegpt; optional text source for random); for jsonl a file of "
+        '{"prompt": ..., "output_len": ...} lines, taken in order.',
+    )
     a("--num-prompts", type=int, default=1000)
     a("--sharegpt-output-len", type=int, default=None, help="Fixed output length for sharegpt rows.")
     a("--sharegpt-context-len", type=int, default=None, help="Drop sharegpt rows longer than this.")

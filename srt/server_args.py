@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from srt.configs.backends import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from srt.configs.port_args import PortArgs
 from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server_args
 from srt.utils.errors import ConfigError
 
@@ -304,6 +303,33 @@ class ServerArgs:
         "the groups split --mem-fraction-static (each gets 1/N; on CPU without it, 0.3 / N each) and the CPUs of "
         "--cpu-omp-threads-bind (contiguous shares); --max-total-tokens applies to each group.",
     )
+    speculative_algorithm: str | None = _f(
+        None,
+        "Speculative decoding: NGRAM drafts each running request's next tokens from its own prompt and "
+        "output (the tokens that followed the latest earlier match of its last tokens) and verifies "
+        "them in the next decode step, several tokens per step where outputs copy the prompt. "
+        "Outputs are the same as without it (greedy and seeded sampling). Not with overlap scheduling.",
+        ["NGRAM"],
+    )
+    speculative_num_draft_tokens: int = _f(
+        6, "NGRAM: the most draft tokens a request verifies per step (its budget shrinks when drafts fail)."
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: the fewest trailing tokens an earlier occurrence must match to draft from it."
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: the most trailing tokens compared when choosing among earlier occurrences."
+    )
+    speculative_ngram_capacity: int = _f(
+        0,
+        "NGRAM: entries of a store shared by all requests of recent outputs' 3-grams and what followed "
+        "them, asked when a request's own history has no match (0: off).",
+    )
+    speculative_max_batch_size: int = _f(
+        4,
+        "NGRAM: speculate only while at most this many requests decode; larger batches decode plainly "
+        "(verifying drafts costs more than it saves once the step is compute-bound).",
+    )
     load_balance_method: str = _f(
         "minimum_tokens",
         "How the data-parallel controller picks a group (--dp-size > 1): minimum_tokens = the group "
@@ -358,29 +384,3 @@ def _base_type(hint: Any):
             if a is not type(None):
                 return a
     return hint
-
-
-@dataclass
-class PortArgs:
-    """ZMQ ipc:// endpoints, all inside one private temporary directory."""
-
-    ipc_dir: str
-    tokenizer_ipc_name: str  # detokenizer -> tokenizer manager
-    scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
-    detokenizer_ipc_name: str  # scheduler -> detokenizer
-    # --dp-size > 1: scheduler groups -> data-parallel controller (load reports, control replies);
-    # a group's own PortArgs names its input socket in scheduler_input_ipc_name and its dp_rank
-    dp_controller_ipc_name: str = ""
-    dp_rank: int | None = None  # None: this scheduler is not a data-parallel group
-
-    @classmethod
-    def init_new(cls) -> PortArgs:
-        d = tempfile.mkdtemp(prefix="srt-ipc-")
-        os.chmod(d, 0o700)
-        return cls(
-            ipc_dir=d,
-            tokenizer_ipc_name=f"ipc://{d}/tokenizer",
-            scheduler_input_ipc_name=f"ipc://{d}/scheduler",
-            detokenizer_ipc_name=f"ipc://{d}/detokenizer",
-            dp_controller_ipc_name=f"ipc://{d}/dp_controller",
-        )

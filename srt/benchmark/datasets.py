@@ -195,6 +195,25 @@ def sample_generated_shared_prefix_requests(
     return [rows[int(i)] for i in rng.permutation(len(rows))]
 
 
+def load_jsonl_requests(tokenizer: Tokenizer, path: str, num_prompts: int) -> list[DatasetRow]:
+    """The rows of a JSON-lines file, one ``{"prompt": str, "output_len": int}`` per line, in file
+    order, cycled to ``num_prompts`` (e.g. benchmarks/data/*.jsonl)."""
+    rows: list[DatasetRow] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if not isinstance(item.get("prompt"), str) or not isinstance(item.get("output_len"), int):
+                raise ValueError(f"{path}:{n}: need a string 'prompt' and an int 'output_len'")
+            rows.append(
+                DatasetRow(item["prompt"], count_tokens(tokenizer, item["prompt"]), item["output_len"])
+            )
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return [rows[i % len(rows)] for i in range(num_prompts)]
+
+
 def get_dataset(args: argparse.Namespace, tokenizer: Tokenizer, rng: np.random.Generator) -> list[DatasetRow]:
     """The workload ``--dataset-name`` names, from the parsed flags of ``srt.bench_serving``."""
     name = args.dataset_name
@@ -230,4 +249,8 @@ def get_dataset(args: argparse.Namespace, tokenizer: Tokenizer, rng: np.random.G
             args.gsp_question_len,
             args.gsp_output_len,
         )
+    if name == "jsonl":
+        if not args.dataset_path:
+            raise SystemExit("--dataset-name jsonl needs --dataset-path (prompt and output_len per line)")
+        return load_jsonl_requests(tokenizer, args.dataset_path, args.num_prompts)
     raise SystemExit(f"unknown --dataset-name {name!r}")

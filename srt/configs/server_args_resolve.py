@@ -90,6 +90,12 @@ class ResolvableArgs(Protocol):
     dist_timeout: float
     dp_size: int
     load_balance_method: str
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int
+    speculative_ngram_min_match_window_size: int
+    speculative_ngram_max_match_window_size: int
+    speculative_ngram_capacity: int
+    speculative_max_batch_size: int
 
 
 def resolve_server_args(a: ResolvableArgs) -> None:
@@ -102,6 +108,7 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_cpu_threads(a)
     _check_parallelism(a)
     _resolve_overlap(a)
+    _resolve_speculative(a)
     _resolve_model_location(a)
     _resolve_weights(a)
     _resolve_grammar(a)
@@ -177,6 +184,46 @@ def _resolve_overlap(a: ResolvableArgs) -> None:
     by_default = OVERLAP_BY_DEFAULT.get(a.device, False) and a.tp_size == 1
     on = a.enable_overlap_schedule or (by_default and not a.disable_overlap_schedule)
     a.disable_overlap_schedule = not on
+
+
+def _resolve_speculative(a: ResolvableArgs) -> None:
+    """--speculative-*: the algorithm's name normalised, the sizes checked; turns overlap off."""
+    if a.speculative_algorithm is None:
+        return
+    name = a.speculative_algorithm.upper()
+    if name != "NGRAM":
+        raise ConfigError(
+            f"--speculative-algorithm {a.speculative_algorithm!r} is not supported (NGRAM is: drafts "
+            "from the request's own tokens, no draft model)."
+        )
+    a.speculative_algorithm = name
+    lo, hi = a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size
+    checks = [
+        (
+            a.speculative_num_draft_tokens >= 1,
+            f"--speculative-num-draft-tokens must be >= 1, got {a.speculative_num_draft_tokens}.",
+        ),
+        (
+            1 <= lo <= hi,
+            f"--speculative-ngram-min/max-match-window-size need 1 <= min <= max, got {lo} and {hi}.",
+        ),
+        (
+            a.speculative_ngram_capacity >= 0,
+            f"--speculative-ngram-capacity must be >= 0, got {a.speculative_ngram_capacity}.",
+        ),
+        (
+            a.speculative_max_batch_size >= 1,
+            f"--speculative-max-batch-size must be >= 1, got {a.speculative_max_batch_size}.",
+        ),
+        (
+            not a.enable_overlap_schedule,
+            "--speculative-algorithm cannot be combined with --enable-overlap-schedule (a draft needs the previous step's tokens).",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    a.disable_overlap_schedule = True
 
 
 def _resolve_cuda_graph(a: ResolvableArgs) -> None:

@@ -164,6 +164,9 @@ class BatchTokenIDOut(_Msg):
     prefill_times: list[float | None] = []
     # seconds from the first output token to the finish, given with the finishing output
     decode_times: list[float | None] = []
+    # speculative decoding: per request, the tokens each of its decode steps produced since its
+    # previous output (empty without --speculative-algorithm)
+    spec_accept_lens: list[list[int]] = []
 
 
 class SchedulerReady(_Msg):
@@ -215,6 +218,7 @@ class BatchStrOut(_Msg):
     queue_times: list[float | None] = []
     prefill_times: list[float | None] = []
     decode_times: list[float | None] = []
+    spec_accept_lens: list[list[int]] = []
 
 
 SchedulerInput = Union[

@@ -8,7 +8,8 @@ stores, per slot, the token id and position written there. Every forward:
 1. writes ``input_ids``/``positions`` of the batch at ``out_cache_loc`` (what attention does);
 2. for every sequence reads its whole context back through ``req_to_token`` and checks the
    positions are ``0 .. seq_len-1`` (a wrong slot, a stale prefix or an overwritten page fails);
-3. returns ``next_token(context)``: a deterministic hash of the token ids READ FROM THE KV CACHE.
+3. returns ``next_token(context)``: a deterministic hash of the token ids READ FROM THE KV CACHE
+   (``copy=True``: mostly a copy of what followed the last token before, for speculative decoding).
 
 So a request's output equals ``reference_generate`` (the same function applied to the prompt
 alone) exactly when the scheduler gave it the right KV at every step -- with prefix sharing,
@@ -46,10 +47,25 @@ def _token_of_hash(h: int, eos_every: int) -> int:
     return 3 + h % (VOCAB - 3)
 
 
-def next_token(context: Sequence[int], eos_every: int = 0) -> int:
+def next_token(context: Sequence[int], eos_every: int = 0, copy: bool = False) -> int:
     """The fake model: a position-weighted hash of the whole context, in [3, VOCAB); EOS when
-    the hash is a multiple of ``eos_every`` (0: never)."""
-    return _token_of_hash(_hash(context), eos_every)
+    the hash is a multiple of ``eos_every`` (0: never). ``copy``: a copying model (speculative
+    decoding tests) that, for four hashes in five, repeats what followed the latest earlier
+    occurrence of the last token, when there is one."""
+    h = _hash(context)
+    if copy and h % 5:
+        nxt = _copied(context)
+        if nxt is not None:
+            return nxt
+    return _token_of_hash(h, eos_every)
+
+
+def _copied(context: Sequence[int]) -> int | None:
+    last = context[-1]
+    for j in range(len(context) - 2, -1, -1):
+        if context[j] == last:
+            return context[j + 1]
+    return None
 
 
 def fake_logprob(context: Sequence[int]) -> float:
@@ -74,12 +90,13 @@ def reference_generate(
     eos_every: int = 0,
     ignore_eos: bool = False,
     min_new_tokens: int = 0,
+    copy: bool = False,
 ) -> list[int]:
     """The output the scheduler must produce for ``prompt`` (run alone, token by token)."""
     ctx = list(prompt)
     out: list[int] = []
     while len(out) < max_new_tokens:
-        t = next_token(ctx, eos_every)
+        t = next_token(ctx, eos_every, copy)
         out.append(t)
         ctx.append(t)
         if t == EOS and not ignore_eos and len(out) >= min_new_tokens:
@@ -111,6 +128,7 @@ class KVEchoRunner:
     max_running_requests: int = 64
     context_len: int = 2048
     eos_every: int = 0
+    copy: bool = False  # the copying model of next_token
     device: str = "cpu"
     num_forwards: int = 0
     modes: list[str] = field(default_factory=list)
@@ -156,8 +174,11 @@ class KVEchoRunner:
             if not torch.equal(pos, torch.arange(n)):
                 bad = int((pos != torch.arange(n)).nonzero()[0])
                 raise AssertionError(f"seq {i}: KV of position {bad} holds position {int(pos[bad])}")
-            h = int((self.kv_token[slots] * _WEIGHTS[:n]).sum()) % _PRIME
-            next_ids.append(_token_of_hash(h, self.eos_every))
+            if self.copy:
+                next_ids.append(next_token(self.kv_token[slots].tolist(), self.eos_every, copy=True))
+            else:
+                h = int((self.kv_token[slots] * _WEIGHTS[:n]).sum()) % _PRIME
+                next_ids.append(_token_of_hash(h, self.eos_every))
             lps.append(-float(n % 7) - 0.5)
         logits_output = FakeLogitsOutput()
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None:

@@ -156,6 +156,85 @@ SRT_TARGET_AVX2 void dot_group(const uint8_t* group, int64_t nb, const float* x,
   }
 }
 
+// 8 bytes of each of two records side by side: one byte per lane of 16
+SRT_INLINE_AVX512 __m128i bytes16(const uint8_t* a, const uint8_t* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+
+// the 8 fp16 fields at a and the 8 at b as 16 floats
+SRT_INLINE_AVX512 __m512 half16(const uint8_t* a, const uint8_t* b) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+// 16 lanes: group g0 in lanes 0-7 and group g1 in lanes 8-15 (AVX-512). Per lane the very
+// operations of dot_group<QTYPE, MR> (the same chains, in the same order), so the sums are bit for
+// bit dot_group's; half the instructions per weight row, and x is broadcast once for 16 rows.
+// out[i * ldo + r] for r < valid (<= 16; rows of g1 from r = 8).
+template <int QTYPE, int MR>
+SRT_TARGET_AVX512 void dot_pair(const uint8_t* g0, const uint8_t* g1, int64_t nb, const float* x, int64_t ldx,
+                                const float* xs, float* out, int64_t ldo, const float* bias, int64_t valid) {
+  static_assert(MR >= 1 && MR <= 4, "1 to 4 input rows");
+  constexpr bool kQ8 = QTYPE == kGgmlQ8_0, kMin = QTYPE == kGgmlQ4_1;
+  constexpr int kHeader = kMin ? 4 : 2, kCodes = kQ8 ? 32 : 16, kRec = 8 * (kHeader + kCodes);
+  constexpr int C = MR == 1 ? 4 : 2;
+  const __m512i mask = _mm512_set1_epi32(0x0F);
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* r0 = g0 + b * kRec;
+    const uint8_t* r1 = g1 + b * kRec;
+    const uint8_t* c0 = r0 + 8 * kHeader;
+    const uint8_t* c1 = r1 + 8 * kHeader;
+    const __m512 d = half16(r0, r1);
+    __m512 s[MR][C];
+    for (int i = 0; i < MR; ++i) {
+      for (int c = 0; c < C; ++c) s[i][c] = _mm512_setzero_ps();
+    }
+    const float* xb = x + b * kBlock;
+    if constexpr (kQ8) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(c0 + 8 * k, c1 + 8 * k)));
+        for (int i = 0; i < MR; ++i) s[i][k % C] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[i * ldx + k]), s[i][k % C]);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(bytes16(c0 + 8 * j, c1 + 8 * j));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        constexpr int kPairs = C / 2;
+        const int c = 2 * (j % kPairs);
+        for (int i = 0; i < MR; ++i) {
+          s[i][c] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[i * ldx + j]), s[i][c]);
+          s[i][c + 1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[i * ldx + j + 16]), s[i][c + 1]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m512 t = s[i][0];
+      for (int c = 1; c < C; ++c) t = _mm512_add_ps(t, s[i][c]);
+      acc[i] = _mm512_fmadd_ps(d, t, acc[i]);
+    }
+    if constexpr (kMin) {
+      const __m512 m = half16(r0 + 16, r1 + 16);
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nb + b]), acc[i]);
+    } else if constexpr (!kQ8) {
+      const __m512 d8 = _mm512_mul_ps(d, _mm512_set1_ps(8.f));
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fnmadd_ps(d8, _mm512_set1_ps(xs[i * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[i]);
+    for (int64_t r = 0; r < valid; ++r) out[i * ldo + r] = lanes[r] + (bias != nullptr ? bias[r] : 0.f);
+  }
+}
+
 // The float32 weights of blocks [b0, b0 + nblk) of one group, bit for bit gguf.quants' values
 // (d * q, d * (q - 8), or d * q rounded then + m, never fused), lane = row:
 // D[(32 (b - b0) + k) * ldd + r] for k < 32, r < 8
@@ -312,6 +391,31 @@ SRT_TARGET_AVX2 void dot_group_rows(const uint8_t* group, int64_t nb, const floa
     case 3: dot_group<QTYPE, 3>(group, nb, x, ldx, xs, out, ldo, bias, valid); break;
     case 4: dot_group<QTYPE, 4>(group, nb, x, ldx, xs, out, ldo, bias, valid); break;
     default: break;
+  }
+}
+
+template <int QTYPE>
+SRT_TARGET_AVX512 void dot_pair_rows(const uint8_t* g0, const uint8_t* g1, int64_t nb, const float* x, int64_t ldx,
+                                     const float* xs, int64_t m, float* out, int64_t ldo, const float* bias,
+                                     int64_t valid) {
+  switch (m) {
+    case 1: dot_pair<QTYPE, 1>(g0, g1, nb, x, ldx, xs, out, ldo, bias, valid); break;
+    case 2: dot_pair<QTYPE, 2>(g0, g1, nb, x, ldx, xs, out, ldo, bias, valid); break;
+    case 3: dot_pair<QTYPE, 3>(g0, g1, nb, x, ldx, xs, out, ldo, bias, valid); break;
+    case 4: dot_pair<QTYPE, 4>(g0, g1, nb, x, ldx, xs, out, ldo, bias, valid); break;
+    default: break;
+  }
+}
+
+using DotPairFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t,
+                           float*, int64_t, const float*, int64_t);
+
+inline DotPairFn dot_pair_fn(int64_t qtype) {
+  switch (qtype) {
+    case kGgmlQ4_0: return &dot_pair_rows<kGgmlQ4_0>;
+    case kGgmlQ4_1: return &dot_pair_rows<kGgmlQ4_1>;
+    case kGgmlQ8_0: return &dot_pair_rows<kGgmlQ8_0>;
+    default: return nullptr;
   }
 }
 

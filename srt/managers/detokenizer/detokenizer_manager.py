@@ -168,6 +168,7 @@ class DetokenizerManager:
             queue_times=pick(recv.queue_times),
             prefill_times=pick(recv.prefill_times),
             decode_times=pick(recv.decode_times),
+            spec_accept_lens=pick(recv.spec_accept_lens),
         )
         return out, hits
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.cache import CacheManager
     from srt.managers.scheduler.metrics import SchedulerMetrics
     from srt.managers.scheduler.schedule_policy import NewTokenRatio
+    from srt.managers.scheduler.speculative import SpeculativeDecoder
 
 # retraction makes room for this many decode steps of the requests that stay
 RETRACT_MARGIN_STEPS = 4
@@ -71,12 +72,20 @@ class DecodeManager:
         """Whether one decode step of ``running`` gets its KV slots (evicting if needed)."""
         return self.cache.ensure_free(ScheduleBatch.decode_slots_needed(self.running, self.cache.page_size))
 
-    def prepare_batch(self, num_waiting: int, in_flight_subset: list[Req] | None = None) -> ScheduleBatch:
+    def prepare_batch(
+        self,
+        num_waiting: int,
+        in_flight_subset: list[Req] | None = None,
+        spec: SpeculativeDecoder | None = None,
+    ) -> ScheduleBatch:
         """The DECODE batch of ``running`` (``has_room()`` must hold); with a batch in flight
         (overlap scheduling), of ``in_flight_subset``: the running requests whose token in flight
-        is not their last. ``num_waiting`` is for the decode log line."""
+        is not their last; with ``spec`` (speculative decoding, never with a batch in flight),
+        its verify batch. ``num_waiting`` is for the decode log line."""
         self.new_token_ratio.on_decode_step()
-        if in_flight_subset is None:
+        if spec is not None:
+            batch = spec.prepare_batch(self.running, self.cache)
+        elif in_flight_subset is None:
             batch = ScheduleBatch.prepare_decode(self.running, self.cache)
         else:
             batch = ScheduleBatch.prepare_decode(in_flight_subset, self.cache, batch_in_flight=True)

@@ -5,8 +5,9 @@ SGLang's shape::
     Decode batch. #running-req: 8, #token: 2310, token usage: 0.18, gen throughput (token/s): 95.31, #queue-req: 0
     Retract requests. #retracted: 2, #running-req: 6, #queue-req: 4, new_token_ratio: 0.80
 
-A prefill line per prefill (or mixed) step; a decode line at most once per
-``--decode-log-interval`` decode steps; a retract line per step that retracted. The other parts
+(the decode line ends with ``, accept len: 2.41`` with speculative decoding: tokens per request
+decode step over the window). A prefill line per prefill (or mixed) step; a decode line at most
+once per ``--decode-log-interval`` decode steps; a retract line per step that retracted. The other parts
 count into one shared ``SchedulerMetrics``; ``snapshot()`` feeds ``get_internal_state``.
 """
 
@@ -38,10 +39,16 @@ class SchedulerMetrics:
     num_rejected: int = 0
     num_aborted: int = 0
     num_finished: int = 0
+    # speculative decoding: request decode steps (each verifies a draft, maybe empty), drafted
+    # tokens, tokens those steps produced
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_verify_tokens: int = 0
     # decode log window
     _window_start: float = field(default_factory=time.perf_counter)
     _window_tokens: int = 0
     _last_throughput: float = 0.0
+    _window_verify: tuple[int, int] = (0, 0)  # (steps, tokens) at the window start
 
     @property
     def cache_hit_rate(self) -> float:
@@ -64,7 +71,20 @@ class SchedulerMetrics:
         }
         out["cache_hit_rate"] = self.cache_hit_rate
         out["gen_throughput"] = self.gen_throughput
+        out["spec_accept_length"] = self.spec_accept_length
         return out
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per request decode step with speculative decoding (0.0 without it)."""
+        n = self.num_verify_steps
+        return self.num_verify_tokens / n if n else 0.0
+
+    def on_verify(self, drafted: int, produced: int) -> None:
+        """One request's decode step under speculative decoding."""
+        self.num_verify_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_verify_tokens += produced
 
     def on_generated(self, n: int) -> None:
         self.num_generated_tokens += n
@@ -96,16 +116,24 @@ class SchedulerMetrics:
         dt = now - self._window_start
         self._last_throughput = self._window_tokens / dt if dt > 0 else 0.0
         self._window_start, self._window_tokens = now, 0
-        if logger.isEnabledFor(logging.INFO):
-            logger.info(
-                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                "#queue-req: %d",
-                running,
-                num_tokens,
-                token_usage,
-                self._last_throughput,
-                queue,
-            )
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        spec = ""
+        if self.num_verify_steps:  # the window's mean accept length
+            steps, tokens = self._window_verify
+            self._window_verify = (self.num_verify_steps, self.num_verify_tokens)
+            n = self.num_verify_steps - steps
+            spec = f", accept len: {(self.num_verify_tokens - tokens) / n:.2f}" if n else ""
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d%s",
+            running,
+            num_tokens,
+            token_usage,
+            self._last_throughput,
+            queue,
+            spec,
+        )
 
     def log_retract(self, retracted: int, running: int, queue: int, new_token_ratio: float) -> None:
         logger.info(

@@ -124,7 +124,7 @@ def _process_extend_rows(
                 GrammarManager.accept(req, next_ids[i])
             generated += 1
             if req.return_logprob and lps is not None:
-                _record_logprob(req, lps[i], tops[i] if tops is not None else [])
+                record_logprob(req, lps[i], tops[i] if tops is not None else [])
         if req.finished_reason is not None:
             release(req)
         else:
@@ -158,7 +158,7 @@ def _process_decode_rows(
         out = req.output_ids
         out.append(t)
         if lps is not None and req.return_logprob:
-            _record_logprob(req, lps[i], tops[i] if tops is not None else [])
+            record_logprob(req, lps[i], tops[i] if tops is not None else [])
         if len(out) >= req.max_new_tokens or t in req.stop_ids:
             req.check_finished(t)
         if req.grammar is not None and req.finished_reason is None:
@@ -169,7 +169,7 @@ def _process_decode_rows(
     return finished, decoded
 
 
-def _record_logprob(req: Req, lp: float, top: list[tuple[int, float]]) -> None:
+def record_logprob(req: Req, lp: float, top: list[tuple[int, float]]) -> None:
     req.pending_token_logprobs.append(lp)
     if req.top_logprobs_num > 0:
         req.pending_top_logprobs.append([(int(t), float(v)) for t, v in top[: req.top_logprobs_num]])
@@ -245,6 +245,8 @@ def build_batch_output(reqs: Iterable[Req], stream_interval: int = 1) -> BatchTo
         ]
     if any([r.return_logprob for r in emitted]):
         _attach_logprobs(out, emitted)
+    if any([r.spec is not None for r in emitted]):
+        out.spec_accept_lens = [r.spec.take_accepts() if r.spec is not None else [] for r in emitted]
     return out
 
 

@@ -125,6 +125,7 @@ class Req:
         "input_token_logprobs",
         "input_top_logprobs",
         "input_logprobs_sent",
+        "spec",
     )
 
     def __init__(
@@ -224,6 +225,8 @@ class Req:
         self.input_token_logprobs: list[float | None] = []
         self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.input_logprobs_sent = False
+        # speculative decoding: the drafting state (speculative.py; None until the first draft)
+        self.spec: Any = None
 
     @classmethod
     def from_input(

@@ -64,6 +64,37 @@ class KVAllocationError(RuntimeError):
 
 
 @dataclass(slots=True)
+class VerifyRows:
+    """The speculative layout of a DECODE batch (srt/managers/scheduler/speculative.py):
+    ``reqs`` (distinct, in row order) and the ``drafts`` each verifies; request i owns
+    ``1 + len(drafts[i])`` consecutive rows, row j sampled at output position
+    ``len(output_ids) + j`` with ``drafts[i][:j]`` counted as output."""
+
+    reqs: list[Req]
+    drafts: list[list[int]]
+
+    def sampling_info(
+        self,
+        vocab_size: int,
+        device: str | torch.device,
+        eos_token_ids: list[int] | None,
+        cache: SamplingInfoCache,
+    ) -> SamplingBatchInfo:
+        if not any(self.drafts):  # one row per request: a plain decode step
+            return cache.get(self.reqs, vocab_size, device, eos_token_ids)
+        from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+        params, seeds, outputs, prompts = [], [], [], []
+        for r, d in zip(self.reqs, self.drafts):
+            for j in range(1 + len(d)):
+                params.append(r.sampling_params)
+                seeds.append(r.seed)
+                outputs.append(r.output_ids + d[:j] if j else r.output_ids)
+                prompts.append(r.origin_input_ids)
+        return SamplingBatchInfo.from_reqs(params, seeds, outputs, prompts, vocab_size, device, eos_token_ids)
+
+
+@dataclass(slots=True)
 class ScheduleBatch:
     """The CPU-side batch of one step.
 
@@ -86,6 +117,8 @@ class ScheduleBatch:
     # overlap scheduling: per row, 1 where the request's previous token is still being sampled
     # by the batch in flight (its input id is a future reference, overlap.py); empty: none is
     pending_tokens: list[int] = field(default_factory=list)
+    # speculative decoding: the requests and drafts behind the rows (None: one row per request)
+    verify: VerifyRows | None = None
 
     @property
     def batch_size(self) -> int:
@@ -275,7 +308,10 @@ class ScheduleBatch:
                 **kw,
             )
         cache = sampling_cache if sampling_cache is not None else SamplingInfoCache()
-        fb.sampling_info = cache.get(reqs, vocab_size, device, eos_token_ids, self.pending_tokens)
+        if self.verify is not None:
+            fb.sampling_info = self.verify.sampling_info(vocab_size, device, eos_token_ids, cache)
+        else:
+            fb.sampling_info = cache.get(reqs, vocab_size, device, eos_token_ids, self.pending_tokens)
         return fb
 
     def _decode_forward_batch(self, device: str | torch.device, kw: dict[str, Any]) -> ForwardBatch:

@@ -57,6 +57,7 @@ from srt.managers.scheduler.requests import ModelLimits, RequestTable
 from srt.managers.scheduler.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
 from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy
 from srt.managers.scheduler.setup import create_grammars, create_prefill_config, start_model_runner
+from srt.managers.scheduler.speculative import SpeculativeDecoder
 from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.utils.fault import FaultHook
@@ -120,6 +121,7 @@ class Scheduler:
         self.sampling_cache = SamplingInfoCache()
         self.grammars = create_grammars(server_args, self.vocab_size, self.eos_token_ids)
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
+        self.spec = SpeculativeDecoder.from_server_args(server_args, pool.max_context_len, self.metrics)
         self.debug_checks = server_args.enable_debug_checks
         self.profiler = SchedulerProfiler(self.device)
         self.weight_gate = WeightUpdateGate()
@@ -258,17 +260,14 @@ class Scheduler:
         """Wait for ``in_flight``'s forward and apply its results; returns the requests whose
         rows were applied (to report). The step timings get one entry per batch: from the start
         of the step that launched it to its results applied, of which its forward."""
-        res = in_flight.wait()
+        res, batch, release = in_flight.wait(), in_flight.batch, self.requests.release
         self.cache.begin_free_group()
         try:
-            result = process_batch_result(
-                in_flight.batch,
-                res.logits_output,
-                res.sample_output,
-                self.cache,
-                self.requests.release,
-                discard_released=self.overlap,
-            )
+            if batch.verify is not None and self.spec is not None:  # speculative (speculative.py)
+                result = self.spec.process_result(batch, res.sample_output, self.cache, release)
+            else:
+                out, sample = res.logits_output, res.sample_output
+                result = process_batch_result(batch, out, sample, self.cache, release, self.overlap)
         finally:
             self.cache.end_free_group()
         self.metrics.on_generated(result.num_generated)
@@ -375,7 +374,7 @@ class Scheduler:
                         f"{self.cache.available()} KV slots obtainable"
                     )
         if self._in_flight is None:
-            return decode.prepare_batch(len(self.waiting_queue))
+            return decode.prepare_batch(len(self.waiting_queue), spec=None if mixed else self.spec)
         reqs = [
             r
             for r in decode.running

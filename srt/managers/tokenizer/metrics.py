@@ -47,6 +47,8 @@ _LATENCY_BUCKETS = (
     160.0,
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+# tokens per speculative decode step (1 .. --speculative-num-draft-tokens + 1)
+_ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 # scheduler state key -> (metric name, help)
 _SCHEDULER_GAUGES = {
@@ -171,6 +173,13 @@ class TokenizerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.spec_accept = Histogram(
+            "srt:spec_accept_length",
+            "Speculative decoding: tokens a request's decode step produced (drafts accepted + 1).",
+            lbl,
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
+        )
         self._scheduler = _SchedulerStateCollector(self.labels)
         r.register(self._scheduler)
         self._l = self.labels
@@ -186,6 +195,11 @@ class TokenizerMetrics:
             per = gap / num_tokens
             for _ in range(num_tokens):
                 h.observe(per)
+
+    def observe_spec_accepts(self, accept_lens: list[int]) -> None:
+        h = self.spec_accept.labels(**self._l)
+        for n in accept_lens:
+            h.observe(n)
 
     def observe_queue_time(self, seconds: float) -> None:
         self.queue_time.labels(**self._l).observe(seconds)

@@ -5,7 +5,7 @@ Output dict (what ``TokenizerManager.run``, ``Engine.generate`` and ``POST /gene
     {"index": k, "text": str, "output_ids": list[int],
      "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
                    "e2e_latency", "ttft", "queue_time", "prefill_time", "decode_time",
-                   ["output_token_logprobs", "output_top_logprobs",
+                   ["spec_verify_ct", "spec_accept_length"], ["output_token_logprobs", "output_top_logprobs",
                    "input_token_logprobs", "input_top_logprobs"]}}
 
 Phase timings (seconds; None until known, e.g. ``decode_time`` before the finish, or a phase a
@@ -17,6 +17,9 @@ request never reached)::
     ttft          server receipt -> first output token here (main process clock)
     e2e_latency   server receipt -> finish (or now, while running)
     cached_tokens prompt tokens served from the prefix cache at the first admission
+
+With ``--speculative-algorithm``: ``spec_verify_ct`` decode steps of the request (each verified
+its draft, maybe empty) and ``spec_accept_length`` the tokens they produced per step.
 
 so ``ttft <= e2e_latency`` and ``queue_time + prefill_time + decode_time`` is ``e2e_latency``
 less the time spent outside the scheduler (tokenization, sockets, detokenization).
@@ -76,6 +79,9 @@ def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: 
         "prefill_time": st.prefill_time,
         "decode_time": st.decode_time,
     }
+    if st.spec_verify_ct:  # speculative decoding (SGLang's names)
+        meta["spec_verify_ct"] = st.spec_verify_ct
+        meta["spec_accept_length"] = st.spec_tokens / st.spec_verify_ct
     if st.req.return_logprob:
         _add_logprobs(st, meta, ids, start, include_input)
     return {"index": st.index, "text": text, "output_ids": list(ids), "meta_info": meta}

@@ -58,6 +58,8 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative decoding: decode steps, and the tokens they produced
+    spec_tokens: int = 0
     out_logprobs: list[float] = field(default_factory=list)
     out_top: list[list[tuple[int, float]]] = field(default_factory=list)
     in_logprobs: list[float | None] = field(default_factory=list)
@@ -94,6 +96,9 @@ class ReqState:
         self.prompt_tokens = out.prompt_tokens[i]
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
+        if out.spec_accept_lens:
+            self.spec_verify_ct += len(out.spec_accept_lens[i])
+            self.spec_tokens += sum(out.spec_accept_lens[i])
         if out.output_token_logprobs:
             self.out_logprobs.extend(out.output_token_logprobs[i])
         if out.output_top_logprobs:
@@ -192,6 +197,8 @@ class ReqRegistry:
     def _observe_tokens(self, st: ReqState, out: BatchStrOut, i: int, new_ids: list[int], now: float) -> None:
         if out.queue_times and out.queue_times[i] is not None:
             self.metrics.observe_queue_time(out.queue_times[i])
+        if out.spec_accept_lens:
+            self.metrics.observe_spec_accepts(out.spec_accept_lens[i])
         if not new_ids:
             return
         if st.first_token_time == 0.0:
