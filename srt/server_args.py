@@ -326,7 +326,7 @@ class ServerArgs:
         "them, asked when a request's own history has no match (0: off).",
     )
     speculative_max_batch_size: int = _f(
-        4,
+        2,
         "NGRAM: speculate only while at most this many requests decode; larger batches decode plainly "
         "(verifying drafts costs more than it saves once the step is compute-bound).",
     )

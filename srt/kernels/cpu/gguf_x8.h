@@ -334,10 +334,67 @@ SRT_TARGET_AVX2 inline void tile_16(int64_t r, int64_t kc, const float* D, const
   if (r - i >= 1) tile_16x1(kc, D, x + i * ldx, ldx, c + i * 16);
 }
 
+// The AVX-512 tiles: the same sums with one 16-lane register per row of x (the pair's 16 weight
+// rows), up to 12 rows per tile; per lane the very FMAs of the tiles above, so the same bits.
+#define SRT_X8W_TILE(NAME, ROWS)                                                                         \
+  SRT_TARGET_AVX512 inline void NAME(int64_t kc, const float* D, const float* x, int64_t ldx, float* c) { \
+    ROWS(SRT_X8W_LOAD)                                                                                   \
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; ++k) {                                           \
+      const __m512 w = _mm512_loadu_ps(D + 16 * k);                                                      \
+      ROWS(SRT_X8W_FMA)                                                                                  \
+    }                                                                                                    \
+    ROWS(SRT_X8W_STORE)                                                                                  \
+  }
+#define SRT_X8W_LOAD(i) __m512 c##i = _mm512_loadu_ps(c + i * 16);
+#define SRT_X8W_FMA(i) c##i = _mm512_fmadd_ps(w, _mm512_set1_ps(x[i * ldx + k]), c##i);
+#define SRT_X8W_STORE(i) _mm512_storeu_ps(c + i * 16, c##i);
+#define SRT_X8W_ROWS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SRT_X8W_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define SRT_X8W_ROWS4(X) X(0) X(1) X(2) X(3)
+#define SRT_X8W_ROWS2(X) X(0) X(1)
+#define SRT_X8W_ROWS1(X) X(0)
+SRT_X8W_TILE(wide_tile_16x12, SRT_X8W_ROWS12)
+SRT_X8W_TILE(wide_tile_16x8, SRT_X8W_ROWS8)
+SRT_X8W_TILE(wide_tile_16x4, SRT_X8W_ROWS4)
+SRT_X8W_TILE(wide_tile_16x2, SRT_X8W_ROWS2)
+SRT_X8W_TILE(wide_tile_16x1, SRT_X8W_ROWS1)
+#undef SRT_X8W_TILE
+#undef SRT_X8W_LOAD
+#undef SRT_X8W_FMA
+#undef SRT_X8W_STORE
+#undef SRT_X8W_ROWS12
+#undef SRT_X8W_ROWS8
+#undef SRT_X8W_ROWS4
+#undef SRT_X8W_ROWS2
+#undef SRT_X8W_ROWS1
+
+// rows [0, r) of x, r <= 12: one 12-row tile, or 8 + 4 + 2 + 1 as needed (AVX-512)
+SRT_TARGET_AVX512 inline void wide_tile_16(int64_t r, int64_t kc, const float* D, const float* x, int64_t ldx,
+                                           float* c) {
+  if (r == 12) {
+    wide_tile_16x12(kc, D, x, ldx, c);
+    return;
+  }
+  int64_t i = 0;
+  if (r - i >= 8) {
+    wide_tile_16x8(kc, D, x, ldx, c);
+    i += 8;
+  }
+  if (r - i >= 4) {
+    wide_tile_16x4(kc, D, x + i * ldx, ldx, c + i * 16);
+    i += 4;
+  }
+  if (r - i >= 2) {
+    wide_tile_16x2(kc, D, x + i * ldx, ldx, c + i * 16);
+    i += 2;
+  }
+  if (r - i >= 1) wide_tile_16x1(kc, D, x + i * ldx, ldx, c + i * 16);
+}
+
 // Large M: weight rows [16 p, 16 p + 16) for p in [p0, p1) (pairs of groups; the last may be a single
 // group) against all M rows of x. Per column chunk of kc (<= 256) columns the pair is dequantized
 // into D [kc][16] (lane = row); x runs over it 6 rows at a time (the last 1 to 5 in one smaller
-// tile), accumulating in c [M][16]. Each sum runs over k in order, in one accumulator.
+// tile; 12 at a time in AVX-512 tiles where the CPU has them), accumulating in c [M][16]. Each sum runs over k in order, in one accumulator.
 template <int QTYPE>
 SRT_TARGET_AVX2 void gemm_pairs(const uint8_t* packed, int64_t gbytes, int64_t groups, int64_t nb, const float* x,
                                 int64_t ldx, int64_t M, const float* bias, float* out, int64_t N, int64_t p0,
@@ -345,6 +402,7 @@ SRT_TARGET_AVX2 void gemm_pairs(const uint8_t* packed, int64_t gbytes, int64_t g
   constexpr int64_t kChunk = 8;  // blocks per column chunk: 256 columns, D = 16 KiB
   std::vector<float> D(static_cast<size_t>(kChunk * kBlock * 16));
   std::vector<float> c(static_cast<size_t>(M * 16));
+  const bool wide = detect_isa() == CpuIsa::kAvx512;  // 12-row AVX-512 tiles, the same sums
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t g0 = 2 * p, ng = std::min<int64_t>(2, groups - g0);
     std::fill(c.begin(), c.end(), 0.f);
@@ -357,8 +415,15 @@ SRT_TARGET_AVX2 void gemm_pairs(const uint8_t* packed, int64_t gbytes, int64_t g
           for (int64_t k = 0; k < kc; ++k) std::fill_n(D.data() + 16 * k + 8, 8, 0.f);
         }
       }
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        tile_16(std::min<int64_t>(6, M - m0), kc, D.data(), x + m0 * ldx + b0 * kBlock, ldx, c.data() + m0 * 16);
+      if (wide) {
+        for (int64_t m0 = 0; m0 < M; m0 += 12) {
+          wide_tile_16(std::min<int64_t>(12, M - m0), kc, D.data(), x + m0 * ldx + b0 * kBlock, ldx,
+                       c.data() + m0 * 16);
+        }
+      } else {
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+          tile_16(std::min<int64_t>(6, M - m0), kc, D.data(), x + m0 * ldx + b0 * kBlock, ldx, c.data() + m0 * 16);
+        }
       }
     }
     const int64_t n0 = 16 * p, valid = std::min<int64_t>(16, N - n0);
