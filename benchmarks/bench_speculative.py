@@ -137,11 +137,11 @@ def bench_srt(name: str, flags: list[str], args: argparse.Namespace, gguf: str, 
 def bench_llamacpp(python: Path, gguf: str, spec_type: str, run_dir: Path) -> dict:
     port = cs.free_port()
     argv = [str(python), "-c", LLAMACPP_MAIN, gguf, str(port), str(os.cpu_count() or 1), "4096", spec_type]
-    server = cs.ServerSpec(f"llamacpp-{spec_type.lower()}", argv)
-    with cs.running(server, port, run_dir / f"{server.name}.log"):
-        row = run_workload(port, "copy", 1, 8, run_dir / f"{server.name}-copy-c1.jsonl")
+    label = f"llamacpp-{spec_type.lower()}"
+    with cs.running(cs.ServerSpec("llamacpp", argv), port, run_dir / f"{label}.log"):
+        row = run_workload(port, "copy", 1, 8, run_dir / f"{label}-copy-c1.jsonl")
     print(
-        f"[{server.name}] copy c=1: {row['output_throughput']:.1f} tok/s, TPOT p50 {row['median_tpot_ms']:.1f} ms"
+        f"[{label}] copy c=1: {row['output_throughput']:.1f} tok/s, TPOT p50 {row['median_tpot_ms']:.1f} ms"
     )
     return {"speculative": spec_type, **row}
 
@@ -220,15 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         llama_py = cs.ensure_venv(REPO / ".venv-llamacpp", cs.LLAMACPP_REQUIREMENT, "import xllamacpp")
     configs = [("srt-off", []), ("srt-ngram", SPEC_FLAGS + args.spec_args.split())]
     rounds, all_ratios = [], []
+    summary = {"cpu": cs.cpu_info(), "versions": local_versions(), "args": vars(args), "rounds": rounds}
+    path = REPO / "benchmarks" / "results" / f"bench_speculative-{stamp}.json"
     for rnd in range(args.rounds):
         res: dict = {}
+        rounds.append(res)
         for name, flags in configs if rnd % 2 == 0 else configs[::-1]:
             res[name] = bench_srt(name, flags, args, gguf, run_dir)
+            path.write_text(json.dumps(summary, indent=1, default=str))  # what is done so far
         if llama_py is not None and "copy" in args.workloads and 1 in args.concurrency:
             res["llamacpp"] = [bench_llamacpp(llama_py, gguf, t, run_dir) for t in ("NONE", "NGRAM_SIMPLE")]
         text, ratios = round_table(res)
         print(f"\nround {rnd + 1}\n{text}", flush=True)
-        rounds.append(res)
         all_ratios.append(ratios)
     if args.rounds > 1:
         keys = list(all_ratios[0])
@@ -240,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
             "\n"
             + format_table(["NGRAM / off", *(f"round {i + 1}" for i in range(args.rounds)), "median"], rows)
         )
-    summary = {"cpu": cs.cpu_info(), "versions": local_versions(), "args": vars(args), "rounds": rounds}
-    path = REPO / "benchmarks" / "results" / f"bench_speculative-{stamp}.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     print(f"summary: {path.relative_to(REPO)}")
     return 0

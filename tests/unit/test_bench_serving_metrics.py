@@ -11,6 +11,7 @@ import pytest
 from srt.bench_serving import first_errors, poisson_arrival_times
 from srt.benchmark.backends import sse_data
 from srt.benchmark.datasets import (
+    load_jsonl_requests,
     sample_generated_shared_prefix_requests,
     sample_lengths,
     sample_random_requests,
@@ -280,6 +281,36 @@ def test_random_dataset_lengths_are_measured_and_seeded():
     ids_rows = sample_random_requests(tok, np.random.default_rng(3), 20, 40, 16, 0.5, random_ids=True)
     for r in ids_rows:
         assert len(r.prompt_ids) == r.prompt_len and not set(r.prompt_ids) & {0, 1}
+
+
+def test_jsonl_rows_in_file_order_cycled(tmp_path):
+    tok = WordTokenizer(WORDS)
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": " ".join(WORDS[:3]), "output_len": 5}, {"prompt": WORDS[4], "output_len": 9}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    got = load_jsonl_requests(tok, str(path), 5)
+    assert [(r.prompt, r.output_len) for r in got] == [
+        (rows[i % 2]["prompt"], rows[i % 2]["output_len"]) for i in range(5)
+    ]
+    assert got[0].prompt_len == len(tok.encode(rows[0]["prompt"]))
+    path.write_text(json.dumps({"prompt": 3, "output_len": 5}) + "\n")
+    with pytest.raises(ValueError, match="rows.jsonl:1"):
+        load_jsonl_requests(tok, str(path), 1)
+
+
+def test_speculative_workloads_are_the_committed_files():
+    """benchmarks/data/spec_*.jsonl are what benchmarks/spec_workloads.py writes (fixed seeds)."""
+    from pathlib import Path
+
+    from benchmarks import spec_workloads
+
+    data = Path(spec_workloads.__file__).parent / "data"
+    for name, rows in (
+        ("spec_copy.jsonl", spec_workloads.copy_rows()),
+        ("spec_free.jsonl", spec_workloads.free_rows()),
+    ):
+        committed = [json.loads(line) for line in (data / name).read_text().splitlines()]
+        assert committed == rows, name
 
 
 def test_generated_shared_prefix_groups_share_their_system_prompt():

@@ -14,6 +14,8 @@ each part owns one job and its state:
     grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
     overlap.py     ForwardWorker: forwards on a worker thread (overlap scheduling) or inline,
                    and the future map of the tokens still being sampled
+    speculative.py SpeculativeDecoder (--speculative-algorithm NGRAM): drafts, the verify
+                   batch (drafts as extra decode rows), acceptance, backoff; ngram.py: the drafts
     profiler.py    SchedulerProfiler: torch.profiler around steps (/start_profile, /stop_profile)
     weight_update.py  WeightUpdateGate: a weight update waits for idle, new requests wait for it
     heartbeat.py   SchedulerHeartbeat: progress and a state summary for the hang watchdog

@@ -81,9 +81,9 @@ class DecodeManager:
         """The DECODE batch of ``running`` (``has_room()`` must hold); with a batch in flight
         (overlap scheduling), of ``in_flight_subset``: the running requests whose token in flight
         is not their last; with ``spec`` (speculative decoding, never with a batch in flight),
-        its verify batch. ``num_waiting`` is for the decode log line."""
+        its verify batch while at most ``spec.max_batch_size`` requests run. ``num_waiting`` is for the decode log line."""
         self.new_token_ratio.on_decode_step()
-        if spec is not None:
+        if spec is not None and len(self.running) <= spec.max_batch_size:
             batch = spec.prepare_batch(self.running, self.cache)
         elif in_flight_subset is None:
             batch = ScheduleBatch.prepare_decode(self.running, self.cache)

@@ -154,6 +154,8 @@ def _process_decode_rows(
         req = reqs[i]
         t = next_ids[i]
         decoded += 1
+        if req.spec is not None:  # speculative decoding above its batch size: a plain step
+            req.spec.on_plain_step()
         req.kv_committed_len += 1
         out = req.output_ids
         out.append(t)

@@ -62,8 +62,12 @@ class SpecReqState:
     index: NgramIndex
     budget: int
     cooldown: int = 0
-    verify_ct: int = 0  # decode steps taken (each verifies the request's drafts, maybe none)
+    verify_ct: int = 0  # decode steps taken (verifying its drafts, maybe none, or plain ones)
     unsent_accepts: list[int] = field(default_factory=list)  # tokens per step, not yet reported
+
+    def on_plain_step(self) -> None:
+        self.verify_ct += 1
+        self.unsent_accepts.append(1)
 
     def take_accepts(self) -> list[int]:
         out, self.unsent_accepts = self.unsent_accepts, []
@@ -124,9 +128,8 @@ class SpeculativeDecoder:
         return d
 
     def plan(self, running: list[Req]) -> list[list[int]]:
-        """Drafts of every running request (all empty above ``max_batch_size``)."""
-        if len(running) > self.max_batch_size:
-            return [[] for _ in running]
+        """Drafts of every running request (the caller keeps larger batches than
+        ``max_batch_size`` on the plain decode path)."""
         return [self.draft(r) for r in running]
 
     # ------------------------------------------------------------------ the batch
