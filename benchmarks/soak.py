@@ -45,6 +45,9 @@ from soak_workload import Outcome, Scenario, classify_plain, classify_stream, ma
 
 from tests.helpers.server import ServerProcess  # noqa: E402
 
+# the scheduler counters of speculative decoding, reported when the server speculated
+_SPEC_KEYS = ("num_verify_steps", "num_draft_tokens", "num_verify_tokens", "spec_accept_length")
+
 
 @dataclass
 class Run:
@@ -326,6 +329,11 @@ def soak(args: argparse.Namespace, url: str, pid: int | None) -> int:
         ("generated tokens (server)", state.get("num_generated_tokens")),
         ("server aborts counted", state.get("num_aborted")),
         ("cache hit rate", round(state.get("cache_hit_rate", 0.0), 3)),
+        *(
+            [("speculative (server)", {k: state.get(k) for k in _SPEC_KEYS})]
+            if state.get("num_verify_steps")
+            else []
+        ),
         ("RSS after 10% (MiB)", round(rss.get("after 10%", 0) / 2**20, 1)),
         ("RSS at end (MiB)", round(rss.get("end", 0) / 2**20, 1)),
         ("RSS growth", None if growth is None else f"{growth:+.2%}"),

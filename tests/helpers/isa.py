@@ -10,7 +10,12 @@ ISA above it is skipped with the reason (``isa_params``), never passed silently;
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,3 +62,27 @@ def isa_params(isas: tuple[str, ...] = ISAS) -> list:
 def available_isas() -> list[str]:
     """Every ISA the ops run here, narrowest first (empty without the native kernels)."""
     return [isa for isa in ISAS if isa_available(isa)]
+
+
+# argv: op name, output .npy, then the arguments: "t:<path>.npy" (a tensor) or "i:<int>"
+_OP_UNDER_ISA = """
+import sys, numpy as np, torch
+from srt.kernels import cpu as cpu_kernels
+cpu_kernels.load()
+args = [torch.from_numpy(np.load(a[2:])) if a.startswith("t:") else int(a[2:]) for a in sys.argv[3:]]
+np.save(sys.argv[2], getattr(torch.ops.srt_cpu, sys.argv[1])(*args).numpy())
+"""
+
+
+def op_under_isa(isa: str, op: str, args: list[torch.Tensor | int], tmp: Path) -> torch.Tensor:
+    """``torch.ops.srt_cpu.<op>(*args)`` in a fresh process under ``SRT_CPU_ISA=isa`` (the ISA is
+    fixed per process), for checks that every ISA branch gives the same bits."""
+    argv = [sys.executable, "-c", _OP_UNDER_ISA, op, str(tmp / "out.npy")]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            np.save(tmp / f"arg{i}.npy", a.numpy())
+            argv.append(f"t:{tmp / f'arg{i}.npy'}")
+        else:
+            argv.append(f"i:{int(a)}")
+    subprocess.run(argv, check=True, env={**os.environ, "SRT_CPU_ISA": isa}, timeout=300)
+    return torch.from_numpy(np.load(tmp / "out.npy"))

@@ -192,27 +192,43 @@ def test_exact_outputs_fake_model(name):
 def test_eos_min_new_tokens_and_logprobs_fake_model(name):
     """EOS stops (some requests ignore it or must reach min_new_tokens first) and prompt/output
     logprobs, under continuous batching with chunking and retraction."""
-    items = build_workload(_fake_prompts, _fake_group, seed=2)
+    items = eos_workload(seed=2)
+    sched = fake_scheduler(eos_every=5, **FAKE_CONFIGS[name])
+    assert check_eos_outputs(drive(sched, items), items, eos_every=5) > 0, (
+        "the workload must exercise EOS stops"
+    )
+    check_clean(sched)
+
+
+def eos_workload(seed: int) -> list[Item]:
+    """``build_workload`` where a third of the requests need min_new_tokens 6 (or their
+    max_new_tokens) before EOS may stop them and a third ignore EOS."""
+    items = build_workload(_fake_prompts, _fake_group, seed=seed)
     for i, it in enumerate(items):
         if i % 3 == 0:
             it.params = {"min_new_tokens": min(it.max_new, 6)}
         elif i % 3 == 1:
             it.params = {"ignore_eos": True}
-    sched = fake_scheduler(eos_every=5, **FAKE_CONFIGS[name])
-    out = drive(sched, items)
+    return items
+
+
+def check_eos_outputs(
+    out: dict[str, list[int]], items: list[Item], eos_every: int, copy: bool = False
+) -> int:
+    """Every output equals the request alone; returns how many stopped at EOS early."""
     stopped = 0
     for it in items:
         ref = reference_generate(
             it.prompt,
             it.max_new,
-            eos_every=5,
+            eos_every=eos_every,
             ignore_eos=it.params.get("ignore_eos", False),
             min_new_tokens=it.params.get("min_new_tokens", 0),
+            copy=copy,
         )
         assert out[it.rid] == ref, it.rid
         stopped += ref[-1] == EOS and len(ref) < it.max_new
-    assert stopped > 0, "the workload must exercise EOS stops"
-    check_clean(sched)
+    return stopped
 
 
 def test_output_logprobs_and_metadata_fake_model():

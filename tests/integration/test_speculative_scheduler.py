@@ -17,13 +17,15 @@ from srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from tests.helpers.scheduler_fakes import EOS, KVEchoRunner, fake_logprob, reference_generate
+from tests.helpers.scheduler_fakes import KVEchoRunner, fake_logprob, reference_generate
 from tests.integration.test_scheduler_exactness import (
     _fake_group,
     _fake_prompts,
     build_workload,
     check_clean,
+    check_eos_outputs,
     drive,
+    eos_workload,
 )
 
 SPEC = dict(speculative_algorithm="NGRAM", speculative_max_batch_size=64)
@@ -76,27 +78,9 @@ def test_outputs_equal_the_request_alone(name):
 def test_eos_and_min_new_tokens_inside_accepted_drafts(name):
     """A stop token among the accepted tokens ends the request there (the rest is dropped),
     unless min_new_tokens is not reached yet; max_new_tokens caps a step's tokens."""
-    items = build_workload(_fake_prompts, _fake_group, seed=4)
-    for i, it in enumerate(items):
-        if i % 3 == 0:
-            it.params = {"min_new_tokens": min(it.max_new, 6)}
-        elif i % 3 == 1:
-            it.params = {"ignore_eos": True}
+    items = eos_workload(seed=4)
     sched = spec_scheduler(eos_every=7, **CONFIGS[name])
-    out = drive(sched, items)
-    stopped = 0
-    for it in items:
-        ref = reference_generate(
-            it.prompt,
-            it.max_new,
-            eos_every=7,
-            ignore_eos=it.params.get("ignore_eos", False),
-            min_new_tokens=it.params.get("min_new_tokens", 0),
-            copy=True,
-        )
-        assert out[it.rid] == ref, it.rid
-        stopped += ref[-1] == EOS and len(ref) < it.max_new
-    assert stopped > 0
+    assert check_eos_outputs(drive(sched, items), items, eos_every=7, copy=True) > 0
     _check_speculated(sched)
     check_clean(sched)
 

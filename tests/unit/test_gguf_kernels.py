@@ -296,17 +296,6 @@ def test_x8_linear_independent_of_thread_count(qtype, m):
     assert torch.equal(one, two)
 
 
-_X8_UNDER_ISA = """
-import sys, numpy as np, torch
-from srt.kernels import cpu as cpu_kernels
-cpu_kernels.load()
-packed = torch.from_numpy(np.load(sys.argv[1]))
-x = torch.from_numpy(np.load(sys.argv[2]))
-y = torch.ops.srt_cpu.gguf_linear_x8(x, packed, int(sys.argv[3]), int(sys.argv[4]))
-np.save(sys.argv[5], y.numpy())
-"""
-
-
 @needs_x8
 @pytest.mark.parametrize("qtype", SIMPLE)
 def test_x8_gives_the_same_bits_on_every_isa(qtype, tmp_path):
@@ -314,11 +303,7 @@ def test_x8_gives_the_same_bits_on_every_isa(qtype, tmp_path):
     (M >= 13) 12-row tiles of 16 lanes; per lane the operations are those of the AVX2 code, so
     SRT_CPU_ISA=avx2 gives the same bits (an odd group count exercises the single-group tail,
     M = 40 and 300 a short last tile)."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.helpers.isa import isa_available, skip_reason
+    from tests.helpers.isa import isa_available, op_under_isa, skip_reason
 
     if not isa_available("avx512"):
         pytest.skip(skip_reason("avx512"))
@@ -327,21 +312,7 @@ def test_x8_gives_the_same_bits_on_every_isa(qtype, tmp_path):
     for m in (1, 3, 6, 12, 13, 40, 300):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         here = gguf.quant_linear_x8(x, packed, qtype, n)
-        paths = [tmp_path / f"{name}{m}.npy" for name in ("w", "x", "y")]
-        np.save(paths[0], packed.numpy())
-        np.save(paths[1], x.numpy())
-        argv = [
-            sys.executable,
-            "-c",
-            _X8_UNDER_ISA,
-            str(paths[0]),
-            str(paths[1]),
-            str(qtype),
-            str(n),
-            str(paths[2]),
-        ]
-        subprocess.run(argv, check=True, env={**os.environ, "SRT_CPU_ISA": "avx2"}, timeout=300)
-        assert torch.equal(here, torch.from_numpy(np.load(paths[2]))), m
+        assert torch.equal(here, op_under_isa("avx2", "gguf_linear_x8", [x, packed, qtype, n], tmp_path)), m
 
 
 @needs_x8

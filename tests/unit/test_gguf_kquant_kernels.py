@@ -9,10 +9,6 @@ and the portable scalar ones (gguf_kquant_debug with scalar=True) are checked.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -129,23 +125,12 @@ def test_kquant_types_listed(native):
     assert {Q4_K, Q5_K, Q6_K} <= set(torch.ops.srt_cpu.gguf_qtypes())
 
 
-_LINEAR_UNDER_ISA = """
-import sys, numpy as np, torch
-from srt.kernels import cpu as cpu_kernels
-cpu_kernels.load()
-data = torch.from_numpy(np.load(sys.argv[1]))
-x = torch.from_numpy(np.load(sys.argv[2]))
-y = torch.ops.srt_cpu.gguf_linear(x, data, int(sys.argv[3]))
-np.save(sys.argv[4], y.numpy())
-"""
-
-
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
 def test_prefill_tiles_give_the_same_bits_on_every_isa(native, qtype, tmp_path):
     """The dequantized-tile GEMM (M >= 13) takes a 12 x 16 AVX-512 tile where the CPU has it and
     the 6 x 16 AVX2 one otherwise: every sum runs over k in the same order with the same FMAs, so
     SRT_CPU_ISA=avx2 must give the very same bits (16-row panels and an 8-row tail)."""
-    from tests.helpers.isa import isa_available, skip_reason
+    from tests.helpers.isa import isa_available, op_under_isa, skip_reason
 
     if not isa_available("avx512"):
         pytest.skip(skip_reason("avx512"))
@@ -154,19 +139,7 @@ def test_prefill_tiles_give_the_same_bits_on_every_isa(native, qtype, tmp_path):
     for m in (40, 300):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         here = torch.ops.srt_cpu.gguf_linear(x, torch.from_numpy(raw), qtype)
-        paths = [tmp_path / f"{name}{m}.npy" for name in ("w", "x", "y")]
-        np.save(paths[0], raw)
-        np.save(paths[1], x.numpy())
-        env = {**os.environ, "SRT_CPU_ISA": "avx2"}
-        argv = [
-            sys.executable,
-            "-c",
-            _LINEAR_UNDER_ISA,
-            str(paths[0]),
-            str(paths[1]),
-            str(qtype),
-            str(paths[2]),
-        ]
-        subprocess.run(argv, check=True, env=env, timeout=300)
-        assert_same_bits(here, torch.from_numpy(np.load(paths[2])))
+        assert_same_bits(
+            here, op_under_isa("avx2", "gguf_linear", [x, torch.from_numpy(raw), qtype], tmp_path)
+        )
         assert_matmul_close(here, x, reference(raw, qtype))
