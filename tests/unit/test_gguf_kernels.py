@@ -309,7 +309,7 @@ def test_x8_gives_the_same_bits_on_every_isa(qtype, tmp_path):
         pytest.skip(skip_reason("avx512"))
     k, n = cols_for(qtype), 8 * 9 + 3
     packed = gguf.pack_x8(random_blocks(n, k, qtype, seed=qtype), qtype)
-    for m in (1, 3, 6, 12, 13, 40, 300):
+    for m in (1, 3, 5, 6, 7, 9, 12, 13, 40, 300):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         here = gguf.quant_linear_x8(x, packed, qtype, n)
         assert torch.equal(here, op_under_isa("avx2", "gguf_linear_x8", [x, packed, qtype, n], tmp_path)), m
