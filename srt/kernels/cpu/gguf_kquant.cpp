@@ -3,7 +3,7 @@
 //
 //   gguf_kquant_debug(data [N, bpr] u8, qtype, x [M, K] f32, scalar) -> (w [N, K] f32, y [M, N] f32)
 //     w = dequant_row of every row, y = x @ w^T through dot_rows (4 input rows at a time); with
-//     scalar = true the portable functions, else this CPU's (AVX2 on AVX2 and AVX-512 CPUs).
+//     scalar = true the portable functions, else this CPU's (SRT_CPU_ISA lowers it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,6 +31,12 @@ const QuantRowOps kAvx2Ops[3] = {
     {kquant::kQK, kquant::kQ4KBytes, &ka::dequant_row_q45k<false>, &ka::dot_rows_q45k<false>},
     {kquant::kQK, kquant::kQ5KBytes, &ka::dequant_row_q45k<true>, &ka::dot_rows_q45k<true>},
     {kquant::kQK, kquant::kQ6KBytes, &ka::dequant_row_q6k, &ka::dot_rows_q6k},
+};
+namespace kw = kquant::avx512;
+const QuantRowOps kAvx512Ops[3] = {
+    {kquant::kQK, kquant::kQ4KBytes, &ka::dequant_row_q45k<false>, &kw::dot_rows_q45k<false>},
+    {kquant::kQK, kquant::kQ5KBytes, &ka::dequant_row_q45k<true>, &kw::dot_rows_q45k<true>},
+    {kquant::kQK, kquant::kQ6KBytes, &ka::dequant_row_q6k, &kw::dot_rows_q6k},
 };
 #endif
 
@@ -77,8 +83,9 @@ const QuantRowOps* kquant_ops(int qtype, CpuIsa isa) {
   const int i = qtype - kGgmlQ4_K;
   if (i < 0 || i > 2) return nullptr;
 #if SRT_CPU_X86
-  // no AVX-512 row functions: AVX-512 CPUs run the AVX2 ones
-  if (isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512) return &kAvx2Ops[i];
+  // AVX-512: its own dot_rows, the AVX2 dequant_row
+  if (isa == CpuIsa::kAvx512) return &kAvx512Ops[i];
+  if (isa == CpuIsa::kAvx2) return &kAvx2Ops[i];
 #endif
   (void)isa;
   return &kScalarOps[i];

@@ -1,5 +1,6 @@
-// Row functions of the GGUF K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 weights), scalar and
-// AVX2 (+FMA, F16C); gguf_kquant.cpp turns them into QuantRowOps (interface: gguf_quant.h).
+// Row functions of the GGUF K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 weights), scalar,
+// AVX2 (+FMA, F16C) and AVX-512 (dot_rows only); gguf_kquant.cpp turns them into QuantRowOps
+// (interface: gguf_quant.h).
 //
 // Block layouts (byte offsets; fp16 little-endian; the reference is gguf.quants' numpy code):
 //   Q4_K (144)  0 d, 2 dmin, 4 scales[12], 16 qs[128]
@@ -412,6 +413,157 @@ SRT_TARGET_AVX2 inline void dot_rows_q6k(const uint8_t* row, int64_t k, const fl
 }
 
 }  // namespace avx2
+
+// AVX-512 dot_rows: the AVX2 functions' arithmetic 16 lanes at a time (the scales, the codes and
+// the minimum terms through the AVX2 helpers above). Sums are grouped differently, so the results
+// differ from the AVX2 ones by float rounding (dot_rows needs no bit-exactness); dequant_row
+// stays the AVX2 one (bit-exact).
+namespace avx512 {
+
+SRT_INLINE_AVX512 __m512i widen16_u8(const uint8_t* p) {  // 16 bytes -> 16 int32 lanes (zero-extended)
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+SRT_INLINE_AVX512 __m512 widen16_s8_ps(const uint8_t* p) {  // 16 int8 -> 16 float lanes
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <bool kHigh, int M>
+SRT_TARGET_AVX512 void dot_q45k(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, const float* xsum16,
+                                int64_t ldxs, float* out, int64_t ldo) {
+  constexpr int TS = kHigh ? kQ5KBytes : kQ4KBytes;
+  constexpr int T = M <= 2 ? 2 : 1;
+  __m512 tot[T][M];
+  __m256 mins[M];  // -(dmin * m) . (sub-block sums of x), 8 lanes as in the AVX2 code
+  for (int r = 0; r < M; ++r) {
+    for (int t = 0; t < T; ++t) tot[t][r] = _mm512_setzero_ps();
+    mins[r] = _mm256_setzero_ps();
+  }
+  const __m512i m4 = _mm512_set1_epi32(0xF);
+  alignas(32) float ds[8];
+  alignas(64) uint8_t qb[kHigh ? kQK : 1];
+  const float* xp[M];
+  for (int r = 0; r < M; ++r) xp[r] = x + r * ldx;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * TS;
+    __m256 vds, vdm;
+    avx2::scales_q45k(blk, &vds, &vdm);
+    _mm256_store_ps(ds, vds);
+    const __m256 dmp = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(vdm), 0xD8));
+    for (int r = 0; r < M; ++r) {
+      const float* xs = xsum16 + r * ldxs + 16 * b;
+      const __m256 x32 = _mm256_hadd_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8));
+      mins[r] = _mm256_fnmadd_ps(dmp, x32, mins[r]);
+    }
+    const uint8_t* qs = blk + 16;
+    if (kHigh) avx2::codes_q5k(blk, qb);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512 lo[M], hi[M];
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        __m512 fl, fh;
+        if (kHigh) {
+          fl = _mm512_cvtepi32_ps(widen16_u8(qb + 64 * j + 16 * c));
+          fh = _mm512_cvtepi32_ps(widen16_u8(qb + 64 * j + 32 + 16 * c));
+        } else {
+          const __m512i v = widen16_u8(qs + 32 * j + 16 * c);
+          fl = _mm512_cvtepi32_ps(_mm512_and_si512(v, m4));
+          fh = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        }
+        for (int r = 0; r < M; ++r) {
+          const float* xr = xp[r] + 64 * j + 16 * c;
+          if (c == 0) {
+            lo[r] = _mm512_mul_ps(fl, _mm512_loadu_ps(xr));
+            hi[r] = _mm512_mul_ps(fh, _mm512_loadu_ps(xr + 32));
+          } else {
+            lo[r] = _mm512_fmadd_ps(fl, _mm512_loadu_ps(xr), lo[r]);
+            hi[r] = _mm512_fmadd_ps(fh, _mm512_loadu_ps(xr + 32), hi[r]);
+          }
+        }
+      }
+      const __m512 sl = _mm512_set1_ps(ds[2 * j]), sh = _mm512_set1_ps(ds[2 * j + 1]);
+      for (int r = 0; r < M; ++r) {
+        tot[0][r] = _mm512_fmadd_ps(sl, lo[r], tot[0][r]);
+        tot[T - 1][r] = _mm512_fmadd_ps(sh, hi[r], tot[T - 1][r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) xp[r] += kQK;
+  }
+  for (int r = 0; r < M; ++r) {
+    __m512 t = tot[0][r];
+    if (T == 2) t = _mm512_add_ps(t, tot[T - 1][r]);
+    out[r * ldo] = _mm512_reduce_add_ps(t) + VecAvx2::hsum(mins[r]);
+  }
+}
+
+template <int M>
+SRT_TARGET_AVX512 void dot_q6k(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int NA = M <= 2 ? 4 : 2;  // accumulators per row
+  __m512 acc[NA][M];
+  for (int a = 0; a < NA; ++a)
+    for (int r = 0; r < M; ++r) acc[a][r] = _mm512_setzero_ps();
+  alignas(32) float ds[16];
+  alignas(64) uint8_t qb[kQK];
+  const float* xp[M];
+  for (int r = 0; r < M; ++r) xp[r] = x + r * ldx;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kQ6KBytes;
+    const __m256 d = avx2::fp16_bcast(blk + 208);
+    _mm256_store_ps(ds, _mm256_mul_ps(d, avx2::widen8_s8_ps(blk + 192)));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(d, avx2::widen8_s8_ps(blk + 200)));
+    avx2::codes_q6k(blk, qb);
+    if constexpr (M == 1) {
+      const float* xb = xp[0];
+#pragma GCC unroll 16
+      for (int g = 0; g < 16; ++g) {
+        const __m512 s = _mm512_mul_ps(widen16_s8_ps(qb + 16 * g), _mm512_loadu_ps(xb + 16 * g));
+        acc[g % NA][0] = _mm512_fmadd_ps(_mm512_set1_ps(ds[g]), s, acc[g % NA][0]);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int g = 0; g < 16; ++g) {
+        const __m512 w = _mm512_mul_ps(_mm512_set1_ps(ds[g]), widen16_s8_ps(qb + 16 * g));
+        for (int r = 0; r < M; ++r)
+          acc[g % NA][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp[r] + 16 * g), acc[g % NA][r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) xp[r] += kQK;
+  }
+  for (int r = 0; r < M; ++r) {
+    __m512 t = acc[0][r];
+    for (int a = 1; a < NA; ++a) t = _mm512_add_ps(t, acc[a][r]);
+    out[r * ldo] = _mm512_reduce_add_ps(t);
+  }
+}
+
+template <bool kHigh>
+SRT_TARGET_AVX512 void dot_rows_q45k(const uint8_t* row, int64_t k, const float* x, int64_t ldx,
+                                     const float* xsum16, int64_t ldxs, int64_t m, float* out, int64_t ldo) {
+  const int64_t nb = k / kQK;
+  switch (m) {
+    case 1: dot_q45k<kHigh, 1>(row, nb, x, ldx, xsum16, ldxs, out, ldo); break;
+    case 2: dot_q45k<kHigh, 2>(row, nb, x, ldx, xsum16, ldxs, out, ldo); break;
+    case 3: dot_q45k<kHigh, 3>(row, nb, x, ldx, xsum16, ldxs, out, ldo); break;
+    case 4: dot_q45k<kHigh, 4>(row, nb, x, ldx, xsum16, ldxs, out, ldo); break;
+    default: break;
+  }
+}
+
+SRT_TARGET_AVX512 inline void dot_rows_q6k(const uint8_t* row, int64_t k, const float* x, int64_t ldx,
+                                           const float* /*xsum16*/, int64_t /*ldxs*/, int64_t m, float* out,
+                                           int64_t ldo) {
+  const int64_t nb = k / kQK;
+  switch (m) {
+    case 1: dot_q6k<1>(row, nb, x, ldx, out, ldo); break;
+    case 2: dot_q6k<2>(row, nb, x, ldx, out, ldo); break;
+    case 3: dot_q6k<3>(row, nb, x, ldx, out, ldo); break;
+    case 4: dot_q6k<4>(row, nb, x, ldx, out, ldo); break;
+    default: break;
+  }
+}
+
+}  // namespace avx512
 #endif  // SRT_CPU_X86
 
 }  // namespace kquant

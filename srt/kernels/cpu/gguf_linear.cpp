@@ -55,7 +55,7 @@ CpuIsa gguf_isa() { return detect_isa() == CpuIsa::kScalar ? CpuIsa::kScalar : C
 
 const QuantRowOps* find_ops(int64_t qtype) {
   const int q = static_cast<int>(qtype);
-  for (CpuIsa i : {gguf_isa(), CpuIsa::kScalar}) {
+  for (CpuIsa i : {detect_isa(), CpuIsa::kScalar}) {  // AVX-512: the K-quants' own dot_rows
     if (const QuantRowOps* ops = simple_quant_ops(q, i)) return ops;
     if (const QuantRowOps* ops = kquant_ops(q, i)) return ops;
   }
