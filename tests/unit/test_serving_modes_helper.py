@@ -1,7 +1,7 @@
 """The helper of tests/gpu/test_serving_modes_gpu.py on the CPU, as the GPU machine runs it:
 without the default model's package it serves a model of the default model's shapes with seeded
 random weights and prompts of seeded random ids, and each prompt alone gives the same greedy
-tokens with overlap scheduling on and off."""
+tokens with overlap scheduling on and off, and with speculative decoding."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def test_greedy_alone_on_cpu_with_and_without_overlap(without_default_model, tmp
     overlapped = modes.greedy_alone("cpu", enable_overlap_schedule=True, **model)
     assert all(len(out) == modes.MAX_NEW for out in plain)
     assert overlapped == plain
+
+
+def test_greedy_alone_on_cpu_with_speculation(without_default_model, tmp_path):
+    """The speculative check of the GPU module on the CPU: the same tokens, drafts accepted."""
+    model = modes.model_kw(tmp_path / "shapes")
+    plain = modes.greedy_alone("cpu", **model)
+    stats: dict = {}
+    spec = modes.greedy_alone("cpu", stats, speculative_algorithm="NGRAM", **model)
+    assert spec == plain
+    assert stats["num_verify_tokens"] > stats["num_verify_steps"], stats
