@@ -508,33 +508,23 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
       std::vector<float> xs(static_cast<size_t>(M * nb));
       x8::block_sums(xp, ldx, M, nb, xs.data());
       const x8::DotGroupFn dot = x8::dot_group_fn(qtype);
-      if (detect_isa() == CpuIsa::kAvx512) {  // two groups per 16 lanes, the same sums
-        const x8::DotPairFn dot2 = x8::dot_pair_fn(qtype);
-        const int64_t pairs = groups / 2, units = pairs + groups % 2;
-        at::parallel_for(0, units, std::max<int64_t>(1, 32 * 1024 / gbytes), [&](int64_t u0, int64_t u1) {
-          for (int64_t u = u0; u < u1; ++u) {
-            const int64_t g = 2 * u, n = g * x8::kRows;
-            for (int64_t i = 0; i < M; i += kMaxDotRows) {
-              const int64_t m = std::min(kMaxDotRows, M - i);
-              const float* bn = bp != nullptr ? bp + n : nullptr;
-              if (u < pairs) {
-                dot2(pp + g * gbytes, pp + (g + 1) * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, m,
-                     op + i * N + n, N, bn, std::min<int64_t>(2 * x8::kRows, N - n));
-              } else {  // the last, odd group
-                dot(pp + g * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, m, op + i * N + n, N, bn,
-                    std::min(x8::kRows, N - n));
-              }
-            }
-          }
-        });
-        return out;
-      }
-      at::parallel_for(0, groups, std::max<int64_t>(1, 64 * 1024 / gbytes), [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t n = g * x8::kRows, valid = std::min(x8::kRows, N - n);
+      // AVX-512: two groups per 16 lanes (the same sums), the last odd group alone
+      const x8::DotPairFn dot2 = detect_isa() == CpuIsa::kAvx512 ? x8::dot_pair_fn(qtype) : nullptr;
+      const int64_t span = dot2 != nullptr ? 2 : 1, units = (groups + span - 1) / span;
+      at::parallel_for(0, units, std::max<int64_t>(1, 64 * 1024 / (span * gbytes)), [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t g = span * u, n = g * x8::kRows;
+          const bool pair = dot2 != nullptr && g + 1 < groups;
+          const int64_t valid = std::min<int64_t>((pair ? 2 : 1) * x8::kRows, N - n);
+          const float* bn = bp != nullptr ? bp + n : nullptr;
           for (int64_t i = 0; i < M; i += kMaxDotRows) {
-            dot(pp + g * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, std::min(kMaxDotRows, M - i),
-                op + i * N + n, N, bp != nullptr ? bp + n : nullptr, valid);
+            const int64_t m = std::min(kMaxDotRows, M - i);
+            if (pair) {
+              dot2(pp + g * gbytes, pp + (g + 1) * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, m,
+                   op + i * N + n, N, bn, valid);
+            } else {
+              dot(pp + g * gbytes, nb, xp + i * ldx, ldx, xs.data() + i * nb, m, op + i * N + n, N, bn, valid);
+            }
           }
         }
       });

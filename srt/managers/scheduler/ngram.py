@@ -46,11 +46,21 @@ class NgramConfig:
 class NgramIndex:
     """The token history of one request, indexed for drafting (see the module docstring)."""
 
-    __slots__ = ("_positions", "_registered")
+    __slots__ = ("_ids", "_positions", "_registered")
 
     def __init__(self) -> None:
+        self._ids: list[int] = []  # the request's tokens so far (prompt + output)
         self._positions: dict[int, list[int]] = {}
         self._registered = 0  # ids[:_registered] are indexed
+
+    def sync(self, prompt: list[int], output: list[int]) -> list[int]:
+        """The request's tokens ``prompt + output``, held here and extended by the output tokens
+        new since the last call (O(new tokens), not a copy of the history per step)."""
+        ids = self._ids
+        if not ids:
+            ids.extend(prompt)
+        ids.extend(output[len(ids) - len(prompt) :])
+        return ids
 
     def draft(self, ids: list[int], k: int, min_match: int, max_match: int) -> list[int]:
         """At most ``k`` tokens continuing ``ids`` after its best earlier match ([] if none)."""

@@ -68,10 +68,7 @@ def process_batch_result(
     """Apply one forward's results to ``batch.reqs`` (see the module docstring); finished
     requests are handed to ``release``. ``discard_released`` (overlap scheduling, where a
     request can finish while its batch runs): skip the rows of requests released already."""
-    next_ids: list[int] = sample_output.next_token_ids.tolist()
-    token_lps = sample_output.next_token_logprobs
-    lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
-    tops = sample_output.top_logprobs if lps is not None else None
+    next_ids, lps, tops = sampled_lists(sample_output)
     input_lp = _input_logprobs_per_req(batch, logits_output) if lps is not None else None
     reqs = batch.reqs
     # rows of requests that finished before the batch completed (None: no such row)
@@ -86,6 +83,15 @@ def process_batch_result(
     decode_finished, decoded = _process_decode_rows(batch, next_ids, lps, tops, release, stale)
     applied = reqs if stale is None else [r for r, gone in zip(reqs, stale) if not gone]
     return BatchResult(new_decoding, generated + decoded, decode_finished, applied)
+
+
+def sampled_lists(
+    sample_output: SampleResult,
+) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+    """(next token ids, their logprobs or None, their top logprobs or None) as Python lists."""
+    token_lps = sample_output.next_token_logprobs
+    lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
+    return sample_output.next_token_ids.tolist(), lps, sample_output.top_logprobs if lps is not None else None
 
 
 def _process_extend_rows(

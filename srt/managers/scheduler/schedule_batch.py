@@ -157,7 +157,7 @@ class ScheduleBatch:
         need = sum(page_ceil(s, P) - page_ceil(p, P) for p, s in zip(prefix_lens, seq_lens))
         if not kv.ensure_free(need):
             raise KVAllocationError(f"extend needs {need} KV slots, {kv.available()} obtainable")
-        last_loc = _last_locs(pool.req_to_token, reqs, prefix_lens) if kv.page_size > 1 else prefix_lens
+        last_loc = last_locs(pool.req_to_token, reqs, prefix_lens) if kv.page_size > 1 else prefix_lens
         out = kv.allocator.alloc_extend(prefix_lens, seq_lens, last_loc)
         if out is None:
             raise KVAllocationError(f"alloc_extend failed for {need} slots")
@@ -380,7 +380,7 @@ class SamplingInfoCache:
         return info
 
 
-def _last_locs(req_to_token: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
+def last_locs(req_to_token: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
     """Slot of token ``prefix_len - 1`` of each request (-1 when the prefix is empty)."""
     out = []
     for r, p in zip(reqs, prefix_lens):

@@ -40,8 +40,8 @@ import torch
 from srt.layers.forward_batch import ForwardMode
 from srt.managers.scheduler.grammar import GrammarManager
 from srt.managers.scheduler.ngram import NgramConfig, NgramIndex, NgramStore
-from srt.managers.scheduler.output import BatchResult, record_logprob
-from srt.managers.scheduler.schedule_batch import KVAllocationError, ScheduleBatch, VerifyRows
+from srt.managers.scheduler.output import BatchResult, record_logprob, sampled_lists
+from srt.managers.scheduler.schedule_batch import KVAllocationError, ScheduleBatch, VerifyRows, last_locs
 from srt.utils.pages import page_ceil
 
 if TYPE_CHECKING:
@@ -62,11 +62,9 @@ class SpecReqState:
     index: NgramIndex
     budget: int
     cooldown: int = 0
-    verify_ct: int = 0  # decode steps taken (verifying its drafts, maybe none, or plain ones)
     unsent_accepts: list[int] = field(default_factory=list)  # tokens per step, not yet reported
 
     def on_plain_step(self) -> None:
-        self.verify_ct += 1
         self.unsent_accepts.append(1)
 
     def take_accepts(self) -> list[int]:
@@ -120,7 +118,7 @@ class SpeculativeDecoder:
         k = min(st.budget, req.remaining_new_tokens - 1, self.max_positions - req.kv_allocated_len - 1)
         if k <= 0:
             return []
-        ids = req.origin_input_ids + req.output_ids
+        ids = st.index.sync(req.origin_input_ids, req.output_ids)
         cfg = self.cfg
         d = st.index.draft(ids, k, cfg.min_match, cfg.max_match)
         if not d and self.store is not None:
@@ -148,11 +146,7 @@ class SpeculativeDecoder:
             if not cache.ensure_free(need):
                 raise KVAllocationError(f"decode needs {need} KV slots, {cache.available()} obtainable")
         pool = cache.req_to_token_pool
-        last_loc = (
-            [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(running, prefix)]
-            if P > 1
-            else prefix
-        )
+        last_loc = last_locs(pool.req_to_token, running, prefix) if P > 1 else prefix
         out = cache.allocator.alloc_extend(prefix, seq, last_loc)
         if out is None:
             raise KVAllocationError(f"verify needs {need} KV slots, {cache.allocator.available_size()} free")
@@ -194,10 +188,7 @@ class SpeculativeDecoder:
     ) -> BatchResult:
         """Accept each request's tokens (module docstring), free the rejected rows' KV, finish
         and release requests."""
-        next_ids: list[int] = sample_output.next_token_ids.tolist()
-        token_lps = sample_output.next_token_logprobs
-        lps: list[float] | None = token_lps.tolist() if token_lps is not None else None
-        tops = sample_output.top_logprobs if lps is not None else None
+        next_ids, lps, tops = sampled_lists(sample_output)
         verify = batch.verify
         assert verify is not None
         finished = False
@@ -223,7 +214,7 @@ class SpeculativeDecoder:
             row += n
             appended += m
             req.kv_committed_len = p + m
-            keep = page_ceil(p + m, P) if P > 1 else p + m
+            keep = page_ceil(p + m, P)  # a partly used last page stays the request's
             if keep < p + n:
                 cache.allocator.free(
                     cache.req_to_token_pool.req_to_token[req.req_pool_idx, keep : p + n].clone()
@@ -239,7 +230,6 @@ class SpeculativeDecoder:
 
     def _after_verify(self, req: Req, drafted: int, produced: int) -> None:
         st = self.state(req)
-        st.verify_ct += 1
         st.unsent_accepts.append(produced)
         self.metrics.on_verify(drafted, produced)
         if drafted == 0:
