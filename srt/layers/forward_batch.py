@@ -45,6 +45,11 @@ class AttentionLayer(Protocol):
     head_dim: int
     scaling: float
     layer_id: int
+    # keys a query may see behind itself: key position >= query position - sliding_window_size
+    # (HF's ``sliding_window`` minus 1; FlashInfer's ``window_left``); -1 = the whole sequence
+    sliding_window_size: int
+    # attention logit soft-capping: scores -> logit_cap * tanh(scores / logit_cap); 0 = off
+    logit_cap: float
 
 
 class BatchAttention(Protocol):

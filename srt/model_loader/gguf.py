@@ -50,6 +50,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# per GGUF architecture: layer tensors whose HF name differs from (or is missing in) the table above
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {}
 # llama.cpp-only tensors with no HF parameter (rope_freqs: precomputed rope factors)
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -67,13 +69,14 @@ _PLAIN_DTYPES = {
 }
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor name (None for tensors with no HF counterpart)."""
+def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name of a GGUF tensor name of a file of architecture ``arch`` (None for
+    tensors with no HF counterpart)."""
     if gguf_name in _IGNORED_TENSORS:
         return None
     m = _LAYER_RE.match(gguf_name)
     if m is not None:
-        part = _LAYER_TENSORS.get(m.group(2))
+        part = _ARCH_LAYER_TENSORS.get(arch, {}).get(m.group(2)) or _LAYER_TENSORS.get(m.group(2))
         if part is None:
             raise GGUFError(f"unsupported GGUF tensor {gguf_name!r}")
         return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
@@ -89,6 +92,17 @@ def reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     Per head, GGUF rows are ``(half, 2)``-ordered and HF rows ``(2, half)``-ordered."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def postprocess_tensor(arch: str, hf_name: str, tensor: torch.Tensor, hf_config) -> torch.Tensor:
+    """What the converter did to a tensor, undone: llama q/k rows are un-permuted
+    (``reverse_llama_permute``). Whole rows only, so quantized blocks (uint8 rows) pass too."""
+    if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        head_dim = (
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        return reverse_llama_permute(tensor, tensor.shape[0] // head_dim)
+    return tensor
 
 
 def read_tensor_data(f, info: GGUFTensorInfo) -> np.ndarray:
@@ -116,17 +130,15 @@ def gguf_weights_iterator(
 
     Matrices whose ggml type is in ``keep_quantized`` come as ``GGUFTensor`` (their blocks);
     everything else is dequantized with ``gguf.dequantize`` to float32. Llama q/k rows are
-    un-permuted (``reverse_llama_permute``) with ``hf_config``'s head counts. Each yielded
+    un-permuted (``postprocess_tensor``) with ``hf_config``'s head dim. Each yielded
     tensor is freshly allocated and owned by the caller (no other reference is kept)."""
     from gguf import dequantize
 
     gf = open_gguf(gguf_file)
-    permute = gguf_architecture(gf) == "llama"
-    n_head = hf_config.num_attention_heads
-    n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
+    arch = gguf_architecture(gf)
     with open(gguf_file, "rb", buffering=0) as f:
         for info in gf.tensors:
-            hf_name = gguf_to_hf_name(info.name)
+            hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None:
                 continue
             raw = read_tensor_data(f, info)
@@ -138,8 +150,7 @@ def gguf_weights_iterator(
             else:
                 tensor = torch.from_numpy(dequantize(raw, info.qtype).astype(np.float32, copy=False))
             del raw
-            if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
-                tensor = reverse_llama_permute(tensor, n_head if ".q_proj." in hf_name else n_kv_head)
+            tensor = postprocess_tensor(arch, hf_name, tensor, hf_config)
             if quantized:
                 rows, cols = info.shape
                 yield hf_name, GGUFTensor(info.qtype, rows, cols, tensor.contiguous())

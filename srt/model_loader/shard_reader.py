@@ -26,7 +26,7 @@ import torch
 from srt.configs.gguf_header import GGUFTensorInfo, gguf_architecture, open_gguf
 from srt.kernels.cpu.gguf import block_info
 from srt.layers.quantized_weight import GGUFTensor
-from srt.model_loader.gguf import _PLAIN_DTYPES, gguf_to_hf_name, reverse_llama_permute
+from srt.model_loader.gguf import _PLAIN_DTYPES, gguf_to_hf_name, postprocess_tensor
 from srt.model_loader.sharding import ShardPlan, TensorSlice
 from srt.model_loader.weight_utils import safetensors_files
 
@@ -104,12 +104,11 @@ def sharded_gguf_iterator(
     from gguf import dequantize
 
     gf = open_gguf(gguf_file)
-    permute = gguf_architecture(gf) == "llama"
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    arch = gguf_architecture(gf)
     mm = np.memmap(gguf_file, dtype=np.uint8, mode="r")
     try:
         for info in gf.tensors:
-            hf_name = gguf_to_hf_name(info.name)
+            hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None or plan.skip(hf_name):
                 continue
             arr, blocks = _read_slice(_raw_view(mm, info), info, plan.lookup(hf_name), hf_name)
@@ -121,8 +120,7 @@ def sharded_gguf_iterator(
             else:
                 tensor = torch.from_numpy(arr.astype(np.float32, copy=False))
             del arr
-            if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
-                tensor = reverse_llama_permute(tensor, tensor.shape[0] // head_dim)
+            tensor = postprocess_tensor(arch, hf_name, tensor, hf_config)
             if keep:
                 cols = tensor.shape[1] // block_info(info.qtype)[1] * block_info(info.qtype)[0]
                 yield hf_name, GGUFTensor(info.qtype, tensor.shape[0], cols, tensor.contiguous())

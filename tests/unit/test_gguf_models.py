@@ -149,7 +149,9 @@ def _check_file(path: str, scheme: str, fast_random: bool) -> None:
             np.asarray(w, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
         )
     heads = SimpleNamespace(
-        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"]
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
     )
     seen = set()
     for name, tensor in gguf_weights_iterator(path, heads):

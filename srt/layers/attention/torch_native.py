@@ -28,6 +28,12 @@ Decode part (the remaining ``nd`` sequences, one query token each), in chunks::
     per layer and chunk: K = k_buffer.index_select(0, slots.flatten()) -> [n_c, L_c, H_kv, D]
                  (once for K, once for V, into a reused workspace), then one batched SDPA.
 
+Layers with a sliding window or logit soft-capping (``has_window_or_cap``) take ``math_attention``
+instead of SDPA in both parts: explicit scores, the cap, a mask of the keys each query may see
+(``visible_keys``: causal and, with a window, no further back than ``sliding_window_size``), softmax.
+All K/V stay in the pool; a window only narrows what is read, so the radix cache and chunked
+prefill need nothing of their own for it.
+
 Chunking keeps the gathered K/V in the CPU caches between the gather and SDPA's reads (one
 gather of a whole large batch is tens of MB and goes to DRAM and back), and grouping equal or
 similar lengths cuts the padding a single ``[nd, max_len]`` matrix would attend over. Each
@@ -93,6 +99,7 @@ class DecodeChunk:
     max_len: int
     slots: torch.Tensor  # int64 [n * max_len] (flattened [n, max_len]; padding -> slot 0)
     mask: torch.Tensor | None  # bool [n, 1, 1, max_len] or None (all lengths == max_len)
+    lens: torch.Tensor  # int64 [n]: the chunk's sequence lengths (windowed layers' masks)
 
 
 @dataclass(slots=True)
@@ -219,7 +226,7 @@ def plan_decode_chunks(
             valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
             slots = slots.masked_fill(~valid, 0)
             mask = valid[:, None, None, :]
-        md.decode_chunks.append(DecodeChunk(i, n, index, max_len, slots.reshape(-1), mask))
+        md.decode_chunks.append(DecodeChunk(i, n, index, max_len, slots.reshape(-1), mask, lens))
         i += n
 
 
@@ -300,15 +307,55 @@ def sdpa_extend(
     ``[sum of extend seq_lens, H_kv, D]`` (each sequence's keys in order, prefix first)."""
     h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     gqa = h != h_kv
+    special = has_window_or_cap(layer)
     for run in md.extend_runs:
         qe, ks, n, e, s = run.q_start, run.kv_start, run.n, run.extend_len, run.seq_len
         qr = q3[qe : qe + n * e].view(n, e, h, d).transpose(1, 2)
         kr = kx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
         vr = vx[ks : ks + n * s].view(n, s, h_kv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
-        )
+        if special:
+            query_pos = torch.arange(s - e, s, device=q3.device)
+            o = math_attention(qr, kr, vr, visible_keys(query_pos, s, layer.sliding_window_size), layer)
+        else:
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
+            )
         out[qe : qe + n * e].view(n, e, h, d).copy_(o.transpose(1, 2))
+
+
+def has_window_or_cap(layer: AttentionLayer) -> bool:
+    """Whether the layer attends through a sliding window or soft-caps its scores."""
+    return getattr(layer, "sliding_window_size", -1) >= 0 or getattr(layer, "logit_cap", 0.0) > 0
+
+
+def visible_keys(query_pos: torch.Tensor, num_keys: int, window_left: int) -> torch.Tensor:
+    """bool ``[len(query_pos), num_keys]``: key position j is visible to a query at position p when
+    j <= p and (no window, or j >= p - window_left)."""
+    key_pos = torch.arange(num_keys, device=query_pos.device)[None, :]
+    visible = key_pos <= query_pos[:, None]
+    if window_left >= 0:
+        visible &= key_pos >= query_pos[:, None] - window_left
+    return visible
+
+
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, layer: AttentionLayer
+) -> torch.Tensor:
+    """The reference attention for windowed and soft-capped layers: q ``[n, H, e, D]``, k/v
+    ``[n, H_kv, s, D]``, ``visible`` bool broadcastable to ``[n, H, e, s]`` -> ``[n, H, e, D]``.
+
+    scores = q k^T * scaling (float32) -> logit_cap * tanh(scores / logit_cap) when capped ->
+    invisible keys -inf -> softmax -> weighted sum of v (in q's dtype)."""
+    group = layer.num_heads // layer.num_kv_heads
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling
+    cap = getattr(layer, "logit_cap", 0.0)
+    if cap > 0:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def sdpa_decode(
@@ -326,19 +373,24 @@ def sdpa_decode(
     chunks = md.decode_chunks
     whole = len(chunks) == 1 and chunks[0].index is None  # one chunk, batch order
     out = None if whole else q3.new_empty(nd, h, d)
+    special = has_window_or_cap(layer)
     for c in chunks:
         n, max_len = c.n, c.max_len
         qc = q3[c.start : c.start + n] if c.index is None else q3.index_select(0, c.index)
         kd = ws.gather(k_buf, c.slots, 0, md.max_gather_rows).view(n, max_len, h_kv, d).transpose(1, 2)
         vd = ws.gather(v_buf, c.slots, 1, md.max_gather_rows).view(n, max_len, h_kv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qc.unsqueeze(2),
-            kd.to(q3.dtype),
-            vd.to(q3.dtype),
-            attn_mask=c.mask,
-            scale=layer.scaling,
-            enable_gqa=h != h_kv,
-        ).squeeze(2)
+        if special:  # the query sits at position len - 1 of its sequence
+            visible = visible_keys(c.lens - 1, max_len, layer.sliding_window_size)[:, None, None, :]
+            o = math_attention(qc.unsqueeze(2), kd.to(q3.dtype), vd.to(q3.dtype), visible, layer).squeeze(2)
+        else:
+            o = F.scaled_dot_product_attention(
+                qc.unsqueeze(2),
+                kd.to(q3.dtype),
+                vd.to(q3.dtype),
+                attn_mask=c.mask,
+                scale=layer.scaling,
+                enable_gqa=h != h_kv,
+            ).squeeze(2)
         if out is None:
             return o
         if c.index is None:
