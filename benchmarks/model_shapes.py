@@ -6,7 +6,9 @@ Each shape is a JSON file in ``benchmarks/shapes/`` (``--list`` shows them):
                  config.json and the default model's tokenizer, which srt (``--load-format
                  dummy``) and vLLM (``--load-format dummy``) both serve with random weights
     kind "gguf"  a Llama decoder (``gguf``: hidden, intermediate, layers, heads, kv_heads, ctx,
-                 rope_theta, qtype_scheme such as Q4_K_M or Q8_0); ``materialize`` writes a GGUF
+                 rope_theta, qtype_scheme such as Q4_K_M or Q8_0), or with experts,
+                 experts_used, moe_intermediate and head_dim a Qwen3-MoE decoder (GGUF
+                 architecture qwen3moe, experts as 3-D tensors); ``materialize`` writes a GGUF
                  of random blocks in that mix with the default model's tokenizer copied in
                  (``tests/helpers/gguf_models.write_llama_gguf``), which srt and llama.cpp's
                  server both load
@@ -22,8 +24,9 @@ Materialized shapes are cached under ``~/.cache/srt/shapes/`` (``$XDG_CACHE_HOME
 keyed by the shape's JSON and the default model's file, and reused.
 
 The least work of one token, for bounds: ``weight_bytes_per_token`` (every decoder matrix, norm
-and the LM head read once: float32 for hf shapes, the stored blocks for gguf ones) and
-``flops_per_token`` (2 x the decoder's and LM head's matrix elements; attention left out).
+and the LM head read once: float32 for hf shapes, the stored blocks for gguf ones; of a MoE's
+experts only the ``experts_used`` a token is routed to) and ``flops_per_token`` (2 x the
+decoder's and LM head's matrix elements a token uses; attention left out).
 
     python -m benchmarks.model_shapes --list
     python -m benchmarks.model_shapes NAME          # materialize, print the path
@@ -49,6 +52,8 @@ if str(REPO) not in sys.path:  # run as a script: make `benchmarks` and `tests` 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 FORMAT_VERSION = 1  # bump when what materialize writes changes
 GGUF_KEYS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
+# optional keys of a gguf spec: a Qwen3-MoE decoder (experts as 3-D tensors; head_dim of its own)
+GGUF_MOE_KEYS = ("head_dim", "experts", "experts_used", "moe_intermediate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +177,19 @@ def _hf_matrices(cfg: dict) -> tuple[int, int]:
     return n * per_layer, cfg["vocab_size"] * h
 
 
-def _gguf_read_per_token(shape: Shape) -> list:
-    """The tensors of the shape's GGUF that a decode step reads (``decode_read_tensors``)."""
-    from tests.helpers.gguf_models import decode_read_tensors, gguf_vocab_size, tensor_plan
+def _gguf_plan(shape: Shape) -> list:
+    """The shape's GGUF tensors (``tensor_plan``)."""
+    from tests.helpers.gguf_models import gguf_vocab_size, tensor_plan
 
     spec = shape.gguf or {}
-    dims = {k: spec[k] for k in GGUF_KEYS}
+    dims = {k: spec[k] for k in GGUF_KEYS} | {k: spec[k] for k in GGUF_MOE_KEYS if k in spec}
     vocab = gguf_vocab_size(_default_gguf())
-    return decode_read_tensors(
-        tensor_plan(**dims, vocab=vocab, qtype_scheme=spec.get("qtype_scheme", "Q4_K_M"))
-    )
+    return tensor_plan(**dims, vocab=vocab, qtype_scheme=spec.get("qtype_scheme", "Q4_K_M"))
+
+
+def _active_share(p, shape: Shape) -> float:
+    """The share of tensor ``p`` one token uses: the active experts' of a 3-D expert tensor."""
+    return (shape.gguf or {}).get("experts_used", 0) / p.shape[0] if len(p.shape) == 3 else 1.0
 
 
 def weight_bytes_per_token(shape: Shape) -> int:
@@ -190,14 +198,19 @@ def weight_bytes_per_token(shape: Shape) -> int:
         dec, head = _hf_matrices(cfg)
         norms = (2 * cfg["num_hidden_layers"] + 1) * cfg["hidden_size"]
         return 4 * (dec + head + norms)
-    return sum(p.nbytes for p in _gguf_read_per_token(shape))
+    from tests.helpers.gguf_models import decode_read_bytes
+
+    return decode_read_bytes(_gguf_plan(shape), (shape.gguf or {}).get("experts_used", 0))
 
 
 def flops_per_token(shape: Shape) -> float:
     if shape.kind == "hf":
         dec, head = _hf_matrices(shape.config or {})
         return 2.0 * (dec + head)
-    return 2.0 * sum(math.prod(p.shape) for p in _gguf_read_per_token(shape) if len(p.shape) == 2)
+    from tests.helpers.gguf_models import decode_read_tensors
+
+    read = decode_read_tensors(_gguf_plan(shape))
+    return 2.0 * sum(math.prod(p.shape) * _active_share(p, shape) for p in read if len(p.shape) > 1)
 
 
 def main(argv: list[str] | None = None) -> int:

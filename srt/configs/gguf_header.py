@@ -36,7 +36,18 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Gemma: llama.cpp's fixed choices the converter does not write (llama-model.cpp): the layer
+# count of the 27B models (whose query scale is hidden/heads, not head_dim), the sliding-window
+# pattern (every n-th layer global) and rope base of the sliding layers
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_GLOBAL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0
 
 # metadata value type id -> struct format (scalars); 8 = string, 9 = array
 _SCALAR_FORMATS = {
@@ -219,16 +230,140 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
             scaling["original_max_position_embeddings"] = orig
         cfg["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensor_names:
-        logger.warning(
-            "%s has llama.cpp rope frequency factors (rope_freqs); srt ignores them (rope of the base "
-            "frequencies), like transformers' GGUF loader.",
-            path,
-        )
+        _warn_rope_freqs(path)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         value = gf.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             cfg[key] = value
+    if arch in _GEMMA_SWA_PATTERN:
+        cfg.update(_gemma_fields(arch, gf.metadata, cfg))
+    cfg.update(_phi3_fields(gf, cfg) if arch == "phi3" else {})
+    if arch in _MOE_RENORMALIZE or meta("expert_count"):
+        cfg.update(_moe_fields(arch, gf.metadata, tensor_names))
     return cfg
+
+
+# MoE GGUF architectures -> whether llama.cpp renormalises the top-k routing weights (its graph
+# hard-codes it per architecture unless ``expert_weights_norm`` says); "llama" with experts is Mixtral
+_MOE_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True}
+
+
+def _moe_fields(arch: str, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Mixture-of-experts config fields from ``{arch}.expert_*`` metadata: Qwen2-MoE (shared
+    expert size), Qwen3-MoE, and Mixtral (architecture "llama" with ``llama.expert_count``,
+    whose expert size is ``feed_forward_length``)."""
+
+    def meta(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    experts, used = meta("expert_count"), meta("expert_used_count")
+    if not experts or not used:
+        raise GGUFError(f"GGUF architecture {arch!r}: expert_count / expert_used_count missing or 0")
+    if arch == "llama":
+        ff = meta("expert_feed_forward_length") or meta("feed_forward_length")
+        return {
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "intermediate_size": ff,
+        }
+    out: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": meta("expert_feed_forward_length"),
+        "norm_topk_prob": bool(meta("expert_weights_norm", _MOE_RENORMALIZE[arch])),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", 0)
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    else:
+        out["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    return out
+
+
+def _warn_rope_freqs(path: str) -> None:
+    logger.warning(
+        "%s has llama.cpp rope frequency factors (rope_freqs); srt ignores them (rope of the base "
+        "frequencies), like transformers' GGUF loader.",
+        path,
+    )
+
+
+def _float_tensor(gf: GGUFFile, name: str) -> list[float] | None:
+    """The values of a small F32 tensor of the file (None when it has no such tensor)."""
+    info = next((t for t in gf.tensors if t.name == name), None)
+    if info is None:
+        return None
+    if info.qtype != 0:
+        raise GGUFError(f"{gf.path}: tensor {name} must be F32")
+    with open(gf.path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.nbytes)
+    return list(struct.unpack(f"<{info.nbytes // 4}f", data))
+
+
+def _phi3_fields(gf: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini fields, as llama.cpp's converter writes them: ``rope.dimension_count``
+    (rotary dims: partial rotary), ``attention.sliding_window`` (0: none), and for long-context
+    models the longrope factors as the tensors ``rope_factors_long`` / ``rope_factors_short``
+    with ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``."""
+    out: dict[str, Any] = {}
+    rope_dims = gf.get("phi3.rope.dimension_count")
+    if rope_dims is not None and rope_dims != cfg["head_dim"]:
+        out["partial_rotary_factor"] = rope_dims / cfg["head_dim"]
+    window = gf.get("phi3.attention.sliding_window")
+    out["sliding_window"] = int(window) if window else None
+    orig = gf.get("phi3.rope.scaling.original_context_length")
+    if orig is not None:
+        out["original_max_position_embeddings"] = orig
+    long_factor = _float_tensor(gf, "rope_factors_long.weight")
+    if long_factor is not None:
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": long_factor,
+            "short_factor": _float_tensor(gf, "rope_factors_short.weight") or long_factor,
+            "original_max_position_embeddings": orig or cfg["max_position_embeddings"],
+        }
+        attn_factor = gf.get("phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            scaling["attention_factor"] = attn_factor
+        out["rope_scaling"] = scaling
+    return out
+
+
+def _gemma_fields(arch: str, metadata: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3 config fields from ``{arch}.*`` metadata (what llama.cpp does with it):
+    sliding window and layer types, soft-caps, query scale, Gemma 3's per-layer-type rope."""
+
+    def meta(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    n = cfg["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "sliding_window": meta("attention.sliding_window"),
+        "attn_logit_softcapping": meta("attn_logit_softcapping"),
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+    }
+    pattern = meta("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer: sliding or not
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp: layer i slides when i % pattern < pattern - 1
+        sliding = [int(pattern) > 1 and i % int(pattern) < int(pattern) - 1 for i in range(n)]
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    scale = meta("attention.scale")
+    if scale:
+        out["query_pre_attn_scalar"] = round(1.0 / float(scale) ** 2)
+    elif n == _GEMMA_27B_LAYERS[arch]:
+        out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = cfg["head_dim"]
+    if arch == "gemma3":
+        out["rope_theta"] = meta("rope.freq_base", _GEMMA3_GLOBAL_THETA)
+        out["rope_local_base_freq"] = meta("rope.freq_base_swa", _GEMMA3_LOCAL_THETA)
+    return out
 
 
 def gguf_eos_token_ids(path: str) -> list[int]:

@@ -26,7 +26,7 @@ import torch
 
 from srt.configs.device import resolve_dtype
 from srt.configs.gguf_header import gguf_config_dict, gguf_eos_token_ids
-from srt.utils.errors import ConfigError, ModelNotFoundError
+from srt.utils.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
 from srt.utils.model_path import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,12 @@ class ModelConfig:
         if not archs:
             raise ConfigError(f"{self.model_path}: the config names no architecture ('architectures').")
         self.architecture: str = archs[0]
+        if not hasattr(cfg, "hidden_size") and hasattr(cfg, "text_config"):
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is multimodal (its language model's fields are in "
+                "text_config); srt serves text-only models (e.g. Gemma3ForCausalLM, not "
+                "Gemma3ForConditionalGeneration)."
+            )
         self.hidden_size: int = cfg.hidden_size
         self.num_hidden_layers: int = cfg.num_hidden_layers
         self.num_attention_heads: int = cfg.num_attention_heads

@@ -24,6 +24,10 @@ The LM head weight is the model's (``lm_head.weight``, the embedding when tied),
 backend's prepacked copy of it once ``prepare_weights(weight)`` ran (``head_packed``); a head
 kept as GGUF blocks (``lm_head.qweight``) runs its own matmul instead.
 
+Final logit soft-capping (``final_logit_softcap > 0``, Gemma 2): every logits row becomes
+``cap * tanh(logits / cap)`` in float32 before anything reads it, so sampling, the next-token
+logits and the prompt logprobs all see the capped values (0: the logits are left as they are).
+
 ``input_top_logprobs`` (when ``top_logprobs_nums[i] > 0``) is aligned with
 ``input_token_logprobs``: ``(token_id, logprob)`` pairs, best first. Logits for these rows are
 computed in chunks of ``LOGPROB_CHUNK_ROWS``, never as one ``[T, vocab]``, through the model's
@@ -73,11 +77,17 @@ class _PromptLogprobPlan:
 class LogitsProcessor(nn.Module):
     """``forward(hidden_states [T, hidden], lm_head, forward_batch) -> LogitsProcessorOutput``;
     ``lm_head`` is any module with ``weight [vocab, hidden]`` (the embedding when tied), applied
-    through ``linear_backend`` (the model's; ``F.linear`` when None)."""
+    through ``linear_backend`` (the model's; ``F.linear`` when None); ``final_logit_softcap``:
+    see the module docstring (0 = off)."""
 
-    def __init__(self, vocab_size: int, linear_backend: LinearBackend | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, linear_backend: LinearBackend | None = None, final_logit_softcap: float = 0.0
+    ) -> None:
         super().__init__()
+        if final_logit_softcap < 0:
+            raise ValueError(f"final_logit_softcap must be >= 0, got {final_logit_softcap}")
         self.vocab_size = vocab_size
+        self.final_logit_softcap = float(final_logit_softcap)
         self.linear_backend = linear_backend or TORCH_LINEAR
         self.head_packed: torch.Tensor | None  # the backend's prepacked LM head, if any
         self.register_buffer("head_packed", None, persistent=False)
@@ -119,7 +129,10 @@ class LogitsProcessor(nn.Module):
         else:
             logits = self.linear_backend.apply(hidden, lm_head.weight, None, self.head_packed).float()
         if self.tp is not None:
-            return self.tp.all_gather_last_dim(logits, self.vocab_sizes)
+            logits = self.tp.all_gather_last_dim(logits, self.vocab_sizes)
+        if self.final_logit_softcap > 0:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits.float() / cap).mul_(cap)
         return logits
 
     # ------------------------------------------------------------------

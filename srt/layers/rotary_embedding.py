@@ -1,32 +1,51 @@
 """Rotary position embedding (HF "rotate half" / NeoX layout), positions-based.
 
 A ``cos_sin_cache [max_position, rotary_dim]`` (float32: cos of the ``rotary_dim/2``
-frequencies, then sin) is built once; each call gathers the rows of ``positions`` and
-rotates every head of q and k:
+frequencies, then sin, both times the rope's attention factor) is built once
+(``srt/layers/rope_scaling.py``: rope types, scaling, per-position long-context choice); each
+call gathers the rows of ``positions`` and rotates every head of q and k:
 
-    x = [x1 | x2] (halves of the rotary dims);  out = [x1*cos - x2*sin | x2*cos + x1*sin]
+    x = [x1 | x2 | x_pass] (x1, x2: halves of the first rotary_dim dims; x_pass: the rest)
+    out = [x1*cos - x2*sin | x2*cos + x1*sin | x_pass]
 
-Frequencies: ``inv_freq[i] = base^(-2i/rotary_dim)``, rescaled by the config's rope scaling:
-``linear`` (divide by factor) or ``llama3`` (Llama 3.1: low frequencies divided by factor,
-high ones kept, a smooth blend in between).
+``rotary_dim < head_dim`` is partial rotary (``partial_rotary_factor``, e.g. Phi-4-mini's 0.75).
+
+Paths: full rotary on 2-D float32 CPU inputs rotates in place with the native op
+(``elementwise.rotary_neox_``); everything else (partial rotary, other dtypes, 3-D inputs) takes
+the torch path, which is also the reference.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from srt.kernels.cpu import elementwise
+from srt.layers.rope_scaling import (
+    SUPPORTED_ROPE_TYPES,
+    RopeSpec,
+    check_rope_keys,
+    cos_sin_table,
+    parse_rope,
+    rope_type_of,
+    static_inv_freq,
+)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = [
+    "SUPPORTED_ROPE_TYPES",
+    "RotaryEmbedding",
+    "compute_inv_freq",
+    "get_rope",
+    "parse_rope",
+    "rope_parameters",
+]
 
 
 def rope_parameters(config) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, scaling dict or None)`` from a transformers config (v4 ``rope_theta`` +
-    ``rope_scaling`` or v5 ``rope_parameters``)."""
+    ``rope_scaling`` or v5 ``rope_parameters``); None for the default rope."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params and "rope_theta" in params:
         theta = float(params["rope_theta"])
@@ -34,39 +53,19 @@ def rope_parameters(config) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(getattr(config, "rope_theta", 10000.0))
         scaling = getattr(config, "rope_scaling", None) or None
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "default":
-            scaling = None
+    if rope_type_of(scaling) == "default":
+        scaling = None
     return theta, scaling
 
 
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """float32 ``[rotary_dim // 2]`` inverse frequencies, scaled per ``scaling``."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise NotImplementedError(
-        f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-    )
+    """float32 ``[rotary_dim // 2]`` inverse frequencies of a position-independent rope type
+    (default, linear, llama3, yarn); raises ``UnsupportedModelError`` for others."""
+    rope_type = rope_type_of(scaling)
+    kept = dict(scaling or {})
+    check_rope_keys(kept, rope_type)
+    spec = RopeSpec(base, rotary_dim, rotary_dim, rope_type, kept)
+    return static_inv_freq(spec)[0]
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,44 +76,61 @@ class RotaryEmbedding(nn.Module):
         base: float,
         scaling: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
+        rotary_dim: int | None = None,
+        spec: RopeSpec | None = None,
     ) -> None:
+        """``spec`` (from ``parse_rope``) takes precedence over ``base`` / ``scaling`` /
+        ``rotary_dim``; without it the rope is built from those (a default-type dict: no scaling)."""
         super().__init__()
+        if spec is None:
+            rope_type = rope_type_of(scaling)
+            kept = dict(scaling or {})
+            check_rope_keys(kept, rope_type)
+            spec = RopeSpec(base, head_dim, rotary_dim or head_dim, rope_type, kept, max_position)
         self.head_dim = head_dim
-        self.rotary_dim = head_dim
+        self.rotary_dim = spec.rotary_dim
         self.max_position = max_position
-        inv_freq = compute_inv_freq(self.rotary_dim, base, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rotary_dim]
+        self.rope_type = spec.rope_type
+        cache = cos_sin_table(spec, max_position)  # [max_position, rotary_dim]
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, n, D]; cos/sin [T, 1, D/2]
+        # x [T, n, rotary_dim]; cos/sin [T, 1, rotary_dim/2]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        heads = x.reshape(num_tokens, -1, self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            return self._rotate(heads, cos, sin).view(x.shape)
+        rot, rest = heads.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((self._rotate(rot, cos, sin), rest), dim=-1).view(x.shape)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64; q ``[T, H*D]`` (or ``[T, H, D]``), k ``[T, H_kv*D]`` ->
-        rotated (q, k) of the input shapes and dtype: for 2-D float32 CPU inputs the inputs
-        themselves, rotated in place by the native op; otherwise new contiguous tensors."""
-        num_tokens = positions.shape[0]
-        if q.dim() == 2 and elementwise.supports(q, k, self.cos_sin_cache):
+        rotated (q, k) of the input shapes and dtype: for full rotary on 2-D float32 CPU inputs
+        the inputs themselves, rotated in place by the native op; otherwise new contiguous tensors."""
+        full = self.rotary_dim == self.head_dim
+        if full and q.dim() == 2 and elementwise.supports(q, k, self.cos_sin_cache):
             elementwise.rotary_neox_(q, k, positions, self.cos_sin_cache, self.head_dim)
             return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         if cos_sin.dtype != q.dtype:
             cos_sin = cos_sin.to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        q_rot = self._rotate(q.view(num_tokens, -1, self.head_dim), cos, sin)
-        k_rot = self._rotate(k.view(num_tokens, -1, self.head_dim), cos, sin)
-        return q_rot.view(q.shape), k_rot.view(k.shape)
+        return self._rotate_heads(q, cos, sin), self._rotate_heads(k, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+        partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
+        return f"head_dim={self.head_dim}{partial}, max_position={self.max_position}, type={self.rope_type}"
 
 
 def get_rope(head_dim: int, config, dtype: torch.dtype = torch.float32) -> RotaryEmbedding:
-    """The rope of a transformers config (theta, scaling, ``max_position_embeddings``)."""
-    base, scaling = rope_parameters(config)
-    return RotaryEmbedding(head_dim, int(config.max_position_embeddings), base, scaling, dtype)
+    """The rope of a transformers config (theta, partial rotary, scaling,
+    ``max_position_embeddings``); raises ``UnsupportedModelError`` / ``ConfigError`` for rope
+    settings srt cannot honour (``rope_scaling.parse_rope``)."""
+    spec = parse_rope(config, head_dim)
+    return RotaryEmbedding(head_dim, spec.max_position_embeddings, spec.base, dtype=dtype, spec=spec)

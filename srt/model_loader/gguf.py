@@ -11,11 +11,22 @@ The header (metadata, tensor table) is parsed by ``srt/configs/gguf_header.py``;
     -> yield (HF name, tensor)
 
 Tensor names: ``blk.N.<part>.weight`` -> ``model.layers.N.<HF part>.weight`` (tables below).
+Mixture-of-experts files: the router ``ffn_gate_inp`` -> ``mlp.gate``; the experts merged over E,
+``ffn_{gate,up,down}_exps`` ``[E, rows, cols]`` -> ``mlp.experts.{gate,up,down}_proj.weight``
+(kept quantized as one ``GGUFTensor`` of ``E * rows`` rows, expert after expert), or in older files
+one tensor per expert, ``ffn_gate.<e>`` -> ``mlp.experts.<e>.gate_proj.weight``; Qwen2-MoE's
+shared expert ``ffn_*_shexp`` -> ``mlp.shared_expert.*`` and its gate ``ffn_gate_inp_shexp``
+(a vector) -> ``mlp.shared_expert_gate.weight`` ``[1, H]``.
 
 llama.cpp's converter permutes the rows of q_proj/k_proj (weights and biases) of Llama
 models so its rope can rotate adjacent pairs; HF Llama rotates halves. Per head the GGUF
 rows are ordered ``[half, 2]`` and the HF rows ``[2, half]``; ``reverse_llama_permute``
-swaps the two axes back. Qwen2/Qwen3 GGUFs are not permuted.
+swaps the two axes back. Qwen2/Qwen3, Gemma and Phi-3 GGUFs are not permuted.
+
+Gemma 2/3: the converter stores every RMSNorm weight as ``w + 1`` (llama.cpp multiplies by
+the stored weight; HF by ``1 + w``); ``postprocess_tensor`` subtracts the 1 again. Their
+per-layer norms are named ``attn_norm`` / ``post_attention_norm`` / ``ffn_norm`` (the MLP's
+pre-norm) / ``post_ffw_norm``.
 """
 
 from __future__ import annotations
@@ -49,13 +60,35 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts (Qwen2/3-MoE, Mixtral): router, experts merged over E, shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # per GGUF architecture: layer tensors whose HF name differs from (or is missing in) the table above
-_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {}
-# llama.cpp-only tensors with no HF parameter (rope_freqs: precomputed rope factors)
-_IGNORED_TENSORS = {"rope_freqs.weight"}
+_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+# Phi-3: fused q/k/v, and ffn_up holds gate and up stacked (gate rows first), as in the HF checkpoint
+_ARCH_LAYER_TENSORS["phi3"] = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# architectures whose converter stores every RMSNorm weight as ``w + 1`` (Gemma's norms scale by 1 + w)
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+# llama.cpp-only tensors with no HF parameter (rope_freqs: precomputed rope factors; Phi-3's
+# longrope factors, read into the config's rope_scaling by gguf_header)
+_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+# older MoE files (early Mixtral GGUFs): one tensor per expert, blk.N.ffn_gate.E.weight
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 # ggml types stored as plain numpy arrays (others are quantized blocks)
 _PLAIN_DTYPES = {
@@ -74,6 +107,9 @@ def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     tensors with no HF counterpart)."""
     if gguf_name in _IGNORED_TENSORS:
         return None
+    m = _EXPERT_RE.match(gguf_name)
+    if m is not None:
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
     m = _LAYER_RE.match(gguf_name)
     if m is not None:
         part = _ARCH_LAYER_TENSORS.get(arch, {}).get(m.group(2)) or _LAYER_TENSORS.get(m.group(2))
@@ -94,9 +130,21 @@ def reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def is_matrix(hf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor can stay in its GGUF blocks: a weight matrix, or the experts of a MoE layer
+    merged over the experts (``[E, rows, cols]``: kept as ``E * rows`` rows, expert after expert)."""
+    return hf_name.endswith(".weight") and (len(shape) == 2 or (len(shape) == 3 and ".experts." in hf_name))
+
+
 def postprocess_tensor(arch: str, hf_name: str, tensor: torch.Tensor, hf_config) -> torch.Tensor:
     """What the converter did to a tensor, undone: llama q/k rows are un-permuted
-    (``reverse_llama_permute``). Whole rows only, so quantized blocks (uint8 rows) pass too."""
+    (``reverse_llama_permute``), whole rows only, so quantized blocks (uint8 rows) pass too;
+    Gemma norm weights (stored ``w + 1``, float) get their 1 back off; Qwen2-MoE's shared-expert
+    gate, stored as a vector ``[H]``, becomes HF's ``[1, H]``."""
+    if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+        return tensor.unsqueeze(0)
+    if arch in _NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
+        return tensor - 1.0
     if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
         head_dim = (
             getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -142,7 +190,7 @@ def gguf_weights_iterator(
             if hf_name is None:
                 continue
             raw = read_tensor_data(f, info)
-            quantized = info.qtype in keep_quantized and len(info.shape) == 2 and hf_name.endswith(".weight")
+            quantized = info.qtype in keep_quantized and is_matrix(hf_name, info.shape)
             if quantized:
                 tensor = torch.from_numpy(raw)
             elif info.qtype in _PLAIN_DTYPES:
@@ -152,7 +200,7 @@ def gguf_weights_iterator(
             del raw
             tensor = postprocess_tensor(arch, hf_name, tensor, hf_config)
             if quantized:
-                rows, cols = info.shape
-                yield hf_name, GGUFTensor(info.qtype, rows, cols, tensor.contiguous())
+                rows, cols = math.prod(info.shape[:-1]), info.shape[-1]
+                yield hf_name, GGUFTensor(info.qtype, rows, cols, tensor.reshape(rows, -1).contiguous())
             else:
                 yield hf_name, tensor

@@ -10,7 +10,9 @@ materializing the whole tensor.
                            are dequantized to float32 and cut (logged: that matrix loses its
                            quantized form on this rank)
 
-Names, dequantization and llama.cpp's q/k un-permutation are those of ``gguf.py``; the
+A MoE layer's merged expert tensor ``[E, rows, cols]`` is cut the same way in every expert's
+matrix (the rank's rows of gate/up, columns of down). Names, dequantization and llama.cpp's q/k
+un-permutation are those of ``gguf.py``; the
 un-permutation runs per local head (the rank's rows are whole heads). Each yielded tensor is a
 fresh copy owned by the caller.
 """
@@ -26,7 +28,7 @@ import torch
 from srt.configs.gguf_header import GGUFTensorInfo, gguf_architecture, open_gguf
 from srt.kernels.cpu.gguf import block_info
 from srt.layers.quantized_weight import GGUFTensor
-from srt.model_loader.gguf import _PLAIN_DTYPES, gguf_to_hf_name, postprocess_tensor
+from srt.model_loader.gguf import _PLAIN_DTYPES, gguf_to_hf_name, is_matrix, postprocess_tensor
 from srt.model_loader.sharding import ShardPlan, TensorSlice
 from srt.model_loader.weight_utils import safetensors_files
 
@@ -41,6 +43,11 @@ def sharded_safetensors_iterator(model_dir: str, plan: ShardPlan) -> Iterator[tu
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if plan.skip(name):
+                    continue
+                rows = plan.fused_rows(name)
+                if rows is not None:
+                    part = f.get_slice(name)
+                    yield name, torch.cat([part[a : a + n] for a, n in rows])
                     continue
                 s = plan.lookup(name)
                 if s is None:
@@ -65,15 +72,15 @@ def _raw_view(mm: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
 def _column_slice(
     raw: np.ndarray, info: GGUFTensorInfo, s: TensorSlice, name: str
 ) -> tuple[np.ndarray, bool]:
-    """Columns ``s`` of a 2-D tensor: ``(array, still blocks)``."""
+    """Columns ``s`` of a matrix (of each expert's, for a 3-D ``[E, rows, cols]``): ``(array, still blocks)``."""
     from gguf import dequantize
 
     end = s.start + s.size
     if info.qtype in _PLAIN_DTYPES:
-        return np.array(raw[:, s.start : end]), False
+        return np.array(raw[..., s.start : end]), False
     bs, ts = block_info(info.qtype)
     if s.start % bs == 0 and end % bs == 0:
-        return np.array(raw[:, s.start // bs * ts : end // bs * ts]), True
+        return np.array(raw[..., s.start // bs * ts : end // bs * ts]), True
     logger.warning(
         "%s: columns %d..%d are not aligned to blocks of %d; dequantized to float32 on this rank",
         name,
@@ -81,7 +88,7 @@ def _column_slice(
         end,
         bs,
     )
-    return dequantize(np.array(raw), info.qtype)[:, s.start : end].astype(np.float32), False
+    return dequantize(np.array(raw), info.qtype)[..., s.start : end].astype(np.float32), False
 
 
 def _read_slice(
@@ -91,8 +98,9 @@ def _read_slice(
     blocks = info.qtype not in _PLAIN_DTYPES
     if s is None:
         return np.array(raw), blocks
-    if s.dim == 0:
-        return np.array(raw[s.start : s.start + s.size]), blocks
+    if s.dim == 0:  # rows (of each expert's matrix, for a 3-D tensor)
+        end = s.start + s.size
+        return np.array(raw[:, s.start : end] if raw.ndim == 3 else raw[s.start : end]), blocks
     return _column_slice(raw, info, s, name)
 
 
@@ -111,8 +119,16 @@ def sharded_gguf_iterator(
             hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None or plan.skip(hf_name):
                 continue
-            arr, blocks = _read_slice(_raw_view(mm, info), info, plan.lookup(hf_name), hf_name)
-            keep = blocks and info.qtype in keep_quantized and arr.ndim == 2 and hf_name.endswith(".weight")
+            rows = plan.fused_rows(hf_name)
+            if rows is not None:  # a fused tensor: the rank's rows of each part (whole rows of blocks)
+                raw = _raw_view(mm, info)
+                arr, blocks = (
+                    np.concatenate([raw[a : a + n] for a, n in rows]),
+                    info.qtype not in _PLAIN_DTYPES,
+                )
+            else:
+                arr, blocks = _read_slice(_raw_view(mm, info), info, plan.lookup(hf_name), hf_name)
+            keep = blocks and info.qtype in keep_quantized and is_matrix(hf_name, arr.shape)
             if keep:
                 tensor = torch.from_numpy(arr)
             elif blocks:
@@ -122,7 +138,8 @@ def sharded_gguf_iterator(
             del arr
             tensor = postprocess_tensor(arch, hf_name, tensor, hf_config)
             if keep:
-                cols = tensor.shape[1] // block_info(info.qtype)[1] * block_info(info.qtype)[0]
+                cols = tensor.shape[-1] // block_info(info.qtype)[1] * block_info(info.qtype)[0]
+                tensor = tensor.reshape(-1, tensor.shape[-1])  # experts: E * rows rows
                 yield hf_name, GGUFTensor(info.qtype, tensor.shape[0], cols, tensor.contiguous())
             else:
                 yield hf_name, tensor

@@ -10,11 +10,16 @@ that tells the weight readers which slice of each checkpoint tensor this rank re
                                          attn / the module: local num_heads, num_kv_heads
     MLP (gate_up_proj, down_proj)        gate_up   column-parallel: the rank's intermediate rows
                                          down_proj row-parallel: the same columns, all_reduce
+    MoE block (srt/layers/moe.py)        every expert's intermediate dim as for the MLP (checkpoint
+                                         names per expert and merged), all_reduce after the
+                                         experts; router and shared-expert gate replicated
     VocabEmbedding / LMHead              the rank's vocabulary rows (masked lookup + all_reduce;
                                          the logits processor gathers the logits)
 
 The plan also records, per sharded srt parameter, which part of the whole parameter it is
-(``ParamView``), so seeded dummy weights are cut from the single-rank model's values.
+(``ParamView``), so seeded dummy weights are cut from the single-rank model's values, and so
+that a checkpoint storing a fused tensor (``qkv_proj``, ``gate_up_proj``) is cut into the rank's
+rows of each part (``fused_rows``).
 
 The model code is unchanged: a rank's model is the same module tree with smaller parameters,
 and since the readers hand ``load_weights`` tensors already cut to the rank's slice, its checks
@@ -38,6 +43,7 @@ from srt.distributed.communication import TPInfo
 from srt.distributed.partition import aligned_unit, head_shard, split_range
 from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.moe import SparseMoeBlock
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.utils.errors import ConfigError
@@ -98,6 +104,15 @@ class ShardPlan:
         """True when this rank reads nothing of ``name`` (another rank's row-parallel bias)."""
         return not self._entry(name)[1]
 
+    def fused_rows(self, name: str) -> tuple[tuple[int, int], ...] | None:
+        """A checkpoint tensor stored fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``, named as
+        the srt parameter it fills): the ``(start, rows)`` ranges this rank keeps, to be read and
+        concatenated; None for every other tensor (``lookup`` says what to read of those)."""
+        view = self.views.get(name)
+        if view is None or view.dim != 0 or self.lookup(name) is not None:
+            return None
+        return view.ranges
+
 
 def _shard_attention(prefix: str, module: nn.Module, tp: TPInfo, plan: ShardPlan) -> None:
     qkv: QKVLinear = module.qkv_proj
@@ -142,6 +157,23 @@ def _shard_mlp(prefix: str, module: nn.Module, tp: TPInfo, plan: ShardPlan) -> N
     down.register_forward_hook(lambda _m, _inp, out: tp.all_reduce(out))
 
 
+def _shard_moe(prefix: str, module: SparseMoeBlock, tp: TPInfo, plan: ShardPlan) -> set[int]:
+    """Each expert's intermediate dim cut like a dense MLP's (gate/up rows, down columns, then
+    all_reduce after the experts); router and shared-expert gate replicated. Returns the ids of
+    the replicated Linears (the shared expert itself is a gated MLP, cut by ``_shard_mlp``)."""
+    experts = module.experts
+    inter = experts.intermediate_size
+    start, size = split_range(inter, tp.size, tp.rank, aligned_unit(inter, tp.size))
+    shape = tuple(experts.gate_up_proj.shape)
+    plan.view(f"{prefix}.experts.gate_up_proj", shape, 1, (start, size), (inter + start, size))
+    plan.view(f"{prefix}.experts.down_proj", tuple(experts.down_proj.shape), 2, (start, size))
+    for name, _part, dim in module.checkpoint_expert_modules(prefix):
+        plan.add(name, dim, start, size)
+    experts.shard(size)
+    experts.register_forward_hook(lambda _m, _inp, out: tp.all_reduce(out))
+    return {id(module.gate), id(module.shared_expert_gate)}
+
+
 def vocab_sizes(vocab: int, tp_size: int) -> list[tuple[int, int]]:
     """``(start, rows)`` of each rank's vocabulary slice."""
     unit = _VOCAB_UNIT if vocab % _VOCAB_UNIT == 0 and vocab // _VOCAB_UNIT >= tp_size else 1
@@ -162,6 +194,8 @@ def shard_model(model: nn.Module, tp: TPInfo) -> ShardPlan:
         ):
             _shard_mlp(name, module, tp, plan)
             covered |= {id(module.gate_up_proj), id(module.down_proj)}
+        elif isinstance(module, SparseMoeBlock):
+            covered |= _shard_moe(name, module, tp, plan)
         elif isinstance(module, VocabEmbedding | LMHead):
             parts = vocab_sizes(module.weight.shape[0], tp.size)
             plan.view(f"{name}.weight", tuple(module.weight.shape), 0, parts[tp.rank])

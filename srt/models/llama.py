@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral without sliding window).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral with its sliding window).
 
 Also the base of Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm): the variants differ only
 in ``AttentionOptions``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from srt.layers.quantized_weight import GGUFTensor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+from srt.models.config_check import SILU_MLP, ConfigRequirement, check_config
 from srt.models.llama_native import NativeDecodeLayers
 from srt.utils.errors import WeightLoadError
 
@@ -48,6 +49,7 @@ class AttentionOptions:
     qkv_bias: bool = False  # biases on q/k/v projections
     o_bias: bool = False  # bias on the output projection
     qk_norm: bool = False  # RMSNorm over head_dim of q and k before rope (Qwen3)
+    window_left: int = -1  # sliding window: keys p - window_left .. p (HF sliding_window - 1; -1: none)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -100,7 +102,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+            sliding_window_size=options.window_left,
         )
 
     def forward(
@@ -215,6 +222,9 @@ class LlamaForCausalLM(nn.Module):
     ``linear_backend`` runs every projection and the LM head (``F.linear`` when None; the
     ModelRunner passes the one ``--linear-backend`` names)."""
 
+    # config values srt implements (anything else fails at construction: config_check.py)
+    config_requirements: tuple[ConfigRequirement, ...] = (SILU_MLP,)
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -222,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         linear_backend: LinearBackend | None = None,
     ) -> None:
         super().__init__()
+        check_config(config, type(self).__name__, self.config_requirements)
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, self.attention_options(config), dtype, linear_backend)
@@ -240,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
     def enable_native_decode(self) -> str:
         """Run DECODE steps' layers as one native call when the weights allow it
         (``llama_native.py``); returns one line for the log saying whether and why (not)."""
+        rope = self.model.rotary_emb
+        if rope.rotary_dim != rope.head_dim:
+            return "native decode layers off: partial rotary (the native call rotates whole heads)"
         self.model.native_decode, why = NativeDecodeLayers.build(self.model)
         state = "on" if self.model.native_decode is not None else "off"
         return f"native decode layers {state}: {why}"
@@ -302,17 +316,17 @@ class LlamaForCausalLM(nn.Module):
             )
 
 
-class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral = Llama layout; the sliding window is not implemented (full attention)."""
+def window_left_of(config: PretrainedConfig) -> int:
+    """RadixAttention's ``sliding_window_size`` for HF's ``sliding_window`` (a query sees that many
+    keys, itself included): ``sliding_window - 1``; -1 when the config has none."""
+    window = getattr(config, "sliding_window", None)
+    return int(window) - 1 if window else -1
 
-    def __init__(self, config: PretrainedConfig, *args: Any, **kwargs: Any) -> None:
-        """``LlamaForCausalLM``'s arguments."""
-        window = getattr(config, "sliding_window", None)
-        if window:
-            logger.warning(
-                "MistralForCausalLM: sliding_window=%s is ignored (full attention); outputs differ "
-                "from the reference beyond %s tokens.",
-                window,
-                window,
-            )
-        super().__init__(config, *args, **kwargs)
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral = Llama layout with an optional sliding window in every layer."""
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, window_left=window_left_of(config))

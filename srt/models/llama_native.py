@@ -14,6 +14,11 @@ srt's kernel (``--linear-backend native``, the default on AVX2 CPUs), activation
 the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
 Python path. ``--disable-native-decode-layers`` turns it off.
+
+Each layer's sliding window and logit soft-cap (its ``RadixAttention``'s ``sliding_window_size``
+and ``logit_cap``, e.g. Mistral's ``sliding_window``) go to the native stack with the layer, whose
+paged decode kernel applies them as the layer-by-layer path does; a layer whose softmax scale
+differs from layer 0's keeps the whole model on the Python path.
 """
 
 from __future__ import annotations
@@ -99,12 +104,15 @@ class NativeDecodeLayers:
                 return None, f"layer {i}'s norms differ from layer 0's (eps or dtype)"
             if attn.rotary_emb is not rope:
                 return None, f"layer {i} has its own rotary embedding"
+            if attn.attn.scaling != first.attn.scaling:
+                return None, f"layer {i}'s attention scale differs from layer 0's"
             args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for proj, segments in zip(projections, blocks, strict=True):
                 data, qtypes, x8_rows = (list(col) for col in zip(*segments, strict=True))
                 args += [data, qtypes, x8_rows, proj.bias]
             qk = (attn.q_norm, attn.k_norm)
             args += [None if n is None else n.weight for n in qk]
+            args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
             stack.add_layer(*args)
         return cls(stack, len(layers)), f"{len(layers)} layers in one native call per decode step"
 

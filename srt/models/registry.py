@@ -27,6 +27,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+}
+
+# HF architectures srt knowingly does not serve -> why, and what to use instead
+_REFUSED: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma 3 with its vision tower (the 4B/12B/27B checkpoints) is not supported: srt serves "
+        "the text-only Gemma3ForCausalLM (e.g. gemma-3-1b, or a text-only GGUF of a larger Gemma 3)."
+    ),
 }
 
 
@@ -45,6 +59,8 @@ def supported_architectures() -> list[str]:
 def get_model_class(architecture: str) -> ModelClass:
     """The srt model class for an HF ``architectures`` entry."""
     entry = _MODELS.get(architecture)
+    if architecture in _REFUSED:
+        raise UnsupportedModelError(f"architecture {architecture!r}: {_REFUSED[architecture]}")
     if entry is None:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}."

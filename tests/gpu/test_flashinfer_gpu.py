@@ -16,9 +16,12 @@ import importlib.util
 import pytest
 import torch
 
-from srt.layers.attention.flashinfer_backend import AttentionGeometry, FlashInferAttnBackend
+from srt.layers.attention.flashinfer_backend import PLAIN, AttentionGeometry, FlashInferAttnBackend
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from tests.unit.test_attention_window_cap import BATCHES as WINDOW_BATCHES
+from tests.unit.test_attention_window_cap import WindowCapLayer
+from tests.unit.test_attention_window_cap import make as window_cap_case
 from tests.unit.test_flashinfer_backend import BATCHES, FakeRunner, capture_decode, pad_for_graph
 from tests.unit.test_torch_native_attention import Case, make_case, run_backend
 
@@ -121,3 +124,64 @@ def test_forward_batch_build_on_cuda_drives_the_backend():
     assert not backend.forward_metadata.table.kv_indptr.is_cuda
     out = backend.forward(case.q, case.k, case.v, case.layer, fb)
     assert out.shape == case.q.shape and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ sliding window and soft-cap
+def _window_cap_twin(case: Case) -> torch.Tensor:
+    """FlashInfer's result on the CPU: the recording fake planned alike, computing with
+    ``paged_reference`` on the bf16-rounded inputs."""
+    from tests.unit.test_flashinfer_backend import run_flashinfer
+
+    return run_flashinfer(_cpu_twin(case))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (5, 0.0), (40, 30.0), (-1, 10.0)])
+@pytest.mark.parametrize("batch", list(WINDOW_BATCHES))
+def test_real_kernels_window_and_cap_match_paged_reference(batch, window, cap, page_size):
+    make = lambda: window_cap_case(batch, window, cap, page_size, 8, 2, 128)  # noqa: E731
+    gpu = to_cuda(make())
+    backend = gpu_backend(gpu)
+    gpu.fb.attn_backend = backend
+    backend.init_forward_metadata(gpu.fb)
+    out = backend.forward(gpu.q, gpu.k, gpu.v, gpu.layer, gpu.fb)
+    assert torch.isfinite(out).all()
+    assert list(backend.forward_metadata.wrappers) == [PLAIN, (window, cap)]
+    torch.testing.assert_close(out.float().cpu(), _window_cap_twin(make()), rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_graph_decode_with_two_attention_groups():
+    """Gemma-like layers (windowed + global, soft-capped) in one captured decode graph: one
+    wrapper per group over the shared fixed buffers, both re-planned before the replay."""
+    groups = [(3, 20.0), (-1, 20.0)]
+
+    def make(group) -> Case:
+        case = make_case(ForwardMode.DECODE, [30, 3, 17], [1, 1, 1], 16, 8, 2, 128, seed=9)
+        case.layer = WindowCapLayer(
+            **dataclasses.asdict(case.layer), sliding_window_size=group[0], logit_cap=group[1]
+        )
+        return case
+
+    padded = pad_for_graph(make(groups[0]), 4)
+    gpu = to_cuda(padded)
+    runner = FakeRunner(16, torch.device("cuda"), DTYPE, DTYPE)
+    backend = FlashInferAttnBackend(runner, geometry=AttentionGeometry.of(gpu.layer), groups=groups)
+    backend.init_cuda_graph_state(max_bs=4, max_context_len=64)
+    capture_decode(backend, gpu, 4)
+    layers = [dataclasses.replace(gpu.layer, sliding_window_size=w, logit_cap=c) for w, c in groups]
+    static = [t.clone() for t in (gpu.q, gpu.k, gpu.v)]
+    fb = gpu.fb
+    for layer in layers:  # warm up (JIT, allocations) before capture
+        backend.forward_decode(*static, layer, fb)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [backend.forward_decode(*static, layer, fb) for layer in layers]
+    r2t = fb.req_to_token_pool.req_to_token
+    backend.init_forward_metadata_replay_cuda_graph(
+        4, r2t, fb.req_pool_indices, fb.seq_lens_cpu, ForwardMode.DECODE
+    )
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, group in zip(outs, groups):
+        expected = _window_cap_twin(make(group))
+        torch.testing.assert_close(out[:3].float().cpu(), expected, rtol=2e-2, atol=2e-2)

@@ -59,6 +59,7 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 QK_K = 256
+MOE_ARCH = "qwen3moe"  # the GGUF architecture of files written with experts
 SCHEMES = ("Q4_K_M", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
@@ -322,24 +323,50 @@ def _fit(qtype, cols: int):
 
 
 def decode_read_tensors(plan: list[TensorPlan]) -> list[TensorPlan]:
-    """The tensors of ``plan`` a decode step reads whole: every block tensor, the final norm and
-    the LM head (``output.weight``); of the embedding only one row, left out."""
+    """The tensors of ``plan`` a decode step reads (whole, or for 3-D expert tensors the active
+    experts' share: ``decode_read_bytes``): every block tensor, the final norm and the LM head
+    (``output.weight``); of the embedding only one row, left out."""
     return [p for p in plan if p.name.startswith("blk.") or p.name in ("output.weight", "output_norm.weight")]
 
 
+def decode_read_bytes(plan: list[TensorPlan], experts_used: int = 0) -> int:
+    """Bytes one single-sequence decode step reads: ``decode_read_tensors``, of each 3-D expert
+    tensor only ``experts_used`` of its experts."""
+    total = 0
+    for p in decode_read_tensors(plan):
+        total += p.nbytes * experts_used // p.shape[0] if len(p.shape) == 3 else p.nbytes
+    return total
+
+
 def tensor_plan(
-    *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, qtype_scheme: str
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    qtype_scheme: str,
+    head_dim: int | None = None,
+    experts: int = 0,
+    experts_used: int = 0,
+    moe_intermediate: int = 0,
 ) -> list[TensorPlan]:
     """Every tensor of the file in llama.cpp's order (token_embd, blocks, output_norm, output)
-    with its shape and type under ``qtype_scheme`` (module docstring)."""
+    with its shape and type under ``qtype_scheme`` (module docstring). With ``experts`` (a
+    Qwen3-MoE decoder, ``MOE_ARCH``): q/k RMSNorms, a float32 router ``ffn_gate_inp`` [E, hidden]
+    and the experts as 3-D tensors ``ffn_{gate,up,down}_exps`` [E, rows, cols] instead of the
+    dense MLP; ``head_dim`` may differ from hidden / heads."""
     from gguf import GGMLQuantizationType as T
 
     scheme = qtype_scheme.upper()
     if scheme not in SCHEMES:
         raise ValueError(f"unknown qtype_scheme {qtype_scheme!r}; use one of {', '.join(SCHEMES)}")
-    if hidden % heads or heads % kv_heads:
+    if heads % kv_heads or (head_dim is None and hidden % heads):
         raise ValueError(f"hidden {hidden} / heads {heads} / kv_heads {kv_heads} do not divide")
-    head_dim = hidden // heads
+    if experts and not (0 < experts_used <= experts and moe_intermediate > 0):
+        raise ValueError("a MoE plan needs 0 < experts_used <= experts and moe_intermediate")
+    head_dim = head_dim or hidden // heads
     if head_dim % 2:
         raise ValueError("head_dim must be even (rope)")
     mix = scheme == "Q4_K_M"
@@ -348,17 +375,33 @@ def tensor_plan(
     def mat(name: str, rows: int, cols: int, qt=None) -> TensorPlan:
         return TensorPlan(name, (rows, cols), _fit(base if qt is None else qt, cols))
 
-    kv = kv_heads * head_dim
+    def experts_mat(name: str, rows: int, cols: int, qt=None) -> TensorPlan:
+        return TensorPlan(name, (experts, rows, cols), _fit(base if qt is None else qt, cols))
+
+    q, kv = heads * head_dim, kv_heads * head_dim
     plan = [mat("token_embd.weight", vocab, hidden)]
     for i in range(layers):
         extra = T.Q6_K if mix and more_bits_layer(i, layers) else None
         p = f"blk.{i}."
         plan += [
             TensorPlan(p + "attn_norm.weight", (hidden,), T.F32),
-            mat(p + "attn_q.weight", hidden, hidden),
+            mat(p + "attn_q.weight", q, hidden),
             mat(p + "attn_k.weight", kv, hidden),
             mat(p + "attn_v.weight", kv, hidden, extra),
-            mat(p + "attn_output.weight", hidden, hidden),
+            mat(p + "attn_output.weight", hidden, q),
+        ]
+        if experts:
+            plan += [
+                TensorPlan(p + "attn_q_norm.weight", (head_dim,), T.F32),
+                TensorPlan(p + "attn_k_norm.weight", (head_dim,), T.F32),
+                TensorPlan(p + "ffn_norm.weight", (hidden,), T.F32),
+                TensorPlan(p + "ffn_gate_inp.weight", (experts, hidden), T.F32),
+                experts_mat(p + "ffn_gate_exps.weight", moe_intermediate, hidden),
+                experts_mat(p + "ffn_up_exps.weight", moe_intermediate, hidden),
+                experts_mat(p + "ffn_down_exps.weight", hidden, moe_intermediate, extra),
+            ]
+            continue
+        plan += [
             TensorPlan(p + "ffn_norm.weight", (hidden,), T.F32),
             mat(p + "ffn_gate.weight", intermediate, hidden),
             mat(p + "ffn_up.weight", intermediate, hidden),
@@ -374,7 +417,12 @@ def _tensor_data(info: TensorPlan, rng: np.random.Generator, fast_random: bool, 
 
     if len(info.shape) == 1:  # norm weights
         return (1.0 + 0.1 * rng.standard_normal(info.shape, dtype=np.float32)).astype(np.float32)
+    if len(info.shape) == 3:  # experts: [E, rows, cols] = E matrices, row after row
+        flat = TensorPlan(info.name, (info.shape[0] * info.shape[1], info.shape[2]), info.qtype)
+        return _tensor_data(flat, rng, fast_random, std)
     rows, cols = info.shape
+    if info.qtype == T.F32 and info.name.endswith("ffn_gate_inp.weight"):  # router: O(1) logits
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(cols**-0.5 * 4)
     if fast_random:
         return random_blocks(rows, cols, info.qtype, rng, std)
     w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
@@ -477,12 +525,17 @@ def write_llama_gguf(
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-5,
     name: str | None = None,
+    head_dim: int | None = None,
+    experts: int = 0,
+    experts_used: int = 0,
+    moe_intermediate: int = 0,
 ) -> dict[str, Any]:
     """Write a random-weight Llama GGUF to ``path`` (module docstring). ``vocab`` may be left
     out with ``tokenizer_from`` (it must equal that tokenizer's size when given). Returns a
     summary: ``path``, ``vocab``, ``file_bytes``, ``weight_bytes`` (tensor data),
     ``linear_bytes`` (the layers' matrices + output: what one decode step streams, the
-    embedding row aside), ``params``, ``qtypes`` ({type name: tensor count})."""
+    embedding row aside), ``params``, ``qtypes`` ({type name: tensor count}). With ``experts`` the file
+    is a Qwen3-MoE decoder (``MOE_ARCH``; see ``tensor_plan``); ``linear_bytes`` counts all experts."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFValueType as V
@@ -506,12 +559,18 @@ def write_llama_gguf(
         kv_heads=kv_heads,
         vocab=vocab,
         qtype_scheme=qtype_scheme,
+        head_dim=head_dim,
+        experts=experts,
+        experts_used=experts_used,
+        moe_intermediate=moe_intermediate,
     )
     scheme = qtype_scheme.upper()
     path = os.fspath(path)
-    writer = gguf.GGUFWriter(path, "llama")
+    arch = MOE_ARCH if experts else "llama"
+    head_dim = head_dim or hidden // heads
+    writer = gguf.GGUFWriter(path, arch)
     try:
-        writer.add_name(name or f"random-llama-{hidden}x{layers}-{scheme}")
+        writer.add_name(name or f"random-{arch}-{hidden}x{layers}-{scheme}")
         writer.add_block_count(layers)
         writer.add_context_length(ctx)
         writer.add_embedding_length(hidden)
@@ -520,7 +579,13 @@ def write_llama_gguf(
         writer.add_head_count_kv(kv_heads)
         writer.add_layer_norm_rms_eps(rms_norm_eps)
         writer.add_rope_freq_base(rope_theta)
-        writer.add_rope_dimension_count(hidden // heads)
+        writer.add_rope_dimension_count(head_dim)
+        if experts:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+            writer.add_expert_count(experts)
+            writer.add_expert_used_count(experts_used)
+            writer.add_expert_feed_forward_length(moe_intermediate)
         writer.add_vocab_size(vocab)
         writer.add_file_type(_FILE_TYPES[scheme])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -535,8 +600,8 @@ def write_llama_gguf(
                 dtype = np.float32 if info.qtype == T.F32 else np.float16
                 writer.add_tensor_info(info.name, info.shape, np.dtype(dtype), info.nbytes)
             else:
-                rows, cols = info.shape
-                byte_shape = (rows, info.nbytes // rows)
+                rows = math.prod(info.shape[:-1])
+                byte_shape = (*info.shape[:-1], info.nbytes // rows)
                 writer.add_tensor_info(info.name, byte_shape, np.dtype(np.uint8), info.nbytes, info.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

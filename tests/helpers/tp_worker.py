@@ -100,9 +100,9 @@ def drive_runner(args: Any, tp_rank: int, prompts: list[list[int]], decode_steps
 
 
 def _down_proj_qtypes(model: torch.nn.Module) -> list[int] | None:
-    """ggml types of layer 0's down_proj segments (None: a float32 weight)."""
-    qweight = model.model.layers[0].mlp.down_proj.qweight
-    return None if qweight is None else qweight.qtypes
+    """ggml types of layer 0's down_proj segments (None: a float32 weight, or a MoE layer)."""
+    down = getattr(model.model.layers[0].mlp, "down_proj", None)
+    return None if down is None or down.qweight is None else down.qweight.qtypes
 
 
 def sharded_bytes(model: torch.nn.Module) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from srt.layers.attention.flashinfer_backend import AttentionGeometry, FlashInferAttnBackend
+from srt.layers.attention.flashinfer_backend import PLAIN, AttentionGeometry, FlashInferAttnBackend
 from srt.layers.attention.paged_reference import paged_attention_reference, paged_decode_reference
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from tests.unit.test_torch_native_attention import Case, make_case, reference, run_backend
@@ -100,15 +100,18 @@ class RecordingWrapper:
         assert q.dtype == p["q_data_type"] and k_cache.dtype == p["kv_data_type"]
         assert q.shape[1:] == (p["num_qo_heads"], p["head_dim"])
         assert k_cache.shape[1:] == (p["page_size"], p["num_kv_heads"], p["head_dim"])
+        kw = {
+            "sm_scale": p["sm_scale"],
+            "window_left": p.get("window_left", -1),
+            "logits_soft_cap": p.get("logits_soft_cap") or 0.0,
+        }
         if self.kind == "decode":
             out, _ = paged_decode_reference(
-                q, k_cache, v_cache, p["indptr"], p["indices"], p["last_page_len"], sm_scale=p["sm_scale"]
+                q, k_cache, v_cache, p["indptr"], p["indices"], p["last_page_len"], **kw
             )
         else:
             args = (p["qo_indptr"], p["indptr"], p["indices"], p["last_page_len"])
-            out, _ = paged_attention_reference(
-                q, k_cache, v_cache, *args, causal=p["causal"], sm_scale=p["sm_scale"]
-            )
+            out, _ = paged_attention_reference(q, k_cache, v_cache, *args, causal=p["causal"], **kw)
         return out.to(p["o_data_type"])
 
     def count(self, method: str) -> int:
@@ -268,7 +271,7 @@ def test_cuda_graph_capture_and_replay(page_size):
     backend.init_forward_metadata_replay_cuda_graph(
         4, r2t, padded.fb.req_pool_indices, padded.fb.seq_lens_cpu, ForwardMode.DECODE
     )
-    assert w4.count("plan") == 2 and backend.forward_metadata.wrapper is w4
+    assert w4.count("plan") == 2 and backend.forward_metadata.wrappers == {PLAIN: w4}
     assert state.kv_last_page_len[:4].tolist() == [(s - 1) % page_size + 1 for s in padded.fb.seq_lens_cpu]
     out = backend.forward(padded.q, padded.k, padded.v, padded.layer, padded.fb)
     torch.testing.assert_close(out[:3], run_backend(twin), rtol=1e-5, atol=2e-6)

@@ -208,3 +208,39 @@ def test_tokenizer_metadata_copied(tmp_path):
     assert gguf_config_dict(path)["vocab_size"] == 49152
     assert gguf_eos_token_ids(path) == gguf_eos_token_ids(src)
     assert parse_gguf(path).get("tokenizer.chat_template") == parse_gguf(src).get("tokenizer.chat_template")
+
+
+MOE = dict(SHAPE, head_dim=128, experts=4, experts_used=2, moe_intermediate=256)
+
+
+def test_moe_file_has_the_qwen3moe_layout(tmp_path):
+    """A file written with experts is a qwen3moe decoder as llama.cpp lays one out: expert
+    metadata, q/k norms, a float32 router and 3-D expert tensors whose blocks gguf decodes to
+    the experts' matrices; a decode step reads only the active experts' share of them."""
+    from gguf import GGUFReader
+
+    from tests.helpers.gguf_models import decode_read_bytes
+
+    path = str(tmp_path / "moe.gguf")
+    summary = write_llama_gguf(path, **MOE, ctx=256, qtype_scheme="Q4_K_M", fast_random=True)
+    reader = GGUFReader(path)
+    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("tokenizer")}
+    assert meta["general.architecture"] == "qwen3moe"
+    assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"]) == (4, 2)
+    assert meta["qwen3moe.expert_feed_forward_length"] == 256
+    assert meta["qwen3moe.attention.key_length"] == 128
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert tuple(int(x) for x in reversed(tensors["blk.1.ffn_gate_inp.weight"].shape)) == (4, 256)
+    assert tuple(int(x) for x in reversed(tensors["blk.0.attn_q.weight"].shape)) == (4 * 128, 256)
+    assert "blk.0.attn_q_norm.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors
+    for part, shape in (("gate", (4, 256, 256)), ("up", (4, 256, 256)), ("down", (4, 256, 256))):
+        t = tensors[f"blk.0.ffn_{part}_exps.weight"]
+        assert tuple(int(x) for x in reversed(t.shape)) == shape
+        w = _dequantize(np.array(t.data), t.tensor_type.name).reshape(shape)
+        assert np.isfinite(w).all() and 0.005 < w.std() < 0.08
+    plan = tensor_plan(**MOE, qtype_scheme="Q4_K_M")
+    experts = sum(p.nbytes for p in plan if p.name.endswith("_exps.weight"))
+    final_norm = next(p.nbytes for p in plan if p.name == "output_norm.weight")
+    assert decode_read_bytes(plan, 0) + experts == summary["linear_bytes"] + final_norm
+    assert decode_read_bytes(plan, 2) - decode_read_bytes(plan, 0) == experts // 2

@@ -26,7 +26,7 @@ from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope, rope_parameters
 from srt.model_loader.weight_utils import weight_bytes
-from srt.utils.errors import WeightLoadError
+from srt.utils.errors import UnsupportedModelError, WeightLoadError
 from tests.helpers.isa import cpu_isa, isa_available, isa_params, skip_reason
 
 LLAMA3_SCALING = {
@@ -72,8 +72,8 @@ def test_llama3_scaling_changes_low_frequencies_only():
 
 
 def test_unsupported_rope_type_raises():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        compute_inv_freq(32, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        compute_inv_freq(32, 10000.0, {"rope_type": "mrope", "factor": 2.0})
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])

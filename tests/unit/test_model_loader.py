@@ -87,8 +87,10 @@ def test_gguf_tensor_names():
     assert gguf_to_hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
     assert gguf_to_hf_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
     assert gguf_to_hf_name("rope_freqs.weight") is None
+    assert gguf_to_hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.gate_proj.weight"
+    assert gguf_to_hf_name("blk.1.ffn_down.7.weight") == "model.layers.1.mlp.experts.7.down_proj.weight"
     with pytest.raises(GGUFError):
-        gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+        gguf_to_hf_name("blk.0.ssm_conv1d.weight")
 
 
 # ---------------------------------------------------------------- safetensors

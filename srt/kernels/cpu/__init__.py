@@ -1,6 +1,7 @@
 """CPU kernels: the one entry point srt calls, the native op when it is built, the reference otherwise.
 
-    paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)
+    paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
+                           window_left=-1, logit_cap=0.0)
 
 runs ``torch.ops.srt_cpu.paged_decode_attention`` (decode_attention.cpp) when the extension is
 loaded, else ``reference.paged_decode_attention_ref``; both have the same contract (see
@@ -127,7 +128,15 @@ def kernel_status() -> str:
 
 
 def paged_decode_attention(
-    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale: float
+    q,
+    k_buffer,
+    v_buffer,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    scale: float,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, K/V read through the page table.
 
@@ -137,12 +146,15 @@ def paged_decode_attention(
 
         out[i, h] = softmax_t(scale * q[i, h] . K[slot(i, t), h // G]) @ V[slot(i, t), h // G]
         slot(i, t) = req_to_token[req_pool_indices[i], t],  t < seq_lens[i],  G = H // H_kv.
+
+    ``window_left`` >= 0: only ``t >= seq_lens[i] - 1 - window_left`` (the query sits at position
+    ``seq_lens[i] - 1``; -1: every key); ``logit_cap`` > 0: the scaled scores ``s`` become
+    ``logit_cap * tanh(s / logit_cap)`` before the softmax (0: off).
     """
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)
     if _current().native:
-        return torch.ops.srt_cpu.paged_decode_attention(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale
-        )
-    return paged_decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale)
+        return torch.ops.srt_cpu.paged_decode_attention(*args, window_left=window_left, logit_cap=logit_cap)
+    return paged_decode_attention_ref(*args, window_left=window_left, logit_cap=logit_cap)
 
 
 @dataclass(slots=True, frozen=True)

@@ -33,7 +33,7 @@ inline CpuIsa requested_isa(const char* op, c10::string_view requested) {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, int64_t split_len,
-                                  c10::string_view isa_request);
+                                  c10::string_view isa_request, int64_t window_left = -1, double logit_cap = 0.0);
 
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);

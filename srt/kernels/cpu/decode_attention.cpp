@@ -10,11 +10,16 @@
 //   scale            float          softmax scale
 //   split_len        int = 0        tokens per KV split (0: chosen from the batch and threads)
 //   isa              str = ""       "scalar" / "avx2" / "avx512" ("": the best the CPU has)
+//   window_left      int = -1       sliding window: the query (at position seq_lens[i] - 1) sees
+//                                   keys t >= seq_lens[i] - 1 - window_left only (-1: all)
+//   logit_cap        float = 0      soft-capping: scores -> cap * tanh(scores / cap) (0: off)
 //   -> out           [bs, H, D]     float32, contiguous
 //
-//   out[i, h] = softmax_t(scale q[i, h] . K[slot(i, t), h / G]) @ V[slot(i, t), h / G]
-//   slot(i, t) = req_to_token[req_pool_indices[i], t], t < seq_lens[i], G = H / H_kv
-//   (a sequence of length 0 gives zeros; K/V are converted to float32 in registers).
+//   out[i, h] = softmax_t(c(scale q[i, h] . K[slot(i, t), h / G])) @ V[slot(i, t), h / G]
+//   slot(i, t) = req_to_token[req_pool_indices[i], t], first_i <= t < seq_lens[i], G = H / H_kv
+//   first_i = max(0, seq_lens[i] - 1 - window_left) (0 without a window), c = the soft-cap or none
+//   (a sequence of length 0 gives zeros; K/V are converted to float32 in registers). Keys before
+//   first_i are never read: a long context under a small window costs the window only.
 //
 // Work items are (sequence, KV-head group, token range); each loads a K/V row once for the G
 // query heads of its KV head (decode_attention_kernel.h). Items run on torch's intra-op threads
@@ -68,6 +73,7 @@ struct AttendArgs {
   float* m;               // [NH][G] in: -inf; out: running max of the scores
   float* l;               // [NH][G] in: 0; out: sum_t p_t
   float* s;               // [G][kBlock] scratch: scores, then probabilities
+  float cap;              // soft-cap of the (scaled) scores, 0: none
 };
 
 using AttendFn = void (*)(const AttendArgs&);
@@ -119,7 +125,8 @@ std::vector<int64_t> to_vector(const at::Tensor& t) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
-                  const at::Tensor& rows, const at::Tensor& lens, double scale, int64_t split_len) {
+                  const at::Tensor& rows, const at::Tensor& lens, double scale, int64_t split_len,
+                  int64_t window_left, double logit_cap) {
   const char* fn = "paged_decode_attention: ";
   for (const at::Tensor* t : {&q, &k, &v, &r2t, &rows, &lens}) {
     TORCH_CHECK(t->device().is_cpu(), fn, "all tensors must be on the CPU, got one on ", t->device());
@@ -148,6 +155,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               lens.sizes());
   TORCH_CHECK(std::isfinite(scale), fn, "scale must be finite, got ", scale);
   TORCH_CHECK(split_len >= 0, fn, "split_len must be >= 0 (0: automatic), got ", split_len);
+  TORCH_CHECK(window_left >= -1, fn, "window_left must be >= -1 (-1: no window), got ", window_left);
+  TORCH_CHECK(std::isfinite(logit_cap) && logit_cap >= 0, fn, "logit_cap must be >= 0 (0: off), got ", logit_cap);
 }
 
 // Tokens per split: about kItemsPerThread items per thread, never fewer than kMinSplit tokens;
@@ -258,8 +267,9 @@ void combine_splits(const float* acc, const float* m, const float* l, int64_t fi
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, int64_t split_len,
-                                  c10::string_view isa_request) {
-  check_inputs(q_in, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, split_len);
+                                  c10::string_view isa_request, int64_t window_left, double logit_cap) {
+  check_inputs(q_in, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, split_len, window_left,
+               logit_cap);
   const AttendFn attend = pick_attend(k_buffer.scalar_type(), requested_isa("paged_decode_attention", isa_request));
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2);
@@ -270,16 +280,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
 
   const std::vector<int64_t> lens = to_vector(seq_lens);
   const std::vector<int64_t> rows = to_vector(req_pool_indices);
+  // the keys each query sees: tokens first[i] .. lens[i] - 1 (span[i] of them)
+  std::vector<int64_t> first(bs, 0), span(lens);
   int64_t total = 0;
   for (int64_t i = 0; i < bs; ++i) {
     TORCH_CHECK(lens[i] >= 0 && lens[i] <= max_ctx, "paged_decode_attention: seq_lens[", i, "] = ", lens[i],
                 " is outside [0, ", max_ctx, "] (req_to_token's columns)");
     TORCH_CHECK(rows[i] >= 0 && rows[i] < R, "paged_decode_attention: req_pool_indices[", i, "] = ", rows[i],
                 " is outside [0, ", R, ") (req_to_token's rows)");
-    total += lens[i];
+    if (window_left >= 0) first[i] = std::max<int64_t>(0, lens[i] - 1 - window_left);
+    span[i] = lens[i] - first[i];
+    total += span[i];
   }
   const int64_t nthreads = at::get_num_threads();
-  const Plan plan = make_plan(lens, total, h_kv, split_len, nthreads);
+  const Plan plan = make_plan(span, total, h_kv, split_len, nthreads);
   const std::vector<Unit>& units = plan.units;
   const int64_t nh = plan.nh, n_groups = plan.n_groups, n_parts = plan.n_parts;
 
@@ -306,7 +320,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const Unit& u = units[w / n_groups];
       const int64_t h0 = (w % n_groups) * nh, nhi = std::min(nh, h_kv - h0), n = u.t1 - u.t0;
-      if (!read_slots(req_to_token, rows[u.seq], u.t0, n, S, slots.data())) {
+      if (!read_slots(req_to_token, rows[u.seq], first[u.seq] + u.t0, n, S, slots.data())) {
         bad_slot.store(true, std::memory_order_relaxed);
         continue;
       }
@@ -333,7 +347,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
                             acc,
                             m,
                             l,
-                            s};
+                            s,
+                            static_cast<float>(logit_cap)};
       attend(args);
       if (u.part < 0) {
         float* o = out_ptr + (u.seq * H + h0 * G) * D;
@@ -356,7 +371,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
   at::parallel_for(0, n_combine, 16, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t i = plan.split_seqs[c / h_kv], h = c % h_kv;
-      const int64_t n_splits = (lens[i] + plan.split_len - 1) / plan.split_len;
+      const int64_t n_splits = (span[i] + plan.split_len - 1) / plan.split_len;
       combine_splits(part_acc.data(), part_m.data(), part_l.data(), plan.first_part[i], n_splits, h, h_kv, G, D,
                      out_ptr + i * H * D);
     }
@@ -367,7 +382,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
 namespace {
 
 at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, double, int64_t, c10::string_view) {
+                                       const at::Tensor&, const at::Tensor&, double, int64_t, c10::string_view,
+                                       int64_t, double) {
   return at::empty(q.sizes(), q.options().dtype(at::kFloat));
 }
 
@@ -381,7 +397,8 @@ std::string cpu_hardware_isa() { return isa_name(hardware_isa()); }
 TORCH_LIBRARY(srt_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-      "Tensor req_pool_indices, Tensor seq_lens, float scale, int split_len=0, str isa=\"\") -> Tensor");
+      "Tensor req_pool_indices, Tensor seq_lens, float scale, int split_len=0, str isa=\"\", int window_left=-1, "
+      "float logit_cap=0.0) -> Tensor");
   m.def("cpu_isa() -> str", &srt_cpu::cpu_isa);
   m.def("cpu_hardware_isa() -> str", &srt_cpu::cpu_hardware_isa);
 }

@@ -15,6 +15,7 @@
 //   p[g][j]  = e^(s[g][j] - m_g');  l_g += sum_j p[g][j]
 //   acc_g   += sum_j p[g][j] V_j   up to 4 query heads x DC column chunks of acc in registers
 //                                  across the block (GT * DC ~ 8 independent FMA chains)
+// With soft-capping (cap > 0) each block's scores become cap * tanh(s / cap) before the softmax.
 // A short last block is padded to kBlock with copies of its first row's pointers and p = 0, so
 // every inner loop has a fixed trip count. The K and V ranges of the next block (the page table
 // gives their slots ahead) are prefetched a few lines at a time between tiles (Prefetcher).
@@ -159,6 +160,16 @@ SRT_ISA_TARGET inline void scale_row(float* acc, float alpha, int64_t D) {
   for (; d < D; ++d) acc[d] *= alpha;
 }
 
+// s [n] (n a multiple of W) = cap * tanh(s / cap), as cap * (1 - 2 / (e^(2 s / cap) + 1)): exp
+// saturates at both ends, so large |s| gives exactly +-cap.
+SRT_ISA_TARGET inline void cap_scores(float* s, int64_t n, float cap) {
+  const reg c = Vec::set1(cap), two_over_c = Vec::set1(2.f / cap), one = Vec::set1(1.f), two = Vec::set1(2.f);
+  for (int64_t j = 0; j < n; j += W) {
+    const reg e = Vec::exp(Vec::mul(Vec::load(s + j), two_over_c));
+    Vec::store(s + j, Vec::mul(c, Vec::sub(one, Vec::div(two, Vec::add(e, one)))));
+  }
+}
+
 // Online-softmax step of one query head over one block: s [kBlock] scores in (-inf past the
 // block's tokens), probabilities out.
 SRT_ISA_TARGET inline void softmax_block(float* s, float* acc, float& m, float& l, int64_t D) {
@@ -271,6 +282,7 @@ SRT_ISA_TARGET void attend(const AttendArgs& a) {
       scores_block(q, kr, G, D, a.s, pf);
       for (int64_t g = 0; g < G; ++g) {
         float* s = a.s + g * kBlock;
+        if (a.cap > 0.f) cap_scores(s, kBlock, a.cap);
         for (int j = nb; j < kBlock; ++j) s[j] = -INFINITY;
         softmax_block(s, acc + g * D, a.m[h * G + g], a.l[h * G + g], D);
       }

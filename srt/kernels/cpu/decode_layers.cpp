@@ -17,7 +17,8 @@
 //
 //   norm (+ residual) -> qkv (gguf_linear / packed_linear) -> [q/k RMSNorm per head] ->
 //   rotary_neox_ -> k/v stored at out_cache_loc (cast to the pool's dtype) ->
-//   paged_decode_attention -> o -> norm + residual -> gate_up -> silu_and_mul -> down
+//   paged_decode_attention (the layer's sliding window and soft-cap, if any) -> o ->
+//   norm + residual -> gate_up -> silu_and_mul -> down
 //
 // The first layer's input norm has no residual to add (residual = the embedding output).
 #include <ATen/ATen.h>
@@ -85,6 +86,8 @@ struct Layer {
   at::Tensor input_norm, post_attention_norm;
   QuantLinear qkv, o, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;
+  int64_t window_left;  // paged_decode_attention's window (-1: none) and soft-cap (0: none)
+  double logit_cap;
 };
 
 template <class T>
@@ -147,7 +150,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
   // each projection: its segments' (data, qtype, x8 rows / N or 0) as three lists, and its bias;
-  // see Segment and QuantLinear
+  // see Segment and QuantLinear; then the layer's attention window (-1: none) and soft-cap (0: none)
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, std::vector<at::Tensor> qkv,
                  std::vector<int64_t> qkv_type, std::vector<int64_t> qkv_x8, c10::optional<at::Tensor> qkv_bias,
                  std::vector<at::Tensor> o, std::vector<int64_t> o_type, std::vector<int64_t> o_x8,
@@ -155,8 +158,10 @@ class DecodeLayers : public torch::CustomClassHolder {
                  std::vector<int64_t> gate_up_x8, c10::optional<at::Tensor> gate_up_bias,
                  std::vector<at::Tensor> down, std::vector<int64_t> down_type, std::vector<int64_t> down_x8,
                  c10::optional<at::Tensor> down_bias, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm) {
+                 c10::optional<at::Tensor> k_norm, int64_t window_left, double logit_cap) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayers: q_norm and k_norm come together");
+    TORCH_CHECK(window_left >= -1 && logit_cap >= 0, "DecodeLayers: bad window_left ", window_left,
+                " or logit_cap ", logit_cap);
     layers_.push_back(Layer{std::move(input_norm),
                             std::move(post_attention_norm),
                             make_linear(qkv, qkv_type, qkv_x8, std::move(qkv_bias)),
@@ -164,7 +169,9 @@ class DecodeLayers : public torch::CustomClassHolder {
                             make_linear(gate_up, gate_up_type, gate_up_x8, std::move(gate_up_bias)),
                             make_linear(down, down_type, down_x8, std::move(down_bias)),
                             std::move(q_norm),
-                            std::move(k_norm)});
+                            std::move(k_norm),
+                            window_left,
+                            logit_cap});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -204,7 +211,8 @@ class DecodeLayers : public torch::CustomClassHolder {
       store_kv(k, k_buffers[i], out_cache_loc);
       store_kv(v, v_buffers[i], out_cache_loc);
       const at::Tensor attn = paged_decode_attention(q.view({B, H_, D_}), k_buffers[i], v_buffers[i], req_to_token,
-                                                     req_pool_indices, seq_lens, scaling_, 0, "");
+                                                     req_pool_indices, seq_lens, scaling_, 0, "", layer.window_left,
+                                                     layer.logit_cap);
       x = add_rms_norm_(layer.o.apply(attn.view({B, q_size}), int8_max_rows_), residual, layer.post_attention_norm,
                         eps_);
       mlp_out = layer.down.apply(silu_and_mul(layer.gate_up.apply(x, int8_max_rows_)), int8_max_rows_);

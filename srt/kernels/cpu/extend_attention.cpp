@@ -8,10 +8,13 @@
 //               q_starts[b] .. + extend_lens[b] of q, its keys rows kv_starts[b] .. + seq_lens[b]
 //               of k / v
 //   scale       softmax scale;  isa: "scalar" / "avx2" / "avx512" ("": the best the CPU has)
+//   window_left sliding window (-1: none);  logit_cap  soft-cap of the scaled scores (0: none)
 //   -> out      [T, H, D] float32, contiguous
 //
 //   query j of sequence b (head h) sees keys 0 .. prefix_b + j, prefix_b = seq_lens[b] -
-//   extend_lens[b], of KV head h / (H / H_kv).
+//   extend_lens[b], of KV head h / (H / H_kv); with a window only keys >= prefix_b + j -
+//   window_left of them; with a cap, scores s -> logit_cap * tanh(s / logit_cap) before the softmax.
+//   Keys no query of a sequence sees (before its first query's window) are never transposed or read.
 //
 // D must be a multiple of 64 (every ISA's key block; the Python caller falls back to SDPA
 // otherwise). Per call, each (sequence, KV head)'s K is transposed once to [D][keys]; then work
@@ -41,7 +44,7 @@ namespace srt_cpu {
 namespace {
 
 using RowsFn = void (*)(int, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
-                        float, float*, int64_t, float*, float*);
+                        int64_t, float, float, float*, int64_t, float*, float*);
 
 struct Impl {
   RowsFn rows;
@@ -79,7 +82,7 @@ struct Item {
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_starts,
                             const at::Tensor& kv_starts, const at::Tensor& extend_lens, const at::Tensor& seq_lens,
-                            double scale, c10::string_view isa) {
+                            double scale, c10::string_view isa, int64_t window_left, double logit_cap) {
   check_float3(q, "q");
   check_float3(k, "k");
   check_float3(v, "v");
@@ -88,6 +91,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "extend_attention: k and v must both be [N, H_kv, ", D, "]");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "extend_attention: ", H, " query heads for ", Hkv, " KV heads");
   TORCH_CHECK(D % 64 == 0, "extend_attention: head dim must be a multiple of 64, got ", D);
+  TORCH_CHECK(window_left >= -1, "extend_attention: window_left must be >= -1 (-1: no window), got ", window_left);
+  TORCH_CHECK(std::isfinite(logit_cap) && logit_cap >= 0, "extend_attention: logit_cap must be >= 0 (0: off), got ",
+              logit_cap);
   const int64_t B = q_starts.numel();
   const std::vector<int64_t> qs = to_vector(q_starts, B, "q_starts"), ks = to_vector(kv_starts, B, "kv_starts"),
                              es = to_vector(extend_lens, B, "extend_lens"), ss = to_vector(seq_lens, B, "seq_lens");
@@ -105,10 +111,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // every sequence's K, per KV head, as [D][keys padded to kPad] (zeros past the last key)
   // (in chunks of kPad keys: enough pieces to share among the threads)
   std::vector<float> kt(static_cast<size_t>(kt_off[B]));  // every slot written below
+  // the first key sequence b's queries see (its first query's window), rounded down to a chunk
+  const auto first_chunk = [&](int64_t b) -> int64_t {
+    return window_left < 0 ? 0 : std::max<int64_t>(0, ss[b] - es[b] - window_left) / kPad * kPad;
+  };
   std::vector<std::array<int64_t, 3>> chunks;  // (sequence, KV head, first key)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t hk = 0; hk < Hkv; ++hk) {
-      for (int64_t t0 = 0; t0 < ss[b]; t0 += kPad) chunks.push_back({b, hk, t0});
+      for (int64_t t0 = first_chunk(b); t0 < ss[b]; t0 += kPad) chunks.push_back({b, hk, t0});
     }
   }
   const float* kp = k.data_ptr<float>();
@@ -129,7 +139,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t b = 0; b < B; ++b) {
     const int64_t prefix = ss[b] - es[b];
     for (int64_t j0 = 0; j0 < es[b]; j0 += impl.rt) {
-      for (int64_t h = 0; h < H; ++h) items.push_back({b, h, j0, prefix + std::min<int64_t>(es[b], j0 + impl.rt)});
+      int64_t cost = prefix + std::min<int64_t>(es[b], j0 + impl.rt);  // keys of the item's last row
+      if (window_left >= 0) cost = std::min<int64_t>(cost, window_left + impl.rt);
+      for (int64_t h = 0; h < H; ++h) items.push_back({b, h, j0, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -147,8 +159,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t pad = (ss[b] + kPad - 1) / kPad * kPad;
       impl.rows(R, qp + (qs[b] + it.j0) * q.stride(0) + h * q.stride(1), q.stride(0),
                 kt.data() + kt_off[b] + hk * D * pad, pad, vp + ks[b] * v.stride(0) + hk * v.stride(1), v.stride(0), D,
-                prefix + it.j0, static_cast<float>(scale), op + ((qs[b] + it.j0) * H + h) * D, H * D, scratch.data(),
-                scratch.data() + impl.rt * kPad);
+                prefix + it.j0, window_left, static_cast<float>(scale), static_cast<float>(logit_cap),
+                op + ((qs[b] + it.j0) * H + h) * D, H * D, scratch.data(), scratch.data() + impl.rt * kPad);
     }
   });
   return out;
@@ -159,7 +171,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def(
       "extend_attention(Tensor q, Tensor k, Tensor v, Tensor q_starts, Tensor kv_starts, Tensor extend_lens, "
-      "Tensor seq_lens, float scale, str isa=\"\") -> Tensor");
+      "Tensor seq_lens, float scale, str isa=\"\", int window_left=-1, float logit_cap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) { m.impl("extend_attention", &srt_cpu::extend_attention); }

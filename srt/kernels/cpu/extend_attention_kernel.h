@@ -6,10 +6,12 @@
 //   S [R, KB]  = q_rows @ Kt[:, t0 .. t0 + KB)    a register tile (R rows x NV vectors): each
 //                                                 q value broadcast, Kt rows (D of them, KB keys
 //                                                 wide) streamed from L1
-//   masked (key t visible to row r iff t <= lim_r), scaled, online softmax per row
+//   scaled, soft-capped (cap > 0: cap * tanh(s / cap)), masked (key t visible to row r iff
+//   lo_r <= t <= lim_r, lo_r = lim_r - window_left with a window, else 0), online softmax per row
 //   O [R, D]  += P [R, kb] @ V[t0 .. t0 + kb)    the same tile, V's rows streamed, D in KB chunks
 // Kt is the sequence's K for one KV head transposed to [D][keys] (zero past the last key), built
-// once per call by the caller, so both products are plain register-tiled GEMMs.
+// once per call by the caller, so both products are plain register-tiled GEMMs. Blocks wholly
+// before the first row's window are skipped, not masked.
 
 namespace srt_cpu {
 namespace SRT_ISA_NS {
@@ -55,13 +57,23 @@ SRT_ISA_TARGET inline void tile(int R, const float* a, int64_t lda, const float*
   return tile_r<1>(a, lda, b, ldb, kc, c, ldc, acc);
 }
 
+// s [KB] = cap * tanh(s / cap), as cap * (1 - 2 / (e^(2 s / cap) + 1)) (exp saturates: +-cap
+// exactly for large |s|)
+SRT_ISA_TARGET inline void softcap_block(float* s, float cap) {
+  const reg c = Vec::set1(cap), two_over_c = Vec::set1(2.f / cap), one = Vec::set1(1.f), two = Vec::set1(2.f);
+  for (int j = 0; j < KB; j += W) {
+    const reg e = Vec::exp(Vec::mul(Vec::load(s + j), two_over_c));
+    Vec::store(s + j, Vec::mul(c, Vec::sub(one, Vec::div(two, Vec::add(e, one)))));
+  }
+}
+
 // One work item (see the top). q: the first row's query (row stride q_stride); kt: [D][kt_stride]
 // for the item's KV head; v: key 0's V row of that head (row stride v_stride); lim0: the last key
-// row 0 sees (rows r see keys 0 .. lim0 + r); out: row stride out_stride. Scratch: s [RT * KB],
-// o [RT * D].
+// row 0 sees (rows r see keys 0 .. lim0 + r; with window >= 0, lim0 + r - window .. lim0 + r);
+// cap: the soft-cap (0: none); out: row stride out_stride. Scratch: s [RT * KB], o [RT * D].
 SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, int64_t kt_stride, const float* v,
-                         int64_t v_stride, int64_t D, int64_t lim0, float scale, float* out, int64_t out_stride,
-                         float* s, float* o) {
+                         int64_t v_stride, int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
+                         int64_t out_stride, float* s, float* o) {
   float m[RT], l[RT];
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
@@ -70,18 +82,23 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
   std::fill(o, o + R * D, 0.f);
   const reg sc = Vec::set1(scale);
   const int64_t n_keys = lim0 + R;
-  for (int64_t t0 = 0; t0 < n_keys; t0 += KB) {
+  const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
+  for (int64_t t0 = first; t0 < n_keys; t0 += KB) {
     const int64_t kb = std::min<int64_t>(KB, n_keys - t0);
     tile(R, q, q_stride, kt + t0, kt_stride, D, s, KB, false);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * KB;
-      const int64_t valid = std::min<int64_t>(kb, lim0 + r - t0 + 1);  // keys of this block row r sees
-      for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
-      for (int64_t t = std::max<int64_t>(valid, 0); t < KB; ++t) sr[t] = -INFINITY;
-      if (valid <= 0) {  // nothing to see here (a later row's key): p = 0
+      // the keys of this block row r sees: lo .. valid - 1
+      const int64_t valid = std::min<int64_t>(kb, lim0 + r - t0 + 1);
+      const int64_t lo = window >= 0 ? std::max<int64_t>(0, lim0 + r - window - t0) : 0;
+      if (valid <= lo) {  // nothing to see here (a later row's key, or before this row's window): p = 0
         std::fill(sr, sr + KB, 0.f);
         continue;
       }
+      for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
+      if (cap > 0.f) softcap_block(sr, cap);
+      for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
+      for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
       reg mx = Vec::load(sr);
       for (int j = W; j < KB; j += W) mx = Vec::max(mx, Vec::load(sr + j));
       const float bm = Vec::hmax(mx);

@@ -40,10 +40,14 @@ def paged_decode_attention_ref(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as ``srt.kernels.cpu.paged_decode_attention``: q [bs, H, D] float32,
     k_buffer / v_buffer [S, H_kv, D], req_to_token [R, max_ctx], req_pool_indices [bs],
-    seq_lens [bs] -> [bs, H, D] float32 (zeros for a sequence of length 0)."""
+    seq_lens [bs] -> [bs, H, D] float32 (zeros for a sequence of length 0). With ``window_left``
+    >= 0 a sequence of length n attends to its keys ``max(0, n - 1 - window_left) .. n - 1`` only;
+    ``logit_cap`` > 0 soft-caps the scaled scores (``cap * tanh(s / cap)``)."""
     _check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens)
     bs, h, d = q.shape
     group = h // k_buffer.shape[1]
@@ -51,9 +55,12 @@ def paged_decode_attention_ref(
     for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         if n == 0:
             continue
-        slots = req_to_token[row, :n].long()
+        first = max(0, n - 1 - window_left) if window_left >= 0 else 0
+        slots = req_to_token[row, first:n].long()
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [n, H, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i], k) * scale  # [H, n]
+        if logit_cap > 0:
+            scores = torch.tanh(scores / logit_cap) * logit_cap
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
     return out

@@ -1,7 +1,8 @@
 """FlashInfer attention (CUDA): paged decode and prefill kernels over srt's KV pool.
 
 Per batch (``init_forward_metadata``) the page table becomes FlashInfer's index arrays
-(``flashinfer_metadata.build_paged_kv_metadata``) and one wrapper is planned, once::
+(``flashinfer_metadata.build_paged_kv_metadata``) and one wrapper per attention group is
+planned, once::
 
     DECODE          BatchDecodeWithPagedKVCacheWrapper   (use_tensor_cores when H / H_kv > 1)
     EXTEND, MIXED   BatchPrefillWithPagedKVCacheWrapper  causal=True over the paged cache
@@ -17,6 +18,16 @@ construction it is planned in ``init_forward_metadata``; otherwise the first lay
 first forward supplies it (and plans that forward), and every later forward plans up front. All
 layers must share it (a layer that differs raises ``ValueError``).
 
+Attention groups: a layer's sliding window and logit soft-cap are plan arguments of FlashInfer
+(``window_left``, ``logits_soft_cap``), so layers are grouped by ``(window_left, logit_cap)``
+(``group_of``; ``PLAIN`` = (-1, 0.0), neither) and each group has its own wrapper, planned once per
+batch; a layer runs its group's wrapper. A model alternating windowed and global layers (Gemma 2/3)
+plans two wrappers per batch, a Mistral with a window in every layer one. The groups are given at
+construction (``groups``; ``PLAIN`` alone by default when the geometry is given) or learnt like the
+geometry: a layer of a group not yet known plans it on the spot in an eager forward, and every
+later batch plans it up front. All wrappers share the one float workspace (they run one after
+another). FlashInfer applies the cap to the scaled scores: ``cap * tanh(sm_scale * q.k / cap)``.
+
 Wrappers are built by one injected ``wrapper_factory(kind, workspace, **ctor_kwargs)`` (kind
 ``"decode"`` or ``"prefill"``; ``ctor_kwargs`` are the real class's constructor keywords), so a
 CPU test substitutes a recording fake; the default factory imports flashinfer lazily. One
@@ -24,9 +35,11 @@ zeroed workspace (128 MiB on CUDA) is allocated once and shared by every wrapper
 after another on one stream.
 
 CUDA graphs (decode only): ``init_cuda_graph_state`` allocates fixed device buffers; a capture
-builds one ``use_cuda_graph=True`` decode wrapper per captured batch size over slices of them
-and plans it outside the graph; a replay plans that wrapper again (``plan`` copies the new index
-arrays into the fixed buffers the captured kernels read). The runner pads a replayed batch to the
+builds one ``use_cuda_graph=True`` decode wrapper per captured batch size and known group over
+slices of them (a batch size's groups share the buffers: they plan the same page table) and plans
+them outside the graph; a replay plans them again (``plan`` copies the new index arrays into the
+fixed buffers the captured kernels read). The groups must be known at capture (the graph runner's
+eager warm-up forward teaches them); a layer of an unknown group in a graph batch raises. The runner pads a replayed batch to the
 captured size with rows of ``seq_len`` 1 whose slot is 0 (the pool's zero padding page).
 """
 
@@ -49,6 +62,10 @@ from srt.layers.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from srt.layers.forward_batch import ForwardBatch
+
+# (window_left, logit_cap) of a layer: the plan arguments that differ between layers
+AttnGroup = tuple[int, float]
+PLAIN: AttnGroup = (-1, 0.0)  # no sliding window, no soft-cap
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace on CUDA (split-KV partial results)
 HOST_WORKSPACE_BYTES = 1 << 20  # on other devices only fake wrappers run (tests)
@@ -97,13 +114,19 @@ class AttentionGeometry:
         return self.num_qo_heads > self.num_kv_heads
 
 
+def group_of(layer: AttentionLayer) -> AttnGroup:
+    """The layer's attention group: ``(sliding_window_size, logit_cap)`` (-1 / 0.0: none)."""
+    return int(getattr(layer, "sliding_window_size", -1)), float(getattr(layer, "logit_cap", 0.0))
+
+
 @dataclass(slots=True)
 class FlashInferMetadata:
-    """One batch: its index arrays and the wrapper planned for it (None until planned)."""
+    """One batch: its index arrays and the wrapper planned for each attention group."""
 
     kind: str  # "decode" or "prefill"
     table: PagedKVMetadata
-    wrapper: PagedWrapper | None = None
+    wrappers: dict[AttnGroup, PagedWrapper] = field(default_factory=dict)
+    graph_bs: int | None = None  # a CUDA-graph batch: its wrappers are the captured ones
 
 
 @dataclass(slots=True)
@@ -113,7 +136,7 @@ class DecodeGraphState:
     kv_indptr: torch.Tensor  # int32 [max_bs + 1]
     kv_indices: torch.Tensor  # int32 [max_bs * max_pages_per_seq]
     kv_last_page_len: torch.Tensor  # int32 [max_bs]
-    wrappers: dict[int, PagedWrapper] = field(default_factory=dict)
+    wrappers: dict[int, dict[AttnGroup, PagedWrapper]] = field(default_factory=dict)  # bs -> group -> wrapper
 
     @property
     def max_bs(self) -> int:
@@ -122,7 +145,8 @@ class DecodeGraphState:
 
 class FlashInferAttnBackend(AttentionBackend):
     """See the module docstring. Reads ``device``, ``dtype`` (q and output), ``kv_cache_dtype`` and
-    ``page_size`` from ``model_runner``."""
+    ``page_size`` from ``model_runner``. ``groups``: the attention groups to plan for up front
+    (see the module docstring)."""
 
     supports_cuda_graph = True
 
@@ -133,6 +157,7 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper_factory: WrapperFactory | None = None,
         geometry: AttentionGeometry | None = None,
         workspace_bytes: int | None = None,
+        groups: Sequence[AttnGroup] | None = None,
     ) -> None:
         self.device = torch.device(model_runner.device)
         self.dtype = model_runner.dtype
@@ -140,10 +165,15 @@ class FlashInferAttnBackend(AttentionBackend):
         self.page_size = model_runner.page_size
         self.wrapper_factory: WrapperFactory = wrapper_factory or flashinfer_wrapper_factory
         self.geometry = geometry
+        if groups is None:
+            groups = [PLAIN] if geometry is not None else []
+        self.groups: dict[AttnGroup, None] = dict.fromkeys(
+            (int(w), float(c)) for w, c in groups
+        )  # ordered set
         if workspace_bytes is None:
             workspace_bytes = WORKSPACE_BYTES if self.device.type == "cuda" else HOST_WORKSPACE_BYTES
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._wrappers: dict[str, PagedWrapper] = {}
+        self._wrappers: dict[tuple[str, AttnGroup], PagedWrapper] = {}
         self.forward_metadata: FlashInferMetadata | None = None
         self.graph_state: DecodeGraphState | None = None
 
@@ -165,24 +195,28 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         md = FlashInferMetadata("decode" if decode else "prefill", table)
         if self.geometry is not None:
-            self._plan(md, self._wrapper(md.kind))
+            for group in self.groups:
+                self._plan(md, group, self._wrapper(md.kind, group))
         self.forward_metadata = md
 
-    def _wrapper(self, kind: str) -> PagedWrapper:
-        """The eager wrapper of ``kind``, built on first use."""
-        wrapper = self._wrappers.get(kind)
+    def _wrapper(self, kind: str, group: AttnGroup) -> PagedWrapper:
+        """The eager wrapper of ``kind`` for ``group``, built on first use."""
+        wrapper = self._wrappers.get((kind, group))
         if wrapper is None:
             kwargs: dict[str, Any] = {"kv_layout": "NHD"}
             if kind == "decode":
                 kwargs["use_tensor_cores"] = self._geometry().use_tensor_cores
             wrapper = self.wrapper_factory(kind, self.workspace, **kwargs)
-            self._wrappers[kind] = wrapper
+            self._wrappers[(kind, group)] = wrapper
         return wrapper
 
-    def _plan(self, md: FlashInferMetadata, wrapper: PagedWrapper) -> None:
-        """``wrapper.plan`` with the batch's arrays (indptr and last_page_len on the CPU)."""
+    def _plan(self, md: FlashInferMetadata, group: AttnGroup, wrapper: PagedWrapper) -> None:
+        """``wrapper.plan`` with the batch's arrays (indptr and last_page_len on the CPU) and the
+        group's window and soft-cap."""
         g, t = self._geometry(), md.table
         common = {
+            "window_left": group[0],
+            "logits_soft_cap": group[1],
             "q_data_type": self.dtype,
             "kv_data_type": self.kv_cache_dtype,
             "o_data_type": self.dtype,
@@ -196,7 +230,7 @@ class FlashInferAttnBackend(AttentionBackend):
             wrapper.plan(
                 t.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len, *heads, causal=True, **common
             )
-        md.wrapper = wrapper
+        md.wrappers[group] = wrapper
 
     def _geometry(self) -> AttentionGeometry:
         if self.geometry is None:
@@ -232,16 +266,31 @@ class FlashInferAttnBackend(AttentionBackend):
             self.geometry = geometry
         elif geometry != self.geometry:
             raise ValueError(f"layer {layer.layer_id} has geometry {geometry}, planned for {self.geometry}")
-        if md.wrapper is None:  # first forward: the geometry just became known
-            self._plan(md, self._wrapper(md.kind))
+        group = group_of(layer)
+        wrapper = md.wrappers.get(group)
+        if wrapper is None:
+            wrapper = self._plan_new_group(md, group)
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         kv = (paged_view(k_buf, self.page_size), paged_view(v_buf, self.page_size))
         num_tokens, h, d = q.shape[0], layer.num_heads, layer.head_dim
-        out = md.wrapper.run(q.reshape(num_tokens, h, d), kv)
+        out = wrapper.run(q.reshape(num_tokens, h, d), kv)
         return out.reshape(num_tokens, h * d)
+
+    def _plan_new_group(self, md: FlashInferMetadata, group: AttnGroup) -> PagedWrapper:
+        """A layer of a group this batch has no plan for (the first forward, or the first layer of
+        its kind): plan it now and for every later batch; never inside a CUDA graph."""
+        if md.graph_bs is not None:
+            raise RuntimeError(
+                f"attention group (window_left, logit_cap) = {group} was not known when the CUDA graph "
+                f"of batch size {md.graph_bs} was captured (known: {list(self.groups)}); run an eager "
+                "forward of every layer before capturing"
+            )
+        self.groups[group] = None
+        self._plan(md, group, self._wrapper(md.kind, group))
+        return md.wrappers[group]
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -260,29 +309,31 @@ class FlashInferAttnBackend(AttentionBackend):
         fixed buffers and plan it with this (dummy) batch, outside the capture."""
         state = self._graph_state(bs, forward_mode)
         g = self._geometry()
-        wrapper = self.wrapper_factory(
-            "decode",
-            self.workspace,
-            kv_layout="NHD",
-            use_tensor_cores=g.use_tensor_cores,
-            use_cuda_graph=True,
-            paged_kv_indptr_buffer=state.kv_indptr[: bs + 1],
-            paged_kv_indices_buffer=state.kv_indices,
-            paged_kv_last_page_len_buffer=state.kv_last_page_len[:bs],
-        )
-        state.wrappers[bs] = wrapper
-        self._plan_graph(wrapper, req_to_token, req_pool_indices, seq_lens_cpu)
+        state.wrappers[bs] = {
+            group: self.wrapper_factory(
+                "decode",
+                self.workspace,
+                kv_layout="NHD",
+                use_tensor_cores=g.use_tensor_cores,
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=state.kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=state.kv_indices,
+                paged_kv_last_page_len_buffer=state.kv_last_page_len[:bs],
+            )
+            for group in self.groups or [PLAIN]
+        }
+        self._plan_graph(bs, state.wrappers[bs], req_to_token, req_pool_indices, seq_lens_cpu)
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs, req_to_token, req_pool_indices, seq_lens_cpu, forward_mode
     ):
-        """Before replaying batch size ``bs`` (inputs already padded to ``bs``): plan its wrapper
+        """Before replaying batch size ``bs`` (inputs already padded to ``bs``): plan its wrappers
         with the live batch, which rewrites the fixed buffers the graph reads."""
         state = self._graph_state(bs, forward_mode)
-        wrapper = state.wrappers.get(bs)
-        if wrapper is None:
+        wrappers = state.wrappers.get(bs)
+        if wrappers is None:
             raise ValueError(f"no CUDA graph was captured for batch size {bs} ({sorted(state.wrappers)})")
-        self._plan_graph(wrapper, req_to_token, req_pool_indices, seq_lens_cpu)
+        self._plan_graph(bs, wrappers, req_to_token, req_pool_indices, seq_lens_cpu)
 
     def _graph_state(self, bs: int, forward_mode: ForwardMode) -> DecodeGraphState:
         if not forward_mode.is_decode():
@@ -295,7 +346,8 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_graph(
         self,
-        wrapper: PagedWrapper,
+        bs: int,
+        wrappers: dict[AttnGroup, PagedWrapper],
         req_to_token: torch.Tensor,
         req_pool_indices: torch.Tensor,
         seq_lens_cpu: Sequence[int],
@@ -306,6 +358,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"{table.kv_indices.numel()} pages exceed the graph buffer of "
                 f"{self.graph_state.kv_indices.numel()} (init_cuda_graph_state's max_context_len)"
             )
-        md = FlashInferMetadata("decode", table)
-        self._plan(md, wrapper)
+        md = FlashInferMetadata("decode", table, graph_bs=bs)
+        for group, wrapper in wrappers.items():
+            self._plan(md, group, wrapper)
         self.forward_metadata = md

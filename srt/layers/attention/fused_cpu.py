@@ -9,6 +9,11 @@ gather with one), then run ``torch.ops.srt_cpu.extend_attention`` (extend_attent
 batch's sequences in one call, register-tiled, causal blocks skipped) when the activations are
 float32 and the head dim a multiple of 64, torch's SDPA otherwise.
 
+Sliding windows and logit soft-capping (a layer's ``sliding_window_size`` / ``logit_cap``) reach
+both native kernels, which skip the keys outside a window rather than masking them (a long
+context under a small window reads the window only). Where the extend kernel does not apply, such
+a layer takes the ``math_attention`` path of window_cap.py (``sdpa_extend`` handles it).
+
 When the extension is not built (no compiler, a failed build, ``SRT_DISABLE_NATIVE_KERNELS=1``)
 the backend computes exactly what ``TorchNativeAttnBackend`` does (it is built from the same
 functions of torch_native.py, composed, not inherited); one log line at start-up says which decode
@@ -112,7 +117,11 @@ class FusedCPUAttnBackend(AttentionBackend):
             sdpa_extend(q3, kx, vx, md, layer, out)
             return
         ne_tok = md.num_extend_tokens
-        out[:ne_tok] = torch.ops.srt_cpu.extend_attention(q3[:ne_tok], kx, vx, *desc, layer.scaling)
+        window, cap = layer_window_and_cap(layer)
+        isa = ""  # the best the CPU runs
+        out[:ne_tok] = torch.ops.srt_cpu.extend_attention(
+            q3[:ne_tok], kx, vx, *desc, layer.scaling, isa, window, cap
+        )
 
     def _decode(self, q3, k_buf, v_buf, md: TorchNativeMetadata, layer: AttentionLayer) -> torch.Tensor:
         """q3 ``[nd, H, D]`` (one query per decoding sequence) -> ``[nd, H, D]``: the native kernel
@@ -120,8 +129,17 @@ class FusedCPUAttnBackend(AttentionBackend):
         if self._decode_args is None:
             return sdpa_decode(q3, (k_buf, v_buf), md, layer, self.workspace)
         req_to_token, rows, lens = self._decode_args
+        window, cap = layer_window_and_cap(layer)
         out = cpu_kernels.paged_decode_attention(
-            q3.float(), k_buf, v_buf, req_to_token, rows, lens, layer.scaling
+            q3.float(),
+            k_buf,
+            v_buf,
+            req_to_token,
+            rows,
+            lens,
+            layer.scaling,
+            window_left=window,
+            logit_cap=cap,
         )
         return out.to(q3.dtype)
 
@@ -129,6 +147,11 @@ class FusedCPUAttnBackend(AttentionBackend):
         if self.forward_metadata is None:
             raise RuntimeError("init_forward_metadata was not called for this batch")
         return self.forward_metadata
+
+
+def layer_window_and_cap(layer: AttentionLayer) -> tuple[int, float]:
+    """``(window_left, logit_cap)`` of a layer as the native kernels take them (-1 / 0.0: none)."""
+    return int(getattr(layer, "sliding_window_size", -1)), float(getattr(layer, "logit_cap", 0.0))
 
 
 def extend_descriptor(md: TorchNativeMetadata) -> tuple[torch.Tensor, ...]:

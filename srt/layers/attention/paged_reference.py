@@ -9,8 +9,10 @@ FlashInfer the right page table. Semantics it reproduces, per sequence ``i``::
     K, V    = k_cache[pages].flatten(0, 1)[:kv_len]                NHD cache [pages, P, H_kv, D]
     queries = q[qo_indptr[i] : qo_indptr[i+1]]                     qo_len <= kv_len
     causal: query row j sees keys 0 .. j + kv_len - qo_len          (mask aligned bottom-right)
+    window_left >= 0: query row j sees keys >= j + kv_len - qo_len - window_left only (causal or not)
     query head h reads KV head h // (H / H_kv)
-    scores scaled by sm_scale (default 1 / sqrt(D)); softmax in float32
+    scores scaled by sm_scale (default 1 / sqrt(D)); logits_soft_cap > 0: scaled scores s become
+    cap * tanh(s / cap) before the mask; softmax in float32
 
 The log-sum-exp it returns is in log2 units, as FlashInfer's ``return_lse`` gives it. A slow,
 per-sequence loop: for tests only.
@@ -34,12 +36,15 @@ def paged_attention_reference(
     *,
     causal: bool,
     sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched prefill over a paged cache, as ``BatchPrefillWithPagedKVCacheWrapper`` computes it.
 
     q ``[total_q, H, D]``; k_cache/v_cache ``[pages, P, H_kv, D]``; index arrays as in the module
-    docstring (any integer dtype and device). Returns ``(out [total_q, H, D] in q's dtype,
-    lse [total_q, H] float32, log2 units)``."""
+    docstring (any integer dtype and device); ``window_left`` / ``logits_soft_cap`` as ``plan``
+    takes them (-1 / 0: off). Returns ``(out [total_q, H, D] in q's dtype, lse [total_q, H]
+    float32, log2 units)``."""
     total_q, h, d = q.shape
     _, page_size, h_kv, _ = k_cache.shape
     if h % h_kv:
@@ -60,14 +65,31 @@ def paged_attention_reference(
         k = k_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, dim=1)
         v = v_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[qo[i] : qo[i + 1]].float(), k) * scale
-        if causal:
-            allowed = torch.ones(qo_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - qo_len)
+        if logits_soft_cap > 0:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        allowed = _allowed(qo_len, kv_len, causal, window_left, q.device)
+        if allowed is not None:
             scores = scores.masked_fill(~allowed, -math.inf)
         seq_lse = torch.logsumexp(scores, dim=-1)  # [H, qo_len]
         probs = torch.exp(scores - seq_lse[..., None])
         out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         lse[qo[i] : qo[i + 1]] = (seq_lse / math.log(2.0)).T
     return out, lse
+
+
+def _allowed(
+    qo_len: int, kv_len: int, causal: bool, window_left: int, device: torch.device
+) -> torch.Tensor | None:
+    """bool ``[qo_len, kv_len]``: query row j (at position j + kv_len - qo_len) may see key t; None
+    when every key is visible."""
+    if not causal and window_left < 0:
+        return None
+    pos = torch.arange(qo_len, device=device)[:, None] + (kv_len - qo_len)
+    key = torch.arange(kv_len, device=device)[None, :]
+    allowed = key <= pos if causal else torch.ones(qo_len, kv_len, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        allowed = allowed & (key >= pos - window_left)
+    return allowed
 
 
 def paged_decode_reference(
@@ -79,10 +101,12 @@ def paged_decode_reference(
     kv_last_page_len: torch.Tensor,
     *,
     sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched decode, as ``BatchDecodeWithPagedKVCacheWrapper`` computes it: q ``[bs, H, D]``, one
-    query per sequence attending to all ``kv_len`` keys (no mask). Returns ``(out [bs, H, D],
-    lse [bs, H] float32, log2 units)``."""
+    query per sequence attending to all ``kv_len`` keys (no causal mask; with ``window_left`` >= 0
+    the last ``window_left + 1`` only). Returns ``(out [bs, H, D], lse [bs, H] float32, log2 units)``."""
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_reference(
         q,
@@ -94,4 +118,6 @@ def paged_decode_reference(
         kv_last_page_len,
         causal=False,
         sm_scale=sm_scale,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
     )

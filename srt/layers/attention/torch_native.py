@@ -55,6 +55,7 @@ from srt.layers.attention.base import (
     AttentionLayer,
     save_and_read_kv,
 )
+from srt.layers.attention.window_cap import has_window_or_cap, math_attention, visible_keys
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -321,41 +322,6 @@ def sdpa_extend(
                 qr, kr, vr, attn_mask=run.mask, is_causal=run.causal, scale=layer.scaling, enable_gqa=gqa
             )
         out[qe : qe + n * e].view(n, e, h, d).copy_(o.transpose(1, 2))
-
-
-def has_window_or_cap(layer: AttentionLayer) -> bool:
-    """Whether the layer attends through a sliding window or soft-caps its scores."""
-    return getattr(layer, "sliding_window_size", -1) >= 0 or getattr(layer, "logit_cap", 0.0) > 0
-
-
-def visible_keys(query_pos: torch.Tensor, num_keys: int, window_left: int) -> torch.Tensor:
-    """bool ``[len(query_pos), num_keys]``: key position j is visible to a query at position p when
-    j <= p and (no window, or j >= p - window_left)."""
-    key_pos = torch.arange(num_keys, device=query_pos.device)[None, :]
-    visible = key_pos <= query_pos[:, None]
-    if window_left >= 0:
-        visible &= key_pos >= query_pos[:, None] - window_left
-    return visible
-
-
-def math_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, layer: AttentionLayer
-) -> torch.Tensor:
-    """The reference attention for windowed and soft-capped layers: q ``[n, H, e, D]``, k/v
-    ``[n, H_kv, s, D]``, ``visible`` bool broadcastable to ``[n, H, e, s]`` -> ``[n, H, e, D]``.
-
-    scores = q k^T * scaling (float32) -> logit_cap * tanh(scores / logit_cap) when capped ->
-    invisible keys -inf -> softmax -> weighted sum of v (in q's dtype)."""
-    group = layer.num_heads // layer.num_kv_heads
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling
-    cap = getattr(layer, "logit_cap", 0.0)
-    if cap > 0:
-        scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def sdpa_decode(
