@@ -88,10 +88,13 @@ class _Bank:
         if qtype != F32_TYPE and qtype in gguf_kernels.native_qtypes():
             self._op = torch.ops.srt_cpu.gguf_linear
 
-    def linear(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, e: int, x: torch.Tensor, int8_max_rows: int = 0) -> torch.Tensor:
+        """``int8_max_rows``: inputs of at most that many rows quantize x to int8 (blocks only)."""
         if self.qtype == F32_TYPE:
             return F.linear(x, self.mats[e])
         if self._op is not None and x.dtype == torch.float32 and x.is_contiguous():
+            if x.shape[0] <= int8_max_rows:
+                return torch.ops.srt_cpu.gguf_linear_q8a(x, self.mats[e], self.qtype, None)
             return self._op(x, self.mats[e], self.qtype, None)
         return gguf_kernels.quant_linear(x.float().contiguous(), self.mats[e], self.qtype)
 
@@ -120,6 +123,8 @@ class MoEExperts(nn.Module):
         self._received: dict[str, set[int | None]] = {p: set() for p in PARTS}
         self.gate_up: list[_Bank] = []  # one bank [E, 2I, *], or gate and up banks
         self.down: _Bank | None = None
+        # > 0: expert matmuls of at most that many rows quantize x to int8 (``use_int8_activations``)
+        self.int8_max_rows = 0
 
     def shard(self, intermediate_size: int) -> None:
         """Tensor parallelism, before loading: keep ``intermediate_size`` rows of gate/up and
@@ -215,11 +220,20 @@ class MoEExperts(nn.Module):
     # ------------------------------------------------------------------ compute
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows ``x [n, H]`` -> ``[n, H]``."""
+        rows = self.int8_max_rows
         if len(self.gate_up) == 1:
-            h = self.gate_up[0].linear(e, x)
+            h = self.gate_up[0].linear(e, x, rows)
         else:
-            h = torch.cat([b.linear(e, x) for b in self.gate_up], dim=-1)
-        return self.down.linear(e, _silu_and_mul(h))
+            h = torch.cat([b.linear(e, x, rows) for b in self.gate_up], dim=-1)
+        return self.down.linear(e, _silu_and_mul(h), rows)
+
+    def use_int8_activations(self, max_rows: int) -> None:
+        """From now on, expert matmuls of at most ``max_rows`` rows quantize x to int8 per block of
+        32 (``gguf_linear_q8a``, as ``QuantizedWeight.use_int8_activations``), when every bank is
+        GGUF blocks of a type that kernel runs."""
+        q8a = gguf_kernels.q8a_qtypes()
+        if self.down is not None and all(b.qtype in q8a for b in (*self.gate_up, self.down)):
+            self.int8_max_rows = max_rows
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Grouped by expert (module docstring): x ``[T, H]``, top-k ``weights``/``ids`` ``[T, k]``."""
@@ -227,6 +241,9 @@ class MoEExperts(nn.Module):
             self.finalize()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return dense_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+        banks = self.native_banks()
+        if banks is not None and x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+            return torch.ops.srt_cpu.moe_experts(x, weights, ids, *banks, self.int8_max_rows)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -242,6 +259,26 @@ class MoEExperts(nn.Module):
         ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(ys.dtype))
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         return out.index_add_(0, tokens, ys)
+
+    def native_banks(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor, int] | None:
+        """``(gate_up banks, their qtypes, down bank, its qtype)`` as ``moe_experts``
+        (srt/kernels/cpu/moe.cpp) takes them, or None when the op is not built or a bank is
+        neither float32 nor GGUF blocks of a native type (then ``forward`` runs op by op)."""
+        if self.down is None or not gguf_kernels.moe_available():
+            return None
+        native = gguf_kernels.native_qtypes()
+        banks = [*self.gate_up, self.down]
+        for b in banks:
+            if b.qtype == F32_TYPE and (b.data.dtype != torch.float32 or b.data.is_cuda):
+                return None
+            if b.qtype != F32_TYPE and b.qtype not in native:
+                return None
+        return (
+            [b.data for b in self.gate_up],
+            [b.qtype for b in self.gate_up],
+            self.down.data,
+            self.down.qtype,
+        )
 
     def extra_repr(self) -> str:
         kinds = "float" if self.down is None or self.down.qtype == F32_TYPE else "gguf"

@@ -33,8 +33,9 @@ from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.moe import MoEExperts
 from srt.layers.parameter import released_param
-from srt.layers.quantized_weight import QuantizedWeight
+from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
@@ -111,6 +112,8 @@ def get_model(
         for module in model.modules():
             if isinstance(module, QuantizedWeight):
                 module.use_int8_activations()
+            elif isinstance(module, MoEExperts):
+                module.use_int8_activations(INT8_MAX_ROWS)
     release_free_memory()
     logger.info(
         "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB%s",

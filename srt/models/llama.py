@@ -323,6 +323,21 @@ def window_left_of(config: PretrainedConfig) -> int:
     return int(window) - 1 if window else -1
 
 
+def apply_layer_windows(layers: Iterable[nn.Module], config: PretrainedConfig, window: int | None) -> None:
+    """Give the attention of every sliding layer a window of ``window`` keys (HF's
+    ``sliding_window``; None: no window anywhere). The sliding layers are those
+    ``config.layer_types`` marks ``sliding_attention``; without ``layer_types``, those from
+    ``max_window_layers`` on when the config has it (Qwen's rule), else every layer."""
+    if not window:
+        return
+    types = getattr(config, "layer_types", None)
+    first = getattr(config, "max_window_layers", None) or 0
+    for i, layer in enumerate(layers):
+        sliding = types[i] == "sliding_attention" if types is not None else i >= first
+        if sliding:
+            layer.self_attn.attn.sliding_window_size = int(window) - 1
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral = Llama layout with an optional sliding window in every layer."""
 

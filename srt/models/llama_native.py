@@ -29,6 +29,7 @@ import torch
 
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
+from srt.layers.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,6 +57,34 @@ def _blocks(linear: Linear) -> list[tuple[torch.Tensor, int, int]] | None:
 
 def _int8_rows(linear: Linear) -> int:
     return 0 if linear.qweight is None else linear.qweight.int8_max_rows
+
+
+def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock) -> str | None:
+    """Make the stack's last layer's MLP ``block`` (``DecodeLayers.set_moe``); the reason it cannot
+    (nothing set), or None."""
+    experts = block.experts
+    if experts.down is None:  # dummy weights: filled in place, never loaded
+        experts.finalize()
+    banks = experts.native_banks()
+    if banks is None:
+        return "has experts that are neither float32 nor GGUF blocks of native types"
+    dense = [block.gate]
+    if block.shared_expert is not None and block.shared_expert_gate is not None:
+        dense += [block.shared_expert.gate_up_proj, block.shared_expert.down_proj, block.shared_expert_gate]
+    segments = [_blocks(p) for p in dense]
+    if any(s is None for s in segments) or any(p.bias is not None for p in dense):
+        return "has a router or shared expert that is neither native GGUF blocks nor packed float32"
+    int8_rows = {_int8_rows(p) for p in dense if p.qweight is not None} or {0}
+    if len(int8_rows) > 1:
+        return "has a router and shared expert that differ in their int8-activation choice"
+    cols = [[list(col) for col in zip(*seg, strict=True)] for seg in segments]
+    shared = [x for c in cols[1:] for x in c] if len(cols) > 1 else [[], [], []] * 3
+    gate_up, gate_up_qtypes, down, down_qtype = banks
+    stack.set_moe(
+        *cols[0], block.top_k, block.renormalize, gate_up, gate_up_qtypes, down, down_qtype,
+        experts.int8_max_rows, *shared, int8_rows.pop(),
+    )  # fmt: skip
+    return None
 
 
 class NativeDecodeLayers:
@@ -90,7 +119,9 @@ class NativeDecodeLayers:
         )
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            moe = mlp if isinstance(mlp, SparseMoeBlock) else None
+            dense = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
+            projections = (attn.qkv_proj, attn.o_proj, *dense)
             blocks = [_blocks(p) for p in projections]
             if any(b is None for b in blocks):
                 return None, (
@@ -112,8 +143,14 @@ class NativeDecodeLayers:
                 args += [data, qtypes, x8_rows, proj.bias]
             qk = (attn.q_norm, attn.k_norm)
             args += [None if n is None else n.weight for n in qk]
+            if moe is not None:  # no dense gate_up / down: set_moe gives the sparse block
+                args[10:10] = [[], [], [], None, [], [], [], None]
             args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
             stack.add_layer(*args)
+            if moe is not None:
+                why = _set_moe(stack, moe)
+                if why:
+                    return None, f"layer {i}'s mixture of experts {why}"
         return cls(stack, len(layers)), f"{len(layers)} layers in one native call per decode step"
 
     def forward(

@@ -16,8 +16,9 @@ becomes the attention layers' window (per ``layer_types`` where the config has t
 Checkpoint expert tensors come per expert (``mlp.experts.<e>.gate_proj.weight``: HF files, older
 GGUFs) or merged over the experts (``mlp.experts.gate_proj.weight``: llama.cpp's ``ffn_*_exps``);
 ``load_weights`` hands them to the layer's ``MoEExperts``, everything else goes where the Llama
-loader would put it. The native decode stack (``llama_native.py``) does not take MoE layers: these
-models always run layer by layer.
+loader would put it. DECODE steps run the layers as one native call (``llama_native.py``) where
+the weights allow, the sparse blocks included (router, top-k, the experts grouped by expert, the
+shared expert; ``DecodeLayers.set_moe``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ from srt.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
+    apply_layer_windows,
     head_dim_of,
 )
+from srt.models.qwen2 import qwen_sliding_window
 from srt.utils.errors import WeightLoadError
 
 if TYPE_CHECKING:
@@ -111,7 +114,8 @@ class MoEModel(LlamaModel):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.native_decode = None  # never: MoE layers run layer by layer
+        # the layers as one native call for DECODE batches (llama_native.py), once enabled
+        self.native_decode = None
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -137,7 +141,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             dtype,
             linear_backend,
         )
-        self._apply_sliding_window(config)
+        apply_layer_windows(self.model.layers, config, self.sliding_window(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens
@@ -148,18 +152,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     @classmethod
     def sliding_window(cls, config: PretrainedConfig) -> int | None:
         """The attention window (HF's ``sliding_window``: keys a query sees, itself included), or None."""
-        if not getattr(config, "use_sliding_window", False):
-            return None
-        return getattr(config, "sliding_window", None) or None
-
-    def _apply_sliding_window(self, config: PretrainedConfig) -> None:
-        window = self.sliding_window(config)
-        if not window:
-            return
-        types = getattr(config, "layer_types", None)
-        for i, layer in enumerate(self.model.layers):
-            if types is None or types[i] == "sliding_attention":
-                layer.self_attn.attn.sliding_window_size = window - 1
+        return qwen_sliding_window(config)
 
     def build_mlp(
         self,
@@ -175,9 +168,6 @@ class MoEForCausalLM(LlamaForCausalLM):
         """Qwen's rule: a MoE layer unless listed in ``mlp_only_layers`` or off ``decoder_sparse_step``."""
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
-
-    def enable_native_decode(self) -> str:
-        return "native decode layers off: mixture-of-experts layers run layer by layer"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``LlamaForCausalLM.load_weights`` plus the expert tensors (module docstring); then each

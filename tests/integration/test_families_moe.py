@@ -1,7 +1,7 @@
 """Mixture-of-experts families through the real Engine (tiny random models, no tokenizer): greedy
 outputs equal transformers' ``generate`` of each prompt alone, for prompts sent as one batch
 (routing is per token: a request's tokens do not depend on its batch) and one at a time.
-Qwen2-MoE (shared expert), Qwen3-MoE (top-4, renormalised) and Mixtral from safetensors; Qwen3-MoE
+Qwen2-MoE (shared expert), Qwen3-MoE (top-4, renormalised) and Mixtral, each from safetensors and
 from a Q8_0 GGUF with its experts kept in their blocks."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def test_engine_greedy_matches_transformers(tmp_path, kind):
     _run(path, hf_greedy_references(None, PROMPTS, MAX_NEW_TOKENS, load_hf))
 
 
-def test_engine_gguf_experts_quantized_match_transformers(tmp_path):
-    path, hf = save_tiny_moe_gguf("qwen3_moe", os.path.join(tmp_path, "m.gguf"), "Q8_0", seed=22)
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_engine_gguf_experts_quantized_match_transformers(tmp_path, kind):
+    path, hf = save_tiny_moe_gguf(kind, os.path.join(tmp_path, "m.gguf"), "Q8_0", seed=22)
     _run(path, hf_greedy_references(None, PROMPTS, MAX_NEW_TOKENS, lambda: hf), quantization="gguf")

@@ -4,7 +4,7 @@
 Two models: Phi-4-mini's layout (partial rotary 0.75, longrope; prompts and outputs stay within
 the original context of 64, where srt's rope is exactly transformers') and Phi-3-mini-4k's (full
 rotary, sliding window 9, far shorter than the prompts). Both on the torch_native attention
-backend (windows), one batch of prompts per Engine (so prompts share batches in srt).
+backend is the default (fused_cpu: the native kernels' windows), one batch of prompts per Engine (so prompts share batches in srt).
 """
 
 from __future__ import annotations
@@ -13,23 +13,24 @@ import torch
 
 from srt import Engine
 from tests.helpers.hf_reference import assert_tokens_match, hf_greedy_references, make_prompts
-from tests.helpers.tiny_phi3 import WINDOW_OVERRIDES, save_tiny_phi3
+from tests.helpers.tiny_phi3 import WINDOW_OVERRIDES, save_tiny_phi3, save_tiny_phi3_gguf
 
 MAX_NEW_TOKENS = 16
 GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
-def _check_engine_matches_transformers(path: str, prompts: list[list[int]]) -> None:
+def _check_engine_matches_transformers(path: str, prompts: list[list[int]], hf=None) -> None:
     def load_hf():
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return (
+            hf if hf is not None else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        )
 
     refs = hf_greedy_references(None, prompts, MAX_NEW_TOKENS, load_hf)
     llm = Engine(
         model_path=path,
         skip_tokenizer_init=True,
-        attention_backend="torch_native",
         max_total_tokens=2048,
         log_level="warning",
     )
@@ -54,3 +55,10 @@ def test_phi3_window_layout_greedy_matches_transformers(tmp_path):
     path = save_tiny_phi3(tmp_path / "phi3win", seed=13, **WINDOW_OVERRIDES)
     prompts = make_prompts([4, 25, 60, 120], seed=4, vocab_size=320)
     _check_engine_matches_transformers(path, prompts)
+
+
+def test_phi4_mini_layout_from_gguf_greedy_matches_transformers(tmp_path):
+    """A Q8_0 GGUF (fused qkv and gate_up blocks kept quantized, rope factors as tensors)."""
+    path, hf = save_tiny_phi3_gguf(tmp_path / "phi4mini.gguf", "Q8_0", seed=14)
+    prompts = make_prompts([5, 20, 40], seed=5, vocab_size=320)
+    _check_engine_matches_transformers(path, prompts, hf.eval())

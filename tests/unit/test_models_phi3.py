@@ -1,5 +1,5 @@
 """Phi-3 / Phi-4-mini (fused checkpoints, partial rotary, longrope, sliding window) and
-Mistral's sliding window, against transformers on identical weights (float32, CPU).
+Mistral's and Qwen2's sliding windows, against transformers on identical weights (float32, CPU).
 
 * safetensors: logits of a prompt within the original context (64) equal transformers'; a
   sequence's logits do not change when it is batched with one past the original context; the
@@ -178,6 +178,22 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     path = save_tiny_model("mistral", tmp_path, seed=4, sliding_window=7)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.sliding_window == 7
+    _check_windowed_runner(path, hf, 7)
+
+
+def test_qwen2_sliding_layers_match_transformers(tmp_path):
+    """Qwen2's use_sliding_window: the layers from max_window_layers on slide, the others do not."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(
+        "qwen2", tmp_path, seed=5, use_sliding_window=True, sliding_window=7, max_window_layers=1
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    windows = [
+        layer.self_attn.attn.sliding_window_size for layer in get_model(ModelConfig(path)).model.layers
+    ]
+    assert windows == [-1, 6]
     _check_windowed_runner(path, hf, 7)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.moe import MoEExperts, SparseMoeBlock, dense_moe_reference, route_topk
 from srt.layers.quantized_weight import GGUFTensor
 from tests.helpers.tiny_models import randomize_
@@ -182,3 +183,27 @@ def test_sparse_block_with_shared_expert_matches_transformers():
         ref = hf(x.unsqueeze(0))[0]
         torch.testing.assert_close(block(x), ref, atol=2e-5, rtol=0)
         torch.testing.assert_close(block.reference(x), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not gguf_kernels.moe_available(), reason="the native extension is not built")
+@pytest.mark.parametrize("source", ["float", "q4k", "mixed", "q4k-int8"])
+def test_native_moe_op_equals_the_op_by_op_path(source, monkeypatch):
+    """``moe_experts`` (moe.cpp) runs exactly the Python grouped path's kernels in its order:
+    bit for bit the same output, for float banks, one GGUF bank, gate and up of two types, and
+    int8 activations for small row counts."""
+    if source == "float":
+        experts = _float_experts(8, 64, 48)
+    else:
+        qtypes = (Q4_K, Q8_0, Q4_K) if source == "mixed" else (Q4_K, Q4_K, Q4_K)
+        experts, _, _ = _gguf_experts(6, 256, 256, qtypes, per_expert=False)
+    if source == "q4k-int8":
+        experts.int8_max_rows = 2  # experts with 1-2 rows quantize x, the others do not
+    assert experts.native_banks() is not None
+    for tokens, top_k in ((1, 2), (7, 3), (33, 2)):
+        x = _x(tokens, experts.hidden_size, seed=tokens)
+        w, ids = _route(x, experts.num_experts, top_k)
+        native = experts(x, w, ids)
+        with monkeypatch.context() as m:
+            m.setattr(gguf_kernels, "moe_available", lambda: False)
+            by_ops = experts(x, w, ids)
+        assert torch.equal(native, by_ops)

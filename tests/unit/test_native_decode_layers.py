@@ -198,3 +198,24 @@ def test_projections_whose_rows_mix_types_run_natively(tmp_path):
         assert runner.model.model.layers[0].self_attn.qkv_proj.qweight.int8_max_rows > 0
         assert runner.model.enable_native_decode().startswith("native decode layers on")
         _decode_both_ways(runner, [3, 40], seed=6)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_moe_models_native_equals_python(tmp_path, kind):
+    """Sparse layers in the native stack (set_moe: router, top-k, experts grouped by expert, the
+    shared expert): float32 experts with packed float32 projections, and a GGUF file whose experts
+    stay blocks, with and without int8 activations."""
+    from tests.helpers.tiny_moe import save_tiny_moe, save_tiny_moe_gguf
+
+    path = save_tiny_moe(kind, tmp_path / kind, seed=3)
+    runner = _runner(path, linear_backend="native")
+    assert runner.model.model.native_decode is not None, runner.model.enable_native_decode()
+    _decode_both_ways(runner, [1, 5, 40, 17], seed=3)
+    gguf_path, _ = save_tiny_moe_gguf(kind, str(tmp_path / "m.gguf"), "Q8_0", seed=4)
+    for int8 in (False, True):
+        runner = _runner(gguf_path, quantization="gguf", enable_int8_activations=int8)
+        experts = runner.model.model.layers[0].mlp.experts
+        assert experts.down.data.dtype == torch.uint8 and (experts.int8_max_rows > 0) == int8
+        assert runner.model.model.native_decode is not None, runner.model.enable_native_decode()
+        _decode_both_ways(runner, [1, 5, 40, 17], seed=5)
+        _decode_both_ways(runner, [9], seed=6)

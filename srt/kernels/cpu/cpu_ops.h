@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "vec.h"
 
@@ -49,6 +51,12 @@ at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t 
                            const c10::optional<at::Tensor>& bias);
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
+
+// moe.cpp: the experts of a sparse MLP grouped by expert; the router's softmax / top-k
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                       const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
+                       const at::Tensor& down, int64_t down_qtype, int64_t int8_max_rows);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
 
 // packed_linear.cpp: float32 x @ W^T on a weight from pack_linear_weight (N: W's rows)
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,

@@ -20,6 +20,10 @@
 //   paged_decode_attention (the layer's sliding window and soft-cap, if any) -> o ->
 //   norm + residual -> gate_up -> silu_and_mul -> down
 //
+// or, for a mixture-of-experts layer (set_moe), in place of gate_up / down: the router's logits
+// -> moe_route (softmax, top-k, renormalised) -> moe_experts (moe.cpp: the experts grouped by
+// expert) [+ sigmoid(shared gate) * the shared expert] -- srt/layers/moe.py's SparseMoeBlock.
+//
 // The first layer's input norm has no residual to add (residual = the embedding output).
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
@@ -27,6 +31,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -72,9 +77,11 @@ struct QuantLinear {
   }
 };
 
+// allow_empty: no segments at all is a projection left out (a MoE layer's dense gate_up / down)
 QuantLinear make_linear(const std::vector<at::Tensor>& data, const std::vector<int64_t>& qtypes,
-                        const std::vector<int64_t>& x8_rows, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(!data.empty() && data.size() == qtypes.size() && data.size() == x8_rows.size(),
+                        const std::vector<int64_t>& x8_rows, c10::optional<at::Tensor> bias,
+                        bool allow_empty = false) {
+  TORCH_CHECK((!data.empty() || allow_empty) && data.size() == qtypes.size() && data.size() == x8_rows.size(),
               "DecodeLayers: a projection needs one qtype and one x8 count per segment (got ", data.size(), ", ",
               qtypes.size(), ", ", x8_rows.size(), ")");
   QuantLinear lin{{}, std::move(bias)};
@@ -82,12 +89,37 @@ QuantLinear make_linear(const std::vector<at::Tensor>& data, const std::vector<i
   return lin;
 }
 
+// A sparse MLP: router, top-k, experts banks (moe.cpp's layout), an optional gated shared expert.
+struct MoE {
+  QuantLinear router;
+  int64_t top_k;
+  bool renormalize;
+  std::vector<at::Tensor> gate_up;
+  std::vector<int64_t> gate_up_qtypes;
+  at::Tensor down;
+  int64_t down_qtype;
+  int64_t int8_max_rows;  // the experts' choice (MoEExperts.int8_max_rows)
+  QuantLinear shared_gate_up, shared_down, shared_gate;  // no segments: no shared expert
+  int64_t dense_int8_rows;  // the router's and the shared expert's int8-activation choice
+
+  at::Tensor apply(const at::Tensor& x) const {
+    auto [w, ids] = moe_route(router.apply(x, dense_int8_rows), top_k, renormalize);
+    at::Tensor out = moe_experts(x, w, ids, gate_up, gate_up_qtypes, down, down_qtype, int8_max_rows);
+    if (shared_gate.segments.empty()) return out;
+    const at::Tensor gate = at::sigmoid(shared_gate.apply(x, dense_int8_rows));
+    const at::Tensor shared =
+        shared_down.apply(silu_and_mul(shared_gate_up.apply(x, dense_int8_rows)), dense_int8_rows);
+    return out + gate * shared;
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   QuantLinear qkv, o, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;
   int64_t window_left;  // paged_decode_attention's window (-1: none) and soft-cap (0: none)
   double logit_cap;
+  std::shared_ptr<MoE> moe;  // set: the MLP is this sparse block (gate_up / down are empty)
 };
 
 template <class T>
@@ -166,12 +198,44 @@ class DecodeLayers : public torch::CustomClassHolder {
                             std::move(post_attention_norm),
                             make_linear(qkv, qkv_type, qkv_x8, std::move(qkv_bias)),
                             make_linear(o, o_type, o_x8, std::move(o_bias)),
-                            make_linear(gate_up, gate_up_type, gate_up_x8, std::move(gate_up_bias)),
-                            make_linear(down, down_type, down_x8, std::move(down_bias)),
+                            make_linear(gate_up, gate_up_type, gate_up_x8, std::move(gate_up_bias), true),
+                            make_linear(down, down_type, down_x8, std::move(down_bias), true),
                             std::move(q_norm),
                             std::move(k_norm),
                             window_left,
-                            logit_cap});
+                            logit_cap,
+                            nullptr});
+  }
+
+  // The last added layer's MLP is a sparse MoE block (see MoE): the router's segments, top-k,
+  // renormalise, the experts' banks and int8 choice, and the shared expert's gate_up / down / gate
+  // segments (all three empty: none), and the int8-activation choice of the router and shared expert.
+  void set_moe(std::vector<at::Tensor> router, std::vector<int64_t> router_type, std::vector<int64_t> router_x8,
+               int64_t top_k, bool renormalize, std::vector<at::Tensor> gate_up, std::vector<int64_t> gate_up_qtypes,
+               at::Tensor down, int64_t down_qtype, int64_t int8_max_rows, std::vector<at::Tensor> shared_gate_up,
+               std::vector<int64_t> shared_gate_up_type, std::vector<int64_t> shared_gate_up_x8,
+               std::vector<at::Tensor> shared_down, std::vector<int64_t> shared_down_type,
+               std::vector<int64_t> shared_down_x8, std::vector<at::Tensor> shared_gate,
+               std::vector<int64_t> shared_gate_type, std::vector<int64_t> shared_gate_x8,
+               int64_t dense_int8_rows) {
+    TORCH_CHECK(!layers_.empty(), "DecodeLayers: set_moe before any add_layer");
+    TORCH_CHECK(top_k > 0 && top_k <= down.size(0), "DecodeLayers: top_k ", top_k, " outside 1..", down.size(0));
+    TORCH_CHECK(shared_gate_up.empty() == shared_down.empty() && shared_down.empty() == shared_gate.empty(),
+                "DecodeLayers: a shared expert needs gate_up, down and gate");
+    auto moe = std::make_shared<MoE>(MoE{make_linear(router, router_type, router_x8, c10::nullopt),
+                                         top_k,
+                                         renormalize,
+                                         std::move(gate_up),
+                                         std::move(gate_up_qtypes),
+                                         std::move(down),
+                                         down_qtype,
+                                         int8_max_rows,
+                                         make_linear(shared_gate_up, shared_gate_up_type, shared_gate_up_x8,
+                                                     c10::nullopt, true),
+                                         make_linear(shared_down, shared_down_type, shared_down_x8, c10::nullopt, true),
+                                         make_linear(shared_gate, shared_gate_type, shared_gate_x8, c10::nullopt, true),
+                                         dense_int8_rows});
+    layers_.back().moe = std::move(moe);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -215,7 +279,12 @@ class DecodeLayers : public torch::CustomClassHolder {
                                                      layer.logit_cap);
       x = add_rms_norm_(layer.o.apply(attn.view({B, q_size}), int8_max_rows_), residual, layer.post_attention_norm,
                         eps_);
-      mlp_out = layer.down.apply(silu_and_mul(layer.gate_up.apply(x, int8_max_rows_)), int8_max_rows_);
+      if (layer.moe) {
+        mlp_out = layer.moe->apply(x);
+      } else {
+        TORCH_CHECK(!layer.gate_up.segments.empty(), "DecodeLayers: layer ", i, " has neither an MLP nor set_moe");
+        mlp_out = layer.down.apply(silu_and_mul(layer.gate_up.apply(x, int8_max_rows_)), int8_max_rows_);
+      }
     }
     return {mlp_out, residual};
   }
@@ -233,6 +302,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.class_<srt_cpu::DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
       .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
+      .def("set_moe", &srt_cpu::DecodeLayers::set_moe)
       .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
       .def("forward", &srt_cpu::DecodeLayers::forward);
 }

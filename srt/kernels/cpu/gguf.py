@@ -160,6 +160,11 @@ def quant_linear(
 
 
 # ------------------------------------------------------------------ x8 layout
+def moe_available() -> bool:
+    """Whether the extension has ``moe_experts`` (srt/kernels/cpu/moe.cpp)."""
+    return native_available() and _op_registered("moe_experts")
+
+
 def x8_qtypes() -> frozenset[int]:
     """The types the native ops can keep in the x8 layout (decode matmuls 8 rows per vector)."""
     if not _op_registered("gguf_linear_x8"):
