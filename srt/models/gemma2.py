@@ -40,7 +40,7 @@ from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.models.config_check import ConfigRequirement, check_config
-from srt.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
+from srt.models.llama import CheckpointLoader, LlamaMLP, head_dim_of
 from srt.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class GemmaModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(CheckpointLoader, nn.Module):
     """``forward(input_ids [T], positions [T], forward_batch) -> LogitsProcessorOutput``;
     checkpoint names are HF's (``load_weights`` is the Llama loader: q/k/v and gate/up fused)."""
 
@@ -268,7 +268,3 @@ class Gemma2ForCausalLM(nn.Module):
     ) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    # HF names -> fused parameters, GGUF blocks kept where asked; WeightLoadError when a
-    # parameter gets no weight (see LlamaForCausalLM.load_weights)
-    load_weights = LlamaForCausalLM.load_weights

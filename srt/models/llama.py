@@ -216,7 +216,81 @@ _SHARDS_PER_FUSED = {".qkv_proj.": 3, ".gate_up_proj.": 2}
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-class LlamaForCausalLM(nn.Module):
+class CheckpointLoader:
+    """``load_weights`` of HF-named checkpoints for an ``nn.Module`` model whose projections are
+    srt's fused ``Linear`` layers (q/k/v and gate/up routed by ``_STACKED_PARAMS``) and which says
+    whether its LM head is tied (``tie_word_embeddings``)."""
+
+    tie_word_embeddings: bool = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters, one at a time; a
+        ``GGUFTensor`` (a matrix kept as GGUF blocks) goes to its layer's ``load_quantized`` /
+        ``load_shard``. Subclasses route tensors of their own (``load_special``) and add what
+        they check (``missing_weights``).
+
+        Raises ``WeightLoadError`` on a shape mismatch or when a parameter (or a shard of a
+        fused one) received no weight; unknown names are logged and skipped."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[str | int | None]] = {}  # param name -> shards received
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if not (self.load_special(name, tensor) or self._load_tensor(params, name, tensor, loaded)):
+                unexpected.append(name)
+            del tensor
+        if unexpected:
+            logger.warning(
+                "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:8]
+            )
+        missing = self.missing_weights(params, loaded)
+        if missing:
+            raise WeightLoadError(
+                f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
+            )
+
+    def load_special(self, name: str, tensor: torch.Tensor | GGUFTensor) -> bool:
+        """Load a checkpoint tensor the generic routing does not cover; False: not one of those."""
+        return False
+
+    def missing_weights(self, params: dict[str, nn.Parameter], loaded: dict[str, set]) -> list[str]:
+        """The parameters (or fused ones short of a shard) that received no weight."""
+        missing = []
+        for pname in params:
+            need = next((n for key, n in _SHARDS_PER_FUSED.items() if key in pname), 1)
+            if len(loaded.get(pname, ())) < need:
+                missing.append(pname)
+        return missing
+
+    def _load_tensor(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | GGUFTensor, loaded: dict
+    ) -> bool:
+        """One tensor into its (fused) parameter; False when no parameter takes it."""
+        target, shard_id = name, None
+        for fused, part, shard in _STACKED_PARAMS:
+            if part in name:
+                target, shard_id = name.replace(part, fused), shard
+                break
+        if target not in params:
+            return False
+        module_path, param_name = target.rsplit(".", 1)
+        if shard_id is not None:
+            module = self.get_submodule(module_path)
+            assert isinstance(module, MergedColumnLinear)
+            module.load_shard(param_name, tensor, shard_id)
+        elif isinstance(tensor, GGUFTensor):
+            module = self.get_submodule(module_path)
+            if param_name != "weight" or not hasattr(module, "load_quantized"):
+                raise WeightLoadError(f"{name}: a quantized tensor for a parameter that must be float")
+            module.load_quantized(tensor, name)
+        else:
+            copy_weight(params[target], tensor, name)
+        loaded.setdefault(target, set()).add(shard_id)
+        return True
+
+
+class LlamaForCausalLM(CheckpointLoader, nn.Module):
     """``forward(input_ids [T], positions [T], forward_batch) -> LogitsProcessorOutput``.
 
     ``linear_backend`` runs every projection and the LM head (``F.linear`` when None; the
@@ -263,57 +337,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused) parameters, one at a time; a
-        ``GGUFTensor`` (a matrix kept as GGUF blocks) goes to its layer's ``load_quantized`` /
-        ``load_shard``.
-
-        Raises ``WeightLoadError`` on a shape mismatch or when a parameter (or a shard of a
-        fused one) received no weight; unknown names are logged and skipped."""
-        params = dict(self.named_parameters())
-        loaded: dict[str, set[str | int | None]] = {}  # param name -> shards received
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_SKIPPED_SUFFIXES):
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            target, shard_id = name, None
-            for fused, part, shard in _STACKED_PARAMS:
-                if part in name:
-                    target, shard_id = name.replace(part, fused), shard
-                    break
-            if target not in params:
-                unexpected.append(name)
-                continue
-            module_path, param_name = target.rsplit(".", 1)
-            if shard_id is not None:
-                module = self.get_submodule(module_path)
-                assert isinstance(module, MergedColumnLinear)
-                module.load_shard(param_name, tensor, shard_id)
-            elif isinstance(tensor, GGUFTensor):
-                module = self.get_submodule(module_path)
-                if param_name != "weight" or not hasattr(module, "load_quantized"):
-                    raise WeightLoadError(f"{name}: a quantized tensor for a parameter that must be float")
-                module.load_quantized(tensor, name)
-            else:
-                copy_weight(params[target], tensor, name)
-            loaded.setdefault(target, set()).add(shard_id)
-            del tensor
-        if unexpected:
-            logger.warning(
-                "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:8]
-            )
-        missing = []
-        for pname in params:
-            need = next((n for key, n in _SHARDS_PER_FUSED.items() if key in pname), 1)
-            if len(loaded.get(pname, ())) < need:
-                missing.append(pname)
-        if missing:
-            raise WeightLoadError(
-                f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
-            )
 
 
 def window_left_of(config: PretrainedConfig) -> int:

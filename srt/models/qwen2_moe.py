@@ -32,18 +32,13 @@ import torch
 from torch import nn
 
 from srt.layers.layernorm import RMSNorm
-from srt.layers.linear import MergedColumnLinear
 from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.moe import GatedMLP, MoEExperts, SparseMoeBlock
-from srt.layers.parameter import copy_weight
 from srt.layers.quantized_weight import GGUFTensor
 from srt.layers.rotary_embedding import get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.models.config_check import check_config
 from srt.models.llama import (
-    _SHARDS_PER_FUSED,
-    _SKIPPED_SUFFIXES,
-    _STACKED_PARAMS,
     AttentionOptions,
     LlamaAttention,
     LlamaDecoderLayer,
@@ -53,7 +48,6 @@ from srt.models.llama import (
     head_dim_of,
 )
 from srt.models.qwen2 import qwen_sliding_window
-from srt.utils.errors import WeightLoadError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -172,67 +166,27 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``LlamaForCausalLM.load_weights`` plus the expert tensors (module docstring); then each
         layer's experts are finalized (their GGUF blocks arranged for the matmuls)."""
-        params = dict(self.named_parameters())
-        experts = {name: m for name, m in self.named_modules() if isinstance(m, MoEExperts)}
-        loaded: dict[str, set[str | int | None]] = {}
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if self.checkpoint_alias:
-                name = name.replace(f".{self.checkpoint_alias}.", ".mlp.")
-            if name.endswith(_SKIPPED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            m = _EXPERT_RE.match(name)
-            target = None if m is None else experts.get(f"{m['block']}.experts")
-            if target is not None:
-                expert = None if m["expert"] is None else int(m["expert"])
-                target.load(_EXPERT_PART[m["name"]], expert, tensor, name)
-            elif not self._load_tensor(params, name, tensor, loaded):
-                unexpected.append(name)
-            del tensor
-        if unexpected:
-            logger.warning(
-                "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:8]
-            )
-        missing = [f"{n}.{part}" for n, m in experts.items() for part in m.missing()]
-        for pname in params:
-            if pname.rsplit(".", 1)[0] in experts:
-                continue
-            need = next((n for key, n in _SHARDS_PER_FUSED.items() if key in pname), 1)
-            if len(loaded.get(pname, ())) < need:
-                missing.append(pname)
-        if missing:
-            raise WeightLoadError(
-                f"the checkpoint has no weights for {len(missing)} parameters: {missing[:8]}"
-            )
-        for m in experts.values():
+        self._experts = {name: m for name, m in self.named_modules() if isinstance(m, MoEExperts)}
+        alias = self.checkpoint_alias
+        if alias:
+            weights = ((name.replace(f".{alias}.", ".mlp."), t) for name, t in weights)
+        super().load_weights(weights)
+        for m in self._experts.values():
             m.finalize()
 
-    def _load_tensor(
-        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | GGUFTensor, loaded: dict
-    ) -> bool:
-        """One non-expert tensor into its (fused) parameter, as ``LlamaForCausalLM`` does; False
-        when no parameter takes it."""
-        target, shard_id = name, None
-        for fused, part, shard in _STACKED_PARAMS:
-            if part in name:
-                target, shard_id = name.replace(part, fused), shard
-                break
-        if target not in params:
+    def load_special(self, name: str, tensor: torch.Tensor | GGUFTensor) -> bool:
+        m = _EXPERT_RE.match(name)
+        target = None if m is None else self._experts.get(f"{m['block']}.experts")
+        if target is None:
             return False
-        module_path, param_name = target.rsplit(".", 1)
-        if shard_id is not None:
-            module = self.get_submodule(module_path)
-            assert isinstance(module, MergedColumnLinear)
-            module.load_shard(param_name, tensor, shard_id)
-        elif isinstance(tensor, GGUFTensor):
-            module = self.get_submodule(module_path)
-            if param_name != "weight" or not hasattr(module, "load_quantized"):
-                raise WeightLoadError(f"{name}: a quantized tensor for a parameter that must be float")
-            module.load_quantized(tensor, name)
-        else:
-            copy_weight(params[target], tensor, name)
-        loaded.setdefault(target, set()).add(shard_id)
+        expert = None if m["expert"] is None else int(m["expert"])
+        target.load(_EXPERT_PART[m["name"]], expert, tensor, name)
         return True
+
+    def missing_weights(self, params: dict[str, nn.Parameter], loaded: dict[str, set]) -> list[str]:
+        dense = {n: p for n, p in params.items() if n.rsplit(".", 1)[0] not in self._experts}
+        missing = super().missing_weights(dense, loaded)
+        return missing + [f"{n}.{part}" for n, m in self._experts.items() for part in m.missing()]
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):

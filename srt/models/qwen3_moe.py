@@ -8,40 +8,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import nn
-
-from srt.layers.moe import GatedMLP, SparseMoeBlock
 from srt.models.llama import AttentionOptions
-from srt.models.qwen2_moe import MoEForCausalLM
+from srt.models.qwen2_moe import Qwen2MoeForCausalLM
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PretrainedConfig
 
-    from srt.layers.linear_backend import LinearBackend
 
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    """Qwen2-MoE's layers (no ``shared_expert_intermediate_size`` in the config: no shared
+    expert) with the Qwen3 attention."""
 
-class Qwen3MoeForCausalLM(MoEForCausalLM):
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
-
-    def build_mlp(
-        self,
-        config: PretrainedConfig,
-        layer_id: int,
-        dtype: torch.dtype,
-        linear_backend: LinearBackend | None,
-    ) -> nn.Module:
-        if not (config.num_experts > 0 and self.is_sparse_layer(config, layer_id)):
-            return GatedMLP(config.hidden_size, config.intermediate_size, dtype, linear_backend)
-        return SparseMoeBlock(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            bool(getattr(config, "norm_topk_prob", False)),
-            dtype,
-            linear_backend,
-        )

@@ -24,7 +24,8 @@ import os
 import numpy as np
 import torch
 
-from tests.helpers.tiny_models import randomize_
+from tests.helpers import tiny_models
+from tests.helpers.tiny_models import LLAMA_CPP_LAYER_NAMES, random_hf_model, save_hf_dir
 
 GEMMA_KINDS = ("gemma2", "gemma3")
 
@@ -80,11 +81,7 @@ def tiny_gemma_config(kind: str, **overrides):
 
 def build_tiny_gemma(kind: str, seed: int = 0, **overrides):
     """A transformers model (float32, eval, eager attention) with zero-centred norm weights."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_gemma_config(kind, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    randomize_(model, seed)
+    model = random_hf_model(tiny_gemma_config(kind, **overrides), seed, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -94,37 +91,20 @@ def build_tiny_gemma(kind: str, seed: int = 0, **overrides):
 
 def save_tiny_gemma(kind: str, path: str | os.PathLike, seed: int = 0, **overrides) -> str:
     """Write the HF directory of a tiny ``kind`` model to ``path``; returns the path."""
-    model = build_tiny_gemma(kind, seed, **overrides)
-    model.save_pretrained(str(path))
-    return str(path)
+    return save_hf_dir(build_tiny_gemma(kind, seed, **overrides), path)
 
 
-# HF module name (in model.layers.N.) -> llama.cpp tensor name (in blk.N.)
+# HF module name (in model.layers.N.) -> llama.cpp tensor name (in blk.N.): Gemma's four norms
 _GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
+    **LLAMA_CPP_LAYER_NAMES,
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
 
 
 def llama_cpp_name(hf_name: str) -> str:
-    module, suffix = hf_name.rsplit(".", 1)
-    if module == "model.embed_tokens":
-        return f"token_embd.{suffix}"
-    if module == "model.norm":
-        return f"output_norm.{suffix}"
-    _, _, layer, part = module.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+    return tiny_models.llama_cpp_name(hf_name, _GGUF_LAYER_NAMES)
 
 
 def _write_metadata(writer, kind: str, cfg) -> None:

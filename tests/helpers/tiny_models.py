@@ -105,25 +105,33 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
-def build_tiny_hf_model(kind: str, seed: int = 0, **overrides):
-    """A transformers model (float32, eval) of ``kind`` with ``randomize_`` weights."""
+def random_hf_model(config, seed: int, **from_config_kw):
+    """A transformers causal LM of ``config`` (float32, eval) with ``randomize_`` weights."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(kind, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config_kw)
     randomize_(model, seed)
     return model.eval()
 
 
-def save_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0, **overrides) -> str:
-    """Write the HF directory of a tiny ``kind`` model to ``path``; returns the path."""
-    model = build_tiny_hf_model(kind, seed, **overrides)
+def save_hf_dir(model, path: str | os.PathLike) -> str:
+    """Write ``model`` as an HF directory (config, safetensors) at ``path``; returns the path."""
     model.save_pretrained(str(path))
     return str(path)
 
 
+def build_tiny_hf_model(kind: str, seed: int = 0, **overrides):
+    """A transformers model (float32, eval) of ``kind`` with ``randomize_`` weights."""
+    return random_hf_model(tiny_config(kind, **overrides), seed)
+
+
+def save_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0, **overrides) -> str:
+    """Write the HF directory of a tiny ``kind`` model to ``path``; returns the path."""
+    return save_hf_dir(build_tiny_hf_model(kind, seed, **overrides), path)
+
+
 # HF module name (in model.layers.N.) -> llama.cpp tensor name (in blk.N.)
-_GGUF_LAYER_NAMES = {
+LLAMA_CPP_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -138,16 +146,21 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _llama_cpp_name(hf_name: str) -> str:
+_LLAMA_CPP_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def llama_cpp_name(hf_name: str, layer_names: dict[str, str] = LLAMA_CPP_LAYER_NAMES) -> str:
+    """llama.cpp's tensor name of an HF parameter name (``layer_names``: HF module in a layer ->
+    llama.cpp tensor in ``blk.N``; a family passes its own table)."""
     module, suffix = hf_name.rsplit(".", 1)
-    if module == "model.embed_tokens":
-        return f"token_embd.{suffix}"
-    if module == "model.norm":
-        return f"output_norm.{suffix}"
-    if module == "lm_head":
-        return f"output.{suffix}"
+    if module in _LLAMA_CPP_GLOBAL_NAMES:
+        return f"{_LLAMA_CPP_GLOBAL_NAMES[module]}.{suffix}"
     _, _, layer, part = module.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+    return f"blk.{layer}.{layer_names[part]}.{suffix}"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -195,9 +208,9 @@ def save_tiny_gguf(kind: str, path: str | os.PathLike, seed: int = 0, quantize_m
         array = t.numpy().astype(np.float32)
         if quantize_mlp and ".mlp." in name:
             qtype = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(_llama_cpp_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(llama_cpp_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(_llama_cpp_name(name), array)
+            writer.add_tensor(llama_cpp_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -25,7 +25,14 @@ import os
 import numpy as np
 import torch
 
-from tests.helpers.tiny_models import _COMMON, llama_cpp_permute, randomize_
+from tests.helpers.tiny_models import (
+    _COMMON,
+    LLAMA_CPP_LAYER_NAMES,
+    llama_cpp_name,
+    llama_cpp_permute,
+    random_hf_model,
+    save_hf_dir,
+)
 
 MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral")
 GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
@@ -78,28 +85,15 @@ def tiny_moe_config(kind: str, hidden: int = 64, moe_intermediate: int = 32, **o
 
 def build_tiny_moe(kind: str, seed: int = 0, **overrides):
     """A transformers MoE model (float32, eval) with ``randomize_`` weights."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(kind, **overrides), dtype=torch.float32)
-    randomize_(model, seed)
-    return model.eval()
+    return random_hf_model(tiny_moe_config(kind, **overrides), seed)
 
 
 def save_tiny_moe(kind: str, path: str | os.PathLike, seed: int = 0, **overrides) -> str:
-    model = build_tiny_moe(kind, seed, **overrides)
-    model.save_pretrained(str(path))
-    return str(path)
+    return save_hf_dir(build_tiny_moe(kind, seed, **overrides), path)
 
 
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
+    **LLAMA_CPP_LAYER_NAMES,
     "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
@@ -109,15 +103,7 @@ _LAYER_NAMES = {
 
 
 def _gguf_name(hf_name: str) -> str:
-    module, suffix = hf_name.rsplit(".", 1)
-    if module == "model.embed_tokens":
-        return f"token_embd.{suffix}"
-    if module == "model.norm":
-        return f"output_norm.{suffix}"
-    if module == "lm_head":
-        return f"output.{suffix}"
-    _, _, layer, part = module.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    return llama_cpp_name(hf_name, _LAYER_NAMES)
 
 
 def _write_metadata(writer, kind: str, cfg) -> None:

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from tests.helpers.tiny_models import randomize_
+from tests.helpers.tiny_models import llama_cpp_name, random_hf_model, save_hf_dir
 
 SHORT_FACTOR = [1.0, 1.05, 1.1, 1.3, 1.6, 2.0]
 LONG_FACTOR = [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]
@@ -61,16 +61,11 @@ def tiny_phi3_config(**overrides):
 
 
 def build_tiny_phi3(seed: int = 0, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(tiny_phi3_config(**overrides), dtype=torch.float32)
-    randomize_(model, seed)
-    return model.eval()
+    return random_hf_model(tiny_phi3_config(**overrides), seed)
 
 
 def save_tiny_phi3(path: str | os.PathLike, seed: int = 0, **overrides) -> str:
-    build_tiny_phi3(seed, **overrides).save_pretrained(str(path))
-    return str(path)
+    return save_hf_dir(build_tiny_phi3(seed, **overrides), path)
 
 
 _GGUF_NAMES = {
@@ -81,15 +76,10 @@ _GGUF_NAMES = {
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 def _gguf_name(hf_name: str) -> str:
-    module, suffix = hf_name.rsplit(".", 1)
-    if module in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[module]}.{suffix}"
-    _, _, layer, part = module.split(".", 3)
-    return f"blk.{layer}.{_GGUF_NAMES[part]}.{suffix}"
+    return llama_cpp_name(hf_name, _GGUF_NAMES)
 
 
 def _quantize(array, qtype_name: str):
