@@ -11,9 +11,9 @@ FLASHINFER_SPEC ?= flashinfer-python==0.6.18.post1
 STAMP := $(VENV)/.srt-setup-stamp
 SERVE_ARGS ?=
 
-.PHONY: setup kernels test serve lint format clean
+.PHONY: setup kernels browser test serve lint format clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
 $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/cpu/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 # or a failed build is reported and srt runs on its pure-torch fallback (this never fails).
 kernels:
 	MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build
+
+# Headless Chromium and its chromedriver for the web page's browser tests
+# (tests/integration/test_web_ui.py): Debian's packages, installed with apt-get where it runs as
+# root; elsewhere nothing is installed and those tests skip, saying why.
+browser:
+	@command -v chromedriver >/dev/null 2>&1 && exit 0; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null; } || true; \
+	fi; \
+	command -v chromedriver >/dev/null 2>&1 || echo "no chromium/chromedriver: the browser tests will be skipped"
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -91,6 +91,11 @@ class ServerArgs:
     )
     random_seed: int = _f(0, "Seed for dummy weights and for requests that give no seed.")
     skip_tokenizer_init: bool = _f(False, "Do not load a tokenizer; requests must give input_ids.")
+    is_embedding: bool = _f(
+        False,
+        "Serve an embedding model: /v1/embeddings, /encode, /v1/rerank, /v1/score; generation routes "
+        "answer 400 (auto: on for a checkpoint with a sentence-transformers pooling config).",
+    )
 
     # ---- memory and scheduling ----
     mem_fraction_static: float | None = _f(
@@ -211,24 +216,30 @@ class ServerArgs:
     tool_call_parser: str | None = _f(
         None,
         "How /v1/chat/completions reads tool calls out of the model's text with tool_choice auto "
-        "(llama3: JSON objects; hermes / qwen25: <tool_call> tags; mistral: [TOOL_CALLS]). Without "
-        "it, tool_choice auto is rejected; required and named choices work either way (the grammar "
-        "forces a JSON list of calls).",
-        ["llama3", "hermes", "qwen25", "qwen", "mistral"],
+        "(llama3: JSON objects; hermes / qwen25: <tool_call> tags; mistral: [TOOL_CALLS]; pythonic: "
+        "[f(a=1)]; deepseekv3 / deepseekv31: DeepSeek's tool-call tokens; qwen3_coder: <function=...> "
+        "XML; gpt-oss: harmony commentary to=functions.*). Without it, tool_choice auto is rejected; "
+        "required and named choices work either way (the grammar forces a JSON list of calls).",
+        "llama3 hermes qwen25 qwen mistral pythonic deepseekv3 deepseekv31 qwen3_coder gpt-oss".split(),
     )
     reasoning_parser: str | None = _f(
         None,
-        "Split a reasoning model's <think>...</think> into reasoning_content (deepseek-r1: the output "
-        "starts inside the reasoning; qwen3: only when it opens with <think>). A request's grammar "
-        "(json_schema, regex, ebnf, forced tool calls) then applies to the answer after the reasoning "
-        "(needs --grammar-backend llguidance).",
-        ["deepseek-r1", "qwen3"],
+        "Split a reasoning model's <think>...</think> into reasoning_content (deepseek-r1, "
+        "qwen3-thinking: the output starts inside the reasoning; qwen3, deepseek-v3: only when it "
+        "opens with <think>; gpt-oss: the harmony analysis channel, needs --grammar-backend none). A "
+        "request's grammar (json_schema, regex, ebnf, forced tool calls) then applies to the answer "
+        "after the reasoning (needs --grammar-backend llguidance).",
+        ["deepseek-r1", "qwen3", "deepseek-v3", "qwen3-thinking", "gpt-oss"],
     )
 
     # ---- server ----
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as 'Authorization: Bearer <key>'.")
+    admin_api_key: str | None = _f(None, "Key of the admin routes (flush, abort, profile, weights).")
+    ssl_keyfile: str | None = _f(None, "TLS private key (PEM); with --ssl-certfile serves HTTPS.")
+    ssl_certfile: str | None = _f(None, "TLS certificate chain (PEM); with --ssl-keyfile serves HTTPS.")
+    disable_web_ui: bool = _f(False, "Do not serve the built-in web page (chat, dashboard) at GET /.")
     max_queued_requests: int | None = _f(None, "Reject requests beyond this many waiting with HTTP 429.")
     max_queue_time: float | None = _f(
         None,

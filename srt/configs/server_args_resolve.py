@@ -27,6 +27,8 @@ from typing import Protocol
 
 from srt.configs.backends import resolve_attention_backend, resolve_grammar_backend, resolve_linear_backend
 from srt.configs.chat_templates import load_chat_template
+from srt.configs.pooling_config import is_embedding_checkpoint
+from srt.configs.tls import check_tls_files
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
 from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
@@ -53,6 +55,7 @@ class ResolvableArgs(Protocol):
 
     model_path: str | None
     tokenizer_path: str | None
+    is_embedding: bool
     revision: str | None
     chat_template: str | None
     load_format: str
@@ -63,6 +66,8 @@ class ResolvableArgs(Protocol):
     device: str
     json_model_override_args: str
     served_model_name: str | None
+    ssl_keyfile: str | None
+    ssl_certfile: str | None
     mem_fraction_static: float | None
     max_running_requests: int | None
     max_prefill_tokens: int
@@ -110,6 +115,7 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_overlap(a)
     _resolve_speculative(a)
     _resolve_model_location(a)
+    a.is_embedding = a.is_embedding or is_embedding_checkpoint(a.model_path)
     _resolve_weights(a)
     _resolve_grammar(a)
     _check_serving(a)
@@ -309,6 +315,11 @@ def _resolve_grammar(a: ResolvableArgs) -> None:
             "--reasoning-parser applies grammars after the reasoning section with the llguidance "
             "backend only; use --grammar-backend llguidance (or none)."
         )
+    if a.reasoning_parser == "gpt-oss" and a.grammar_backend != "none":
+        raise ConfigError(
+            "--reasoning-parser gpt-oss has no grammar for the harmony channels before the answer, so "
+            "constrained requests cannot be served; use --grammar-backend none."
+        )
 
 
 def _check_serving(a: ResolvableArgs) -> None:
@@ -335,6 +346,7 @@ def _resolve_priority_scheduling(a: ResolvableArgs) -> None:
 
 
 def _check_files(a: ResolvableArgs) -> None:
+    check_tls_files(a.ssl_keyfile, a.ssl_certfile)
     if a.chat_template is not None:
         load_chat_template(a.chat_template)  # ConfigError now, not at the first chat request
     if a.json_model_override_args:

@@ -86,6 +86,9 @@ _AFTER_REASONING = {
         "think[lazy]: /<think>(?s:.*)<\\/think>/\nWS: /[ \\t\\r\\n]{0,8}/\n"
     ),
 }
+_AFTER_REASONING["deepseek-v3"] = _AFTER_REASONING["qwen3"]  # the same section rules
+_AFTER_REASONING["qwen3-thinking"] = _AFTER_REASONING["deepseek-r1"]
+_STARTS_INSIDE = ("deepseek-r1", "qwen3-thinking")  # reasoning parsers whose output opens in it
 REASONING_GRAMMARS = tuple(_AFTER_REASONING)
 
 
@@ -103,7 +106,7 @@ class _ReasoningTracker:
     __slots__ = ("starts_inside", "text", "done")
 
     def __init__(self, reasoning_parser: str) -> None:
-        self.starts_inside = reasoning_parser == "deepseek-r1"
+        self.starts_inside = reasoning_parser in _STARTS_INSIDE
         self.text = ""  # the output so far, kept only until the reasoning is over
         self.done = False
 

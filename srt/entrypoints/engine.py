@@ -35,7 +35,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from srt.entrypoints.launch import launch_subprocesses
+from srt.entrypoints.openai.serving_embedding import encode_native
 from srt.managers.data_parallel.replies import split_dp_state
+from srt.managers.tokenizer.generate_fields import check_extra_fields
 from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -79,9 +81,15 @@ def generate_request(
     rid: str | list[str] | None = None,
     priority: int | list[int] | None = None,
     timeout: float | None = None,
+    **unsupported: Any,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
-    ``Engine.generate`` parameters, written here once (the two methods take exactly these)."""
+    ``Engine.generate`` parameters, written here once (the two methods take exactly these).
+    SGLang's other parameters (``image_data``, ``lora_path`` ...) raise `RequestError` naming them
+    unless off (`srt.managers.tokenizer.generate_fields`), as do unknown ones."""
+    if unsupported:
+        params = inspect.signature(generate_request).parameters.values()
+        check_extra_fields(unsupported, [p.name for p in params if p.kind is not p.VAR_KEYWORD])
     return GenerateReqInput(
         text=prompt,
         input_ids=input_ids,
@@ -231,6 +239,19 @@ class Engine:
                     pass
 
     # ------------------------------------------------------------------ control
+    def encode(
+        self,
+        prompt: _Prompt = None,
+        input_ids: _Ids = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embeddings (SGLang's ``Engine.encode``): ``{"embedding": [float], "meta_info"}`` for one
+        prompt (text or token ids), a list of them for a list; pooled by the model's pooling,
+        truncated to ``dimensions`` and L2-normalised unless ``normalize`` is False."""
+        coro = encode_native(self.tokenizer_manager, prompt, input_ids, normalize, dimensions)
+        return self._call(coro)
+
     def get_server_info(self) -> dict[str, Any]:
         """Resolved server args, the scheduler's capacity and its live internal state."""
         state = self._call(self.tokenizer_manager.get_internal_state())

@@ -5,6 +5,7 @@ Routes (see `srt.entrypoints.http` for the routers)
     POST /v1/completions        OpenAI completions (SSE streaming)
     POST /v1/chat/completions   OpenAI chat completions (SSE streaming)
     GET  /v1/models             the served model
+    POST /v1/embeddings, /encode, /v1/rerank, /v1/score   embeddings and scoring (prefill only)
     GET  /health                200 while every process is alive, else 503 (never needs the API key)
     GET  /health_generate       a real one-token generation
     GET  /get_model_info, /get_server_info (server args + live scheduler state), /metrics
@@ -88,6 +89,8 @@ def _uvicorn_config(tm: TokenizerManager) -> uvicorn.Config:
         access_log=args.log_requests,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
+        ssl_keyfile=args.ssl_keyfile,  # HTTPS when both are given (checked at resolve)
+        ssl_certfile=args.ssl_certfile,
     )
 
 

@@ -121,6 +121,12 @@ class ForwardBatch:
     # a later chunk (its logprob comes from the segment's last row), else -1; None: no such token
     extend_logprob_next_token_ids_cpu: list[int] | None = None
 
+    # prefill-only outputs (srt/layers/pooler.py), None when no sequence asks: per sequence, how
+    # to pool its final hidden states ("last" | "mean" | "cls" | "") and the label token ids
+    # whose next-token logprobs it wants (empty: none)
+    pool_methods: list[str] | None = None
+    label_token_ids: list[list[int]] | None = None
+
     sampling_info: SamplingBatchInfo | None = None
 
     # set by the ModelRunner before forward

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from srt.distributed.communication import TPInfo
+from srt.layers import pooler
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class LogitsProcessorOutput:
     input_token_logprobs: list[list[float | None]] | None = None
     # per sequence, aligned with input_token_logprobs ([] where top logprobs were not requested)
     input_top_logprobs: list[list[TopLogprobs | None]] | None = None
+    # prefill-only outputs (srt/layers/pooler.py; None unless the batch asked): per sequence, its
+    # partial pooled hidden state, and the next-token logprobs of its label token ids
+    pooled: list[torch.Tensor | None] | None = None
+    label_logprobs: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +125,12 @@ class LogitsProcessor(nn.Module):
         out = LogitsProcessorOutput(self._logits(last, lm_head))
         if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
             self._prompt_logprobs(hidden_states, lm_head, fb, out)
+        if fb.pool_methods is not None:
+            lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+            prefix_lens = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+            out.pooled = pooler.pool_segments(hidden_states, fb.pool_methods, lens, prefix_lens)
+        if fb.label_token_ids is not None:
+            out.label_logprobs = pooler.label_logprobs(out.next_token_logits, fb.label_token_ids)
         return out
 
     def _logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

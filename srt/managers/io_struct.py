@@ -95,6 +95,10 @@ class TokenizedGenerateReqInput(_Msg):
     # time.time() past which the request is aborted with a "timeout" finish reason (0: none);
     # the per-request ``timeout`` (or X-Request-Timeout) added to ``arrival_time``
     deadline: float = 0.0
+    # prefill-only outputs (max_new_tokens 0; srt/layers/pooler.py): pool the final hidden
+    # states ("last" | "mean" | "cls"; "" none), and/or return the next-token logprobs of these ids
+    pooling: str = ""
+    label_token_ids: list[int] = []
 
 
 class AbortReq(_Msg):
@@ -167,6 +171,9 @@ class BatchTokenIDOut(_Msg):
     # speculative decoding: per request, the tokens each of its decode steps produced since its
     # previous output (empty without --speculative-algorithm)
     spec_accept_lens: list[list[int]] = []
+    # per request, with its finishing output: the pooled hidden state (``pooling``) followed by
+    # the logprobs of ``label_token_ids`` (None for other requests; empty when no entry has one)
+    pooled_outputs: list[list[float] | None] = []
 
 
 class SchedulerReady(_Msg):
@@ -219,6 +226,7 @@ class BatchStrOut(_Msg):
     prefill_times: list[float | None] = []
     decode_times: list[float | None] = []
     spec_accept_lens: list[list[int]] = []
+    pooled_outputs: list[list[float] | None] = []
 
 
 SchedulerInput = Union[

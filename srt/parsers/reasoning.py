@@ -7,6 +7,11 @@ The reasoning section ends at the first ``</think>``. Where it starts depends on
                  ``</think>`` the whole output is reasoning.
     qwen3        the output has reasoning only when it starts with ``<think>`` (after whitespace);
                  otherwise it is all content. Without a ``</think>`` the rest is reasoning.
+    deepseek-v3  DeepSeek-V3.1 / V3.2 (hybrid thinking): as qwen3.
+    qwen3-thinking  Qwen3 thinking-only models (the template opens ``<think>``): as deepseek-r1.
+
+``gpt-oss`` reads the harmony channels instead (srt/parsers/harmony.py): analysis messages are the
+reasoning, the rest is content.
 
 Newlines right after ``</think>`` are not part of the content. ``parse(text)`` works on a whole output;
 ``stream()`` gives a `ReasoningStream` whose deltas concatenate to exactly what ``parse`` returns (an
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from srt.parsers.harmony import HarmonyStream
 from srt.parsers.markers import held_prefix_len
 from srt.utils.errors import ConfigError
 
@@ -32,6 +38,8 @@ class ReasoningParser:
     name: ClassVar[str]
     # True: output without a leading <think> is reasoning up to </think> (deepseek-r1); False: content
     starts_in_reasoning: ClassVar[bool]
+    # the format's markers are special tokens: the output must be decoded with them kept
+    keeps_special_tokens: ClassVar[bool] = False
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output; each None when empty."""
@@ -47,7 +55,7 @@ class ReasoningParser:
             return reasoning or None, None
         return reasoning or None, rest.lstrip(_AFTER_END_STRIP) or None
 
-    def stream(self) -> ReasoningStream:
+    def stream(self) -> ReasoningStream | HarmonyStream:
         """A fresh stateful splitter for one streamed output."""
         return ReasoningStream(self.starts_in_reasoning)
 
@@ -62,8 +70,43 @@ class Qwen3ReasoningParser(ReasoningParser):
     starts_in_reasoning = False
 
 
+class DeepSeekV3ReasoningParser(ReasoningParser):
+    name = "deepseek-v3"
+    starts_in_reasoning = False
+
+
+class Qwen3ThinkingReasoningParser(ReasoningParser):
+    name = "qwen3-thinking"
+    starts_in_reasoning = True
+
+
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony channels: analysis is reasoning; final and commentary are content, tool
+    calls (to=functions.NAME) passed on for ``--tool-call-parser gpt-oss``."""
+
+    name = "gpt-oss"
+    starts_in_reasoning = False
+    keeps_special_tokens = True
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        stream = self.stream()
+        r1, c1 = stream.feed(text)
+        r2, c2 = stream.finish()
+        return (r1 + r2) or None, (c1 + c2) or None
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream()
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    cls.name: cls
+    for cls in (
+        DeepSeekR1ReasoningParser,
+        Qwen3ReasoningParser,
+        DeepSeekV3ReasoningParser,
+        Qwen3ThinkingReasoningParser,
+        GptOssReasoningParser,
+    )
 }
 
 

@@ -30,7 +30,7 @@ _ARG_FORMAT = "<object of argument names and values>"
 _ARG_KEYS = ("arguments", "parameters")  # the key the format uses first; the other is accepted
 
 
-class _Region(NamedTuple):
+class Region(NamedTuple):
     """A decided call region that starts at a marker.
 
     end: its length; None means "to the end of the output" (only with ``calls=None``).
@@ -41,13 +41,17 @@ class _Region(NamedTuple):
     calls: list[ToolCall] | None
 
 
-class _MarkerParser(ToolCallParser):
+class MarkerParser(ToolCallParser):
     """A format whose calls start at ``marker``; text outside call regions is content."""
 
     marker: ClassVar[str]
 
+    def new_scanner(self) -> JsonContainerScanner:
+        """The bracket scanner a region gets (fresh for each region)."""
+        return JsonContainerScanner()
+
     @abstractmethod
-    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> _Region | None:
+    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> Region | None:
         """Decide the region at the start of ``text`` (which starts with ``marker``).
 
         None (only when not ``final``): more text is needed. A decision made on a prefix must hold
@@ -60,7 +64,7 @@ class _MarkerParser(ToolCallParser):
         pos = 0
         while (start := text.find(self.marker, pos)) >= 0:
             content.append(text[pos:start])
-            region = self._region(text[start:], True, JsonContainerScanner())
+            region = self._region(text[start:], True, self.new_scanner())
             assert region is not None
             if region.end is None:
                 pos = start
@@ -74,11 +78,11 @@ class _MarkerParser(ToolCallParser):
         return none_if_blank("".join(content)), calls
 
     def stream(self) -> ToolCallStream:
-        return _MarkerStream(self)
+        return MarkerStream(self)
 
 
-class _MarkerStream(ToolCallStream):
-    def __init__(self, parser: _MarkerParser) -> None:
+class MarkerStream(ToolCallStream):
+    def __init__(self, parser: MarkerParser) -> None:
         super().__init__()
         self._parser = parser
         self._held = ""  # text not yet emitted; starts with the marker while in a call region
@@ -109,7 +113,7 @@ class _MarkerStream(ToolCallStream):
                     return out
                 append_content(out, self._held[:start])
                 self._held = self._held[start:]
-                self._scanner = JsonContainerScanner()
+                self._scanner = self._parser.new_scanner()
             region = self._parser._region(self._held, final, self._scanner)
             if region is None:
                 return out
@@ -124,7 +128,7 @@ class _MarkerStream(ToolCallStream):
             self._held = self._held[region.end :]
 
 
-class HermesToolCallParser(_MarkerParser):
+class HermesToolCallParser(MarkerParser):
     """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Hermes, Qwen 2.5,
     Qwen 3), any number, with content before, between and after them. An unterminated last block
     is a call if its JSON is one."""
@@ -139,7 +143,7 @@ class HermesToolCallParser(_MarkerParser):
         "Write one such block per call; several blocks may follow each other."
     )
 
-    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> _Region | None:
+    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> Region | None:
         close = text.find(self.end_marker, len(self.marker))
         if close >= 0:
             end, body = close + len(self.end_marker), text[len(self.marker) : close]
@@ -148,10 +152,10 @@ class HermesToolCallParser(_MarkerParser):
         else:
             return None
         value = loads_or_none(body)
-        return _Region(end, calls_from_value(value, _ARG_KEYS, allow_list=False, require_arguments=False))
+        return Region(end, calls_from_value(value, _ARG_KEYS, allow_list=False, require_arguments=False))
 
 
-class MistralToolCallParser(_MarkerParser):
+class MistralToolCallParser(MarkerParser):
     """``[TOOL_CALLS]`` followed by a JSON array of ``{"name": ..., "arguments": {...}}`` (a single
     object is accepted too). Text before the marker is content; an array that is not valid calls
     makes the rest of the output content."""
@@ -163,19 +167,19 @@ class MistralToolCallParser(_MarkerParser):
         f'[TOOL_CALLS] [{{"name": <function name>, "arguments": {_ARG_FORMAT}}}]'
     )
 
-    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> _Region | None:
+    def _region(self, text: str, final: bool, scanner: JsonContainerScanner) -> Region | None:
         first = NON_SPACE.search(text, len(self.marker))
         if first is None:
-            return _Region(None, None) if final else None
+            return Region(None, None) if final else None
         start = first.start()
         if text[start] not in "[{":
-            return _Region(None, None)
+            return Region(None, None)
         end = scanner.end(text, start)
         if end is None:
-            return _Region(None, None) if final else None
+            return Region(None, None) if final else None
         value = loads_or_none(text[start:end])
         calls = calls_from_value(value, _ARG_KEYS, allow_list=True, require_arguments=False)
-        return _Region(end, calls) if calls is not None else _Region(None, None)
+        return Region(end, calls) if calls is not None else Region(None, None)
 
 
 PYTHON_TAG = "<|python_tag|>"

@@ -73,6 +73,13 @@ class ToolCallParser(ABC):
     name: ClassVar[str]
     # how the model is told to write calls (used by render_tools_system_prompt)
     prompt_format: ClassVar[str]
+    # the format's markers are special tokens: the output must be decoded with them kept
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """The parser to use for a request offering ``tools`` (OpenAI tool dicts). Formats that
+        type arguments by the tools' schemas return a bound copy; the others return ``self``."""
+        return self
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:

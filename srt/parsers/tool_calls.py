@@ -9,7 +9,8 @@
     render_tools_system_prompt                    tool descriptions + call format, for chat templates
                                                   that do not render ``tools`` themselves
 
-Parser names (aliases share a class): llama3; hermes = qwen25 = qwen; mistral.
+Parser names (aliases share a class): llama3; hermes = qwen25 = qwen; mistral; pythonic; deepseekv3;
+deepseekv31; qwen3_coder; gpt-oss (each format's module says what it reads).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import copy
 import json
 from typing import Any
 
+from srt.parsers.harmony import HarmonyToolCallParser
+from srt.parsers.tool_call_deepseek import DeepSeekV3ToolCallParser, DeepSeekV31ToolCallParser
 from srt.parsers.tool_call_formats import (
     HermesToolCallParser,
     Llama3ToolCallParser,
     MistralToolCallParser,
 )
+from srt.parsers.tool_call_pythonic import PythonicToolCallParser
+from srt.parsers.tool_call_qwen3_coder import Qwen3CoderToolCallParser
 from srt.parsers.tool_call_types import (
     ContentDelta,
     JsonContainerScanner,
@@ -57,6 +62,11 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen25": HermesToolCallParser,
     "qwen": HermesToolCallParser,
     "mistral": MistralToolCallParser,
+    "pythonic": PythonicToolCallParser,
+    "deepseekv3": DeepSeekV3ToolCallParser,
+    "deepseekv31": DeepSeekV31ToolCallParser,
+    "qwen3_coder": Qwen3CoderToolCallParser,
+    "gpt-oss": HarmonyToolCallParser,
 }
 
 

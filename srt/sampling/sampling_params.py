@@ -37,6 +37,7 @@ GREEDY_EPS = 1e-6
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LOGIT_BIAS_LIMIT = 100.0
+MAX_N = 128  # copies of one prompt (OpenAI's limit): a bigger n is a denial of service, not a request
 _CONSTRAINTS = ("json_schema", "regex", "ebnf")
 _FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
@@ -315,7 +316,7 @@ _RULES: tuple[tuple[str, _Rule], ...] = (
     ("stop_token_ids", _stop_token_ids),
     *((name, _field(name, lambda v: isinstance(v, bool), "must be a boolean")) for name in _FLAGS),
     *((name, _constraint(name)) for name in _CONSTRAINTS),
-    ("n", _field("n", lambda v: _is_int(v) and v >= 1, "must be >= 1")),  # OpenAI's wording too
+    ("n", _field("n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")),
     (
         "seed",
         _field(

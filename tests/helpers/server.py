@@ -40,11 +40,13 @@ class ServerProcess:
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 300.0,
+        cwd: str | None = None,
     ) -> None:
         self.args = list(DEFAULT_TEST_ARGS if args is None else args)
         self.port = free_port()
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         self.startup_timeout_s = startup_timeout_s
+        self.cwd = cwd or REPO_ROOT  # the server's working directory (relative paths it writes)
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="srt-server-", suffix=".log", delete=False)
 
@@ -69,7 +71,7 @@ class ServerProcess:
             *overlap.server_args(self.args),
         ]
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+            cmd, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
         return self
 

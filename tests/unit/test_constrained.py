@@ -267,7 +267,7 @@ def reasoning_backends(tokenizer):
         name: create_grammar_backend(
             "llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id], reasoning_parser=name
         )
-        for name in ("deepseek-r1", "qwen3")
+        for name in ("deepseek-r1", "qwen3", "deepseek-v3", "qwen3-thinking")
     }
 
 
@@ -287,6 +287,10 @@ def _accepts(backend, tokenizer, spec: GrammarSpec, text: str) -> bool:
         ("qwen3", "<think>a</think> cat-12", True),
         ("qwen3", "cat-12", True),  # no reasoning
         ("qwen3", "hmm</think>cat-12", False),
+        ("deepseek-v3", "<think>a</think> dog-99", True),  # as qwen3
+        ("deepseek-v3", "cat-12", True),
+        ("qwen3-thinking", "hmm</think>cat-12", True),  # as deepseek-r1
+        ("qwen3-thinking", "cat-12", False),
     ],
 )
 def test_grammar_applies_after_the_reasoning(reasoning_backends, tokenizer, parser, text, ok):

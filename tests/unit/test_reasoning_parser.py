@@ -32,6 +32,16 @@ CASES = [
     ("qwen3", "  <thi", None, "  <thi"),
     ("qwen3", "   ", None, "   "),
     ("qwen3", "", None, None),
+    ("deepseek-v3", "<think>Plan.</think>\n\nDone.", "Plan.", "Done."),
+    ("deepseek-v3", "Direct answer, no reasoning.", None, "Direct answer, no reasoning."),
+    (
+        "qwen3-thinking",
+        "Thinking without a start tag.\n</think>\n\nParis.",
+        "Thinking without a start tag.\n",
+        "Paris.",
+    ),
+    ("qwen3-thinking", "<think>x</think>y", "x", "y"),
+    ("qwen3-thinking", "never closed", "never closed", None),
 ]
 
 _SEEDS = range(5)
@@ -94,6 +104,6 @@ def test_stream_emits_without_waiting_and_holds_partial_tags() -> None:
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek-r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek-r1", "qwen3", "deepseek-v3", "qwen3-thinking", "gpt-oss"}
     with pytest.raises(ConfigError, match="deepseek-r1"):
         create_reasoning_parser("nope")

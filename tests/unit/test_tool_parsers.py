@@ -242,10 +242,13 @@ def test_deeply_nested_json_is_content_not_an_exception() -> None:
 
 
 def test_registry_names_aliases_and_unknown_name() -> None:
-    assert set(TOOL_CALL_PARSERS) == {"llama3", "hermes", "qwen25", "qwen", "mistral"}
+    assert set(TOOL_CALL_PARSERS) == {
+        "llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31",
+        "qwen3_coder", "gpt-oss",
+    }  # fmt: skip
     assert TOOL_CALL_PARSERS["qwen25"] is TOOL_CALL_PARSERS["qwen"] is TOOL_CALL_PARSERS["hermes"]
     with pytest.raises(ConfigError, match="hermes"):
-        create_tool_call_parser("pythonic")
+        create_tool_call_parser("llama4")
 
 
 TOOLS = [
@@ -328,7 +331,15 @@ def test_tool_choice_schema_validates_what_parse_tool_choice_json_reads() -> Non
 def test_render_tools_system_prompt(parser: str) -> None:
     prompt = render_tools_system_prompt(TOOLS, parser)
     assert "get_weather" in prompt and "Current weather in a city" in prompt and '"now"' in prompt
-    marker = {"llama3": '"parameters"', "mistral": "[TOOL_CALLS]"}.get(parser, "<tool_call>")
+    marker = {
+        "llama3": '"parameters"',
+        "mistral": "[TOOL_CALLS]",
+        "pythonic": "[func_name1(",
+        "deepseekv3": "<｜tool▁sep｜>",
+        "deepseekv31": "<｜tool▁sep｜>",
+        "qwen3_coder": "<function=",
+        "gpt-oss": "to=functions.",
+    }.get(parser, "<tool_call>")
     assert marker in prompt
     with pytest.raises(ConfigError):
         render_tools_system_prompt(TOOLS, "unknown")

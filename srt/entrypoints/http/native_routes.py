@@ -1,5 +1,6 @@
 """SGLang's native routes: POST /generate, GET /health, /health_generate, /get_model_info,
-/get_server_info, /get_load, /version, POST /tokenize, /detokenize.
+/get_server_info (also under SGLang's newer names /model_info, /server_info), /get_load, /version,
+POST /tokenize, /detokenize.
 
 /generate returns the output dict (SGLang's shape, `srt.managers.tokenizer.req_output`) of a single prompt,
 or the list of a batch / ``n > 1``; with ``"stream": true`` SSE chunks (each holding the output so
@@ -19,7 +20,6 @@ does not know are ignored). /health never needs the API key and turns 503 once a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from srt.entrypoints.http.auth import redacted_args
 from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import collect, parse_body, serve
 from srt.entrypoints.http.sse import sse_stream
@@ -37,6 +38,7 @@ from srt.entrypoints.openai.common import error_response, json_response, raise_a
 from srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from srt.managers.data_parallel.replies import split_dp_state
 from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.pooled_run import PrefillOnly
 from srt.utils.errors import SrtError
 
 router = APIRouter()
@@ -81,8 +83,11 @@ async def health_generate(ctx: Ctx) -> Response:
     if tm.tokenizer is not None and tm.tokenizer.bos_token_id is not None:
         token = tm.tokenizer.bos_token_id
     obj = GenerateReqInput(input_ids=[token], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    embed = PrefillOnly("last") if tm.server_args.is_embedding else None  # one pooled prefill
+    if embed is not None:
+        obj.sampling_params = {"max_new_tokens": 0}
     try:
-        outs = await asyncio.wait_for(collect(tm.generate(obj)), _HEALTH_GENERATE_TIMEOUT_S)
+        outs = await asyncio.wait_for(collect(tm.generate(obj, embed)), _HEALTH_GENERATE_TIMEOUT_S)
     except (SrtError, asyncio.TimeoutError) as e:
         return error_response(f"health generation failed: {e!r}", 503)
     reason = outs[0]["meta_info"]["finish_reason"]
@@ -92,6 +97,7 @@ async def health_generate(ctx: Ctx) -> Response:
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def get_model_info(ctx: Ctx) -> Response:
     tm = ctx.tm
     return json_response(
@@ -99,15 +105,18 @@ async def get_model_info(ctx: Ctx) -> Response:
             "model_path": tm.server_args.model_path,
             "tokenizer_path": tm.server_args.tokenizer_path,
             "served_model_name": tm.model_name,
-            "is_generation": True,
+            "is_generation": not tm.server_args.is_embedding,
             "context_len": tm.context_len,
         }
     )
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(ctx: Ctx) -> Response:
-    """Resolved server args, the scheduler's capacity, its live state and the process ids."""
+    """Resolved server args (keys redacted; ``served_model_name`` the name the OpenAI routes
+    accept, which is what SGLang's router registers the worker under), the scheduler's capacity,
+    its live state and the process ids."""
     tm = ctx.tm
     try:
         state = await tm.get_internal_state()
@@ -117,7 +126,8 @@ async def get_server_info(ctx: Ctx) -> Response:
     states, dp_controller = split_dp_state(state)
     return json_response(
         {
-            **dataclasses.asdict(tm.server_args),
+            **redacted_args(tm.server_args),
+            "served_model_name": tm.model_name,
             **tm.scheduler_info,
             "internal_states": states,
             "process_pids": {"main": os.getpid(), **pids},

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET /v1/models.
 
 Each request body is validated strictly (`serving.parse_body`), its ``model`` checked against the
 served names (404 ``model_not_found`` otherwise), turned into a `GenerateReqInput` by the OpenAI
@@ -20,8 +21,10 @@ from srt.entrypoints.openai.protocol import (
     CompletionRequest,
     reject_unsupported_fields,
 )
+from srt.entrypoints.openai.protocol_responses import ResponsesRequest
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 router = APIRouter()
 
@@ -62,6 +65,18 @@ async def v1_completions(request: Request, ctx: Ctx) -> Response:
 async def v1_chat_completions(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     return await _serve_openai(request, ctx, req, ctx.chat)
+
+
+@router.post("/v1/responses")
+async def v1_responses(request: Request, ctx: Ctx) -> Response:
+    """OpenAI's Responses API, stateless (`srt.entrypoints.openai.serving_responses`)."""
+    req = await parse_body(request, ResponsesRequest)
+    if (not_found := _model_not_found(ctx, req.model)) is not None:
+        return not_found
+    serving = OpenAIServingResponses(ctx.chat)
+    chat_req, obj = serving.build_input(req)
+    build, stream = partial(serving.build_response, req, chat_req), partial(serving.stream, req, chat_req)
+    return await serve(request, ctx.tm, obj, build, stream)
 
 
 @router.get("/v1/models")

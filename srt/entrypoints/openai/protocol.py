@@ -3,7 +3,9 @@
 Requests are validated with ``Model.model_validate_json(body, strict=True)``: malformed JSON and
 wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected. Unknown fields
 are ignored with one debug log line (newer clients send fields we have never heard of); fields
-srt knows but cannot honour (``UNSUPPORTED_FIELDS``) are rejected with a 400 naming them. The
+srt knows but cannot honour (``UNSUPPORTED_FIELDS``, and the nested ones of
+`srt.entrypoints.openai.chat_fields`) are rejected with a 400 naming them; ``INFORMATIONAL_FIELDS``
+(end-user and cache-routing identifiers) are accepted and have no effect by definition. The
 sampling fields are mapped to `SamplingParams` by `srt.sampling.openai_params` and their ranges
 checked by `SamplingParams.validation_errors`, so that the native and the OpenAI APIs agree.
 Responses are built as plain dicts and serialized with orjson (see ``serving_*``). The native
@@ -24,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from srt.entrypoints.openai.chat_fields import chat_route_errors
 from srt.utils.errors import RequestError
 
 logger = logging.getLogger("srt.openai")
@@ -67,6 +70,7 @@ class ResponseFormat(_Model):
 class StreamOptions(_Model):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # refused when true (reject_unsupported_fields)
 
 
 class _SamplingFields(_Request):
@@ -114,8 +118,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextContentPart(_Model):
-    type: Literal["text"]
-    text: str
+    """A message content part: only text parts are taken (`chat_fields.chat_message_errors`)."""
+
+    type: str
+    text: str | None = None
+    prompt_cache_breakpoint: Any = None  # refused when set
 
 
 class ToolCallFunction(_Model):
@@ -135,6 +142,10 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # OpenAI fields srt cannot honour: refused unless null (chat_fields.chat_message_errors)
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class FunctionDefinition(_Model):
@@ -167,6 +178,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # a chat template variable (needs --reasoning-parser)
+    # how the prompt is rendered (chat_fields.template_options; SGLang's / vLLM's extras)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -182,19 +198,46 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
     "store": (None, False),
+    "metadata": (None, {}),  # kept only by stored completions
     "service_tier": (None, "auto", "default"),
+    "moderation": (None,),
+    "verbosity": (None,),
+    "prompt_cache_retention": (None, "in_memory"),
+    "prompt_cache_options": (None, {}),
+    # SGLang extras srt does not implement
+    "lora_path": (None,),
+    "session_params": (None,),
+    "return_hidden_states": (None, False),
+    "separate_reasoning": (None, True),
+    "stream_reasoning": (None, True),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
 }
 _UNSUPPORTED_WHY = {
     "functions": "use tools",
     "function_call": "use tool_choice",
+    "prompt_cache_retention": "the prefix cache keeps entries in memory until evicted",
+    "prompt_cache_options": "prefix caching is automatic",
 }
+# accepted and without effect by their definition: they identify the end user or group requests
+# for the provider's abuse monitoring and cache routing, and never change the output; a JSON
+# schema's name is its label, and srt enforces every schema whatever its "strict" says
+INFORMATIONAL_FIELDS = frozenset(
+    {
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+        "response_format.json_schema.name",
+        "response_format.json_schema.strict",
+    }
+)
 
 
 def reject_unsupported_fields(req: _Request) -> None:
-    """RequestError naming the first field of UNSUPPORTED_FIELDS set to something srt cannot do;
-    logs the unknown fields (debug)."""
+    """RequestError naming the first field of UNSUPPORTED_FIELDS set to something srt cannot do
+    (and, for a chat request, `chat_fields.chat_route_errors`); logs the unknown fields (debug)."""
     extra = req.model_extra or {}
     for name, harmless in UNSUPPORTED_FIELDS.items():
         if name in extra and extra[name] not in harmless:
@@ -202,7 +245,15 @@ def reject_unsupported_fields(req: _Request) -> None:
             raise RequestError(
                 f"{name} is not supported by this server" + (f" ({hint})" if hint else ""), param=name
             )
-    unknown = [k for k in extra if k not in UNSUPPORTED_FIELDS]
+    options = getattr(req, "stream_options", None)
+    if options is not None and options.include_obfuscation:
+        raise RequestError(
+            "stream_options.include_obfuscation is not supported by this server",
+            param="stream_options.include_obfuscation",
+        )
+    if isinstance(req, ChatCompletionRequest):
+        chat_route_errors(req)
+    unknown = [k for k in extra if k not in UNSUPPORTED_FIELDS and k not in INFORMATIONAL_FIELDS]
     if unknown:
         logger.debug("ignoring unknown request field(s): %s", ", ".join(sorted(unknown)))
 

@@ -3,7 +3,8 @@
 The prompt is the tokenizer's chat template applied to ``messages`` (roles system / developer /
 user / assistant / tool; ``developer`` is passed as ``system``; list contents keep their text
 parts joined by newlines) with the generation prompt appended, tokenized without adding special
-tokens again. Streaming sends, per choice, a first delta with the role, then content deltas, then
+tokens again; ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message`` and
+``reasoning_effort`` change how it is rendered (`chat_fields.template_options`). Streaming sends, per choice, a first delta with the role, then content deltas, then
 the finish reason; with ``stream_options.include_usage`` a last chunk with empty choices and the
 usage; and ``data: [DONE]``.
 
@@ -11,7 +12,9 @@ Tools (`_OutputPlan` says how a request's output is read back):
 
     tool_choice none, or no tools   plain content
     auto (the default with tools)   the model writes calls in its own format, which
-                                    ``--tool-call-parser`` reads (400 without one)
+                                    ``--tool-call-parser`` reads (400 without one); with
+                                    ``parallel_tool_calls: false`` only the first call is
+                                    returned (later ones are dropped, whole or streamed)
     required / a named function     the grammar constrains the output to a JSON array of calls
                                     (``tool_choice_schema``), whose arguments therefore parse
                                     against the function's parameters schema
@@ -31,6 +34,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from srt.entrypoints.openai.chat_fields import (
+    FirstCallFilter,
+    chat_message_errors,
+    first_call_only,
+    template_options,
+)
 from srt.entrypoints.openai.common import (
     ChunkStream,
     matched_stop,
@@ -69,6 +78,7 @@ class _OutputPlan:
     forced: str | None  # "required" or the named function: the output is a JSON array of calls
     parser: ToolCallParser | None  # tool_choice auto: the server's --tool-call-parser
     reasoning: ReasoningParser | None
+    one_call: bool = False  # parallel_tool_calls false under tool_choice auto: the first call only
 
     def split(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning_content, content, calls) of a whole output."""
@@ -80,6 +90,8 @@ class _OutputPlan:
             return (reasoning, None, calls) if calls else (reasoning, content, [])
         assert self.parser is not None
         content, calls = self.parser.parse(content)
+        if self.one_call:
+            content, calls = first_call_only(content, calls)
         return reasoning, content, calls
 
 
@@ -91,6 +103,7 @@ class _ChoiceStream:
         self.calls = None
         if plan.tools is not None:
             self.calls = ToolChoiceStream() if plan.forced is not None else plan.parser.stream()  # type: ignore[union-attr]
+        self.one_call = FirstCallFilter() if plan.one_call else None
         self.call_ids: dict[int, str] = {}
 
     def feed(self, text: str, last: bool) -> tuple[str, list[StreamEvent]]:
@@ -106,7 +119,7 @@ class _ChoiceStream:
         events = self.calls.feed(content) if content else []
         if last:
             events += self.calls.finish()
-        return reasoning, events
+        return reasoning, self.one_call.filter(events) if self.one_call is not None else events
 
     def delta_of(self, event: StreamEvent) -> dict[str, Any]:
         if isinstance(event, ContentDelta):
@@ -206,9 +219,15 @@ class OpenAIServingChat(OpenAIServing):
                 'use tool_choice "required" or a named function (constrained to JSON calls)',
                 param="tools",
             )
-        return _OutputPlan(tools, None, self.tool_call_parser, self.reasoning_parser)
+        one_call = req.parallel_tool_calls is False
+        parser = self.tool_call_parser.for_tools(tools)
+        return _OutputPlan(tools, None, parser, self.reasoning_parser, one_call)
 
-    def build_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    def build_input(
+        self, req: ChatCompletionRequest, template_kwargs: dict[str, Any] | None = None
+    ) -> GenerateReqInput:
+        """``template_kwargs``: extra chat template variables (the Responses route's reasoning
+        effort; the request's ``chat_template_kwargs`` win), see `chat_fields.template_options`."""
         if not req.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(req.messages):
@@ -217,12 +236,19 @@ class OpenAIServingChat(OpenAIServing):
                     f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}",
                     param=f"messages[{i}].role",
                 )
+        chat_message_errors(req.messages)
+        apply_fn = getattr(self.tm.tokenizer, "apply_chat_template", None)
+        options = template_options(req, apply_fn, self.reasoning_parser is not None, template_kwargs)
         messages = [_history_message(m) for m in req.messages]
         sp, names = openai_sampling_params(req)
         top = check_top_logprobs(req.top_logprobs, "top_logprobs")
         if top and not req.logprobs:
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         plan = self.output_plan(req)
+        if sp.get("skip_special_tokens") is None and any(
+            p is not None and p.keeps_special_tokens for p in (plan.parser, plan.reasoning)
+        ):
+            sp["skip_special_tokens"] = False  # the parsers read markers that are special tokens
         kwargs: dict[str, Any] = {}
         if plan.tools is not None:
             if plan.forced is not None:
@@ -244,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
                     system["content"] = messages[0]["content"] + "\n\n" + system["content"]
                     messages = messages[1:]
                 messages = [system, *messages]
-        prompt = self.tm.apply_chat_template(messages, **kwargs)
+        prompt = self.tm.apply_chat_template(messages, **options, **kwargs)
         return self._generate_input(
             req,
             (sp, names),

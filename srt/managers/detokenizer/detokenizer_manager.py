@@ -169,6 +169,7 @@ class DetokenizerManager:
             prefill_times=pick(recv.prefill_times),
             decode_times=pick(recv.decode_times),
             spec_accept_lens=pick(recv.spec_accept_lens),
+            pooled_outputs=pick(recv.pooled_outputs),
         )
         return out, hits
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason
+from srt.managers.scheduler import pooling
 from srt.managers.scheduler.grammar import GrammarManager
 from srt.managers.scheduler.req import Req, ReqStatus
 
@@ -78,7 +79,7 @@ def process_batch_result(
         if not any(stale):
             stale = None
     new_decoding, generated = _process_extend_rows(
-        batch, next_ids, lps, tops, input_lp, cache, release, stale
+        batch, next_ids, lps, tops, input_lp, cache, release, stale, logits_output
     )
     decode_finished, decoded = _process_decode_rows(batch, next_ids, lps, tops, release, stale)
     applied = reqs if stale is None else [r for r, gone in zip(reqs, stale) if not gone]
@@ -103,9 +104,10 @@ def _process_extend_rows(
     cache: CacheManager,
     release: Callable[[Req], None],
     stale: list[bool] | None,
+    logits_output: LogitsResult | None = None,
 ) -> tuple[list[Req], int]:
     """Rows ``[0, num_extend_reqs)`` but the ``stale`` ones; returns (the requests that start
-    decoding, tokens sampled)."""
+    decoding, tokens sampled). Pooled outputs are folded in from ``logits_output``."""
     new_decoding: list[Req] = []
     generated = 0
     for i in range(batch.num_extend_reqs):
@@ -117,6 +119,8 @@ def _process_extend_rows(
         if input_lp is not None and (lp := input_lp[i]) is not None:
             req.input_token_logprobs.extend(lp[0])
             req.input_top_logprobs.extend(lp[1])
+        if req.pooling or req.label_token_ids:
+            pooling.absorb(req, logits_output, i, end >= req.all_ids_len)
         if end < req.all_ids_len:  # a non-final chunk
             cache.cache_unfinished(req)
             continue
@@ -253,6 +257,8 @@ def build_batch_output(reqs: Iterable[Req], stream_interval: int = 1) -> BatchTo
         ]
     if any([r.return_logprob for r in emitted]):
         _attach_logprobs(out, emitted)
+    if any([r.pooled_out is not None for r in emitted]):
+        out.pooled_outputs = [r.pooled_out if r.finished_reason is not None else None for r in emitted]
     if any([r.spec is not None for r in emitted]):
         out.spec_accept_lens = [r.spec.take_accepts() if r.spec is not None else [] for r in emitted]
     return out

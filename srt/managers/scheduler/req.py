@@ -126,6 +126,10 @@ class Req:
         "input_top_logprobs",
         "input_logprobs_sent",
         "spec",
+        "pooling",
+        "label_token_ids",
+        "pooled_acc",
+        "pooled_out",
     )
 
     def __init__(
@@ -145,6 +149,8 @@ class Req:
         arrival_time: float = 0.0,
         deadline: float = 0.0,
         queue_seq: int = 0,
+        pooling: str = "",
+        label_token_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -160,6 +166,12 @@ class Req:
         self.arrival_time = arrival_time  # time.time() when the server received it
         self.deadline = deadline  # time.time() past which it times out (0: none)
         self.queue_seq = queue_seq  # arrival order: the fcfs key
+        # prefill-only outputs (srt/layers/pooler.py; scheduler/pooling.py): how to pool, which
+        # next-token logprobs to return; the partial pooled state; the result, once finished
+        self.pooling = pooling
+        self.label_token_ids: list[int] = list(label_token_ids or ())
+        self.pooled_acc: Any = None
+        self.pooled_out: list[float] | None = None
         self._init_sampling(sampling_params, eos_token_ids)
         self._init_progress()
 
@@ -258,6 +270,8 @@ class Req:
             arrival_time=msg.arrival_time or time.time(),
             deadline=msg.deadline,
             queue_seq=queue_seq,
+            pooling=msg.pooling,
+            label_token_ids=msg.label_token_ids,
         )
 
     # ------------------------------------------------------------------ state machine
@@ -294,6 +308,7 @@ class Req:
         recomputed as part of the prompt on re-admission."""
         self.set_state(ReqStatus.RETRACTED)
         self.clear_kv_state()
+        self.pooled_acc = None
         self.retract_count += 1
         self.overtaken = 0
         self.set_state(ReqStatus.WAITING)
@@ -317,11 +332,13 @@ class Req:
 
         The last id is always recomputed (its logits give the next token); with prompt
         logprobs pending, nothing from ``logprob_start_len`` on may be skipped either (its
-        logits are needed)."""
+        logits are needed); "mean" / "cls" pooling reads every prompt position."""
         ids = self.origin_input_ids + self.output_ids
         limit = len(ids) - 1
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
+        if self.pooling in ("mean", "cls"):  # pooled over every prompt position
+            limit = 0
         return ids[:limit]
 
     # ------------------------------------------------------------------ results

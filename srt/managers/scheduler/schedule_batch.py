@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.managers.scheduler import pooling
 from srt.managers.scheduler.req import EMPTY_SLOTS, Req
 from srt.utils.pages import page_ceil
 
@@ -292,6 +293,8 @@ class ScheduleBatch:
                     next_ids.append(-1)
             kw["extend_logprob_start_lens_cpu"] = starts
             kw["extend_logprob_next_token_ids_cpu"] = next_ids
+        if self.num_extend_reqs:
+            kw.update(pooling.forward_kwargs(reqs, self.num_extend_reqs))
         if self.forward_mode == ForwardMode.DECODE and self.positions_t is not None:
             fb = self._decode_forward_batch(device, kw)
         else:

@@ -1,5 +1,6 @@
 """GenerateReqInput: one native generation request, declared once: the body of POST /generate
-(decoded by `GenerateReqInput.from_json`), what ``Engine.generate`` builds, and what the OpenAI
+(decoded by `GenerateReqInput.from_json`, which refuses fields srt cannot honour: see
+`srt.managers.tokenizer.generate_fields`), what ``Engine.generate`` builds, and what the OpenAI
 routes build from their requests.
 
 In-process only (it never crosses a socket; `srt.managers.tokenizer.input_processor` turns it into
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from srt.managers.tokenizer.generate_fields import check_extra_fields
 from srt.sampling.sampling_params import type_error
 from srt.utils.errors import RequestError
 
@@ -59,14 +61,20 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
 
     @classmethod
     def from_json(cls, body: bytes) -> GenerateReqInput:
-        """The request of a JSON body (an empty body is ``{}``); unknown fields are ignored.
-        `RequestError` (code ``invalid_type``) for malformed JSON or a mistyped field."""
+        """The request of a JSON body (an empty body is ``{}``). `RequestError` (code
+        ``invalid_type``) for malformed JSON or a mistyped field; for a field of SGLang's that srt
+        cannot honour, or one neither knows (`check_extra_fields`)."""
         try:
-            return msgspec.json.decode(body or b"{}", type=cls)
+            obj = msgspec.json.decode(body or b"{}", type=cls)
+            top = msgspec.json.decode(body or b"{}", type=dict[str, msgspec.Raw])
         except msgspec.ValidationError as e:
             raise type_error(str(e)) from None
         except msgspec.DecodeError as e:
             raise RequestError(f"malformed JSON body: {e}", code="invalid_type") from None
+        extra = {k: msgspec.json.decode(v) for k, v in top.items() if k not in cls.__struct_fields__}
+        if extra:
+            check_extra_fields(extra, cls.__struct_fields__)
+        return obj
 
     def serve_as(
         self,

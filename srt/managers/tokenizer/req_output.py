@@ -84,7 +84,10 @@ def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: 
         meta["spec_accept_length"] = st.spec_tokens / st.spec_verify_ct
     if st.req.return_logprob:
         _add_logprobs(st, meta, ids, start, include_input)
-    return {"index": st.index, "text": text, "output_ids": list(ids), "meta_info": meta}
+    out = {"index": st.index, "text": text, "output_ids": list(ids), "meta_info": meta}
+    if st.pooled is not None:  # a prefill-only request's raw pooled output (pooled_run.py)
+        out["pooled"] = st.pooled
+    return out
 
 
 def _add_logprobs(

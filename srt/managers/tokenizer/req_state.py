@@ -75,6 +75,8 @@ class ReqState:
     sent_parts: int = 0
     sent_ids: int = 0
     sent_input_logprobs: bool = False
+    # a prefill-only request's pooled vector + label-token logprobs (io_struct.pooled_outputs)
+    pooled: list[float] | None = None
 
     @property
     def rid(self) -> str:
@@ -109,6 +111,8 @@ class ReqState:
             self.prefill_time = out.prefill_times[i]
         if out.decode_times and out.decode_times[i] is not None:
             self.decode_time = out.decode_times[i]
+        if out.pooled_outputs and out.pooled_outputs[i] is not None:
+            self.pooled = out.pooled_outputs[i]
         if out.input_token_logprobs and out.input_token_logprobs[i]:
             self.in_logprobs = list(out.input_token_logprobs[i])
             if out.input_top_logprobs:

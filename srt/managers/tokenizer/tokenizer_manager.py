@@ -52,6 +52,7 @@ from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.managers.tokenizer.input_processor import InputLimits, InputProcessor, PreparedRequest
 from srt.managers.tokenizer.ipc import TokenizerIPC
 from srt.managers.tokenizer.metrics import TokenizerMetrics
+from srt.managers.tokenizer.pooled_run import PrefillOnly
 from srt.managers.tokenizer.req_output import final_output, stream_chunk
 from srt.managers.tokenizer.req_state import ReqRegistry, ReqState, RequestGroup
 from srt.server_args import PortArgs, ServerArgs
@@ -185,11 +186,21 @@ class TokenizerManager:
         return len(self.registry.waiting)
 
     # ================================================================== requests
-    async def prepare(self, obj: GenerateReqInput) -> PreparedRequest:
+    async def prepare(
+        self, obj: GenerateReqInput, prefill_only: PrefillOnly | None = None
+    ) -> PreparedRequest:
         """Validate, tokenize and admit ``obj``; raises `RequestError` / `QueueFullError` /
-        `EngineDeadError`. Nothing is sent to the scheduler."""
+        `EngineDeadError`. Nothing is sent to the scheduler. ``prefill_only``: an embedding or
+        score request (pooled_run.py); the only kind an --is-embedding server takes."""
         self._check_alive()
+        if prefill_only is None and self.server_args.is_embedding:
+            raise RequestError(
+                "this server serves an embedding model (--is-embedding): use /v1/embeddings, /encode, "
+                "/v1/rerank or /v1/score"
+            )
         prep = await self.inputs.prepare(obj, self.registry.in_use)
+        if prefill_only is not None:
+            prefill_only.apply(prep, self.inputs.limits.vocab_size)
         self.registry.admit(len(prep.reqs))
         return prep
 
@@ -228,9 +239,11 @@ class TokenizerManager:
                 for st in unfinished:
                     self._abort_state(st, "client disconnected", "client")
 
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate(
+        self, obj: GenerateReqInput, prefill_only: PrefillOnly | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """`prepare` + `run`."""
-        prep = await self.prepare(obj)
+        prep = await self.prepare(obj, prefill_only)
         async for out in self.run(prep):
             yield out
 
@@ -365,14 +378,14 @@ class TokenizerManager:
         return isinstance(template, str) and "tools" in template
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """The prompt text of ``messages`` (with the generation prompt appended)."""
+        """The prompt text of ``messages``; ``kwargs`` go to the tokenizer's ``apply_chat_template``
+        (the generation prompt is appended unless they say ``add_generation_prompt=False``)."""
         if self.tokenizer is None:
             raise RequestError("chat requests need a tokenizer (the server runs with --skip-tokenizer-init)")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions")
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            kwargs.setdefault("add_generation_prompt", True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja raises on messages the template rejects
             raise RequestError(f"the chat template rejected the messages: {e}", param="messages") from e
