@@ -213,7 +213,9 @@ def test_moe_models_native_equals_python(tmp_path, kind):
     _decode_both_ways(runner, [1, 5, 40, 17], seed=3)
     gguf_path, _ = save_tiny_moe_gguf(kind, str(tmp_path / "m.gguf"), "Q8_0", seed=4)
     for int8 in (False, True):
-        runner = _runner(gguf_path, quantization="gguf", enable_int8_activations=int8, linear_backend="native")
+        runner = _runner(
+            gguf_path, quantization="gguf", enable_int8_activations=int8, linear_backend="native"
+        )
         experts = runner.model.model.layers[0].mlp.experts
         assert experts.down.data.dtype == torch.uint8 and (experts.int8_max_rows > 0) == int8
         assert runner.model.model.native_decode is not None, runner.model.enable_native_decode()

@@ -10,7 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from srt.entrypoints.openai.common import error_body, usage_of
-from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    reject_unsupported_fields,
+)
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.managers.tokenizer.generate_input import GenerateReqInput
@@ -78,7 +82,7 @@ def test_malformed_or_mistyped_completion_bodies_are_rejected(body):
 
 @pytest.mark.parametrize("prompt", ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompt_forms(prompt):
-    req = parse(CompletionRequest, {"model": "m", "prompt": prompt, "unknown_field": 1})
+    req = parse(CompletionRequest, {"model": "m", "prompt": prompt})
     obj = OpenAIServingCompletion(fake_tm()).build_input(req)
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         assert obj.text == prompt and obj.input_ids is None
@@ -402,3 +406,15 @@ def test_priority_and_delta_streams_reach_the_generate_input():
     chat = OpenAIServingChat(tm).build_input(chat_req)
     assert chat.priority is None and chat.incremental_stream is True
     assert GenerateReqInput.from_json(orjson.dumps({"text": "x", "priority": [1, 2]})).priority == [1, 2]
+
+
+@pytest.mark.parametrize("route", [CompletionRequest, ChatCompletionRequest])
+def test_unknown_fields_are_refused_by_name(route):
+    """A field srt does not know (another server's guided_json) cannot be honoured: a 400 naming it."""
+    body = {"model": "m", "guided_json": {"type": "object"}}
+    body |= (
+        {"prompt": "x"} if route is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    with pytest.raises(RequestError) as exc:
+        reject_unsupported_fields(parse(route, body))
+    assert exc.value.param == "guided_json" and exc.value.code == "unknown_field"

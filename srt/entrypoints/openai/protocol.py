@@ -1,9 +1,9 @@
 """OpenAI-compatible request models (pydantic, at the HTTP edge only).
 
 Requests are validated with ``Model.model_validate_json(body, strict=True)``: malformed JSON and
-wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected. Unknown fields
-are ignored with one debug log line (newer clients send fields we have never heard of); fields
-srt knows but cannot honour (``UNSUPPORTED_FIELDS``, and the nested ones of
+wrong types (``"temperature": "hot"``, ``"n": 1.5``, ``"n": true``) are rejected. A field srt
+has never heard of is a 400 naming it (``unknown_field``: srt cannot honour what it does not know,
+e.g. another server's ``guided_json``); fields srt knows but cannot honour (``UNSUPPORTED_FIELDS``, and the nested ones of
 `srt.entrypoints.openai.chat_fields`) are rejected with a 400 naming them; ``INFORMATIONAL_FIELDS``
 (end-user and cache-routing identifiers) are accepted and have no effect by definition. The
 sampling fields are mapped to `SamplingParams` by `srt.sampling.openai_params` and their ranges
@@ -237,7 +237,7 @@ INFORMATIONAL_FIELDS = frozenset(
 
 def reject_unsupported_fields(req: _Request) -> None:
     """RequestError naming the first field of UNSUPPORTED_FIELDS set to something srt cannot do
-    (and, for a chat request, `chat_fields.chat_route_errors`); logs the unknown fields (debug)."""
+    (and, for a chat request, `chat_fields.chat_route_errors`), then any field srt does not know."""
     extra = req.model_extra or {}
     for name, harmless in UNSUPPORTED_FIELDS.items():
         if name in extra and extra[name] not in harmless:
@@ -253,9 +253,14 @@ def reject_unsupported_fields(req: _Request) -> None:
         )
     if isinstance(req, ChatCompletionRequest):
         chat_route_errors(req)
-    unknown = [k for k in extra if k not in UNSUPPORTED_FIELDS and k not in INFORMATIONAL_FIELDS]
+    unknown = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in INFORMATIONAL_FIELDS)
     if unknown:
-        logger.debug("ignoring unknown request field(s): %s", ", ".join(sorted(unknown)))
+        raise RequestError(
+            f"unknown request field(s) {', '.join(unknown)}: this server does not know them, so it "
+            "cannot honour them",
+            param=unknown[0],
+            code="unknown_field",
+        )
 
 
 def check_top_logprobs(value: int | None, name: str) -> int:

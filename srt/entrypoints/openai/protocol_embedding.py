@@ -7,7 +7,7 @@
                                             ``text_1`` / ``text_2`` accepted as aliases
 
 Bodies are validated like the other /v1 routes (`srt.entrypoints.http.serving.parse_body`:
-wrong types are a 400 naming the field); unknown fields are ignored (debug log).
+wrong types are a 400 naming the field), and so are fields these models do not declare.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class EmbeddingRequest(_Request):
