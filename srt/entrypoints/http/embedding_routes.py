@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from srt.entrypoints.http.deps import Ctx, ServerContext
+from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import parse_body, until_disconnect
-from srt.entrypoints.openai.common import error_response, json_response
+from srt.entrypoints.openai.common import json_response
 from srt.entrypoints.openai.protocol_embedding import (
     EmbeddingRequest,
     EncodeRequest,
@@ -26,21 +26,10 @@ from srt.entrypoints.openai.serving_score import create_rerank, create_score
 router = APIRouter()
 
 
-def _model_not_found(ctx: ServerContext, model: str | None) -> Response | None:
-    if model is None or model in ctx.model_names:
-        return None
-    return error_response(
-        f"the model {model!r} does not exist; this server serves {ctx.tm.model_name!r}",
-        404,
-        param="model",
-        code="model_not_found",
-    )
-
-
 @router.post("/v1/embeddings")
 async def v1_embeddings(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, EmbeddingRequest)
-    if (not_found := _model_not_found(ctx, req.model)) is not None:
+    if (not_found := ctx.model_not_found(req.model)) is not None:
         return not_found
     return json_response(await until_disconnect(request, create_embeddings(ctx.tm, req)))
 
@@ -54,7 +43,7 @@ async def encode(request: Request, ctx: Ctx) -> Response:
 @router.post("/v1/rerank")
 async def v1_rerank(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, RerankRequest)
-    if (not_found := _model_not_found(ctx, req.model)) is not None:
+    if (not_found := ctx.model_not_found(req.model)) is not None:
         return not_found
     return json_response(await until_disconnect(request, create_rerank(ctx.tm, req)))
 
@@ -62,6 +51,6 @@ async def v1_rerank(request: Request, ctx: Ctx) -> Response:
 @router.post("/v1/score")
 async def v1_score(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, ScoreRequest)
-    if (not_found := _model_not_found(ctx, req.model)) is not None:
+    if (not_found := ctx.model_not_found(req.model)) is not None:
         return not_found
     return json_response(await until_disconnect(request, create_score(ctx.tm, req)))

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from srt.entrypoints.http.deps import Ctx, ServerContext
 from srt.entrypoints.http.serving import parse_body, serve
-from srt.entrypoints.openai.common import error_response, json_response
+from srt.entrypoints.openai.common import json_response
 from srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,22 +31,10 @@ router = APIRouter()
 _Serving = OpenAIServingCompletion | OpenAIServingChat
 
 
-def _model_not_found(ctx: ServerContext, model: str | None) -> Response | None:
-    """The 404 response when ``model`` is given and not served, else None."""
-    if model is None or model in ctx.model_names:
-        return None
-    return error_response(
-        f"the model {model!r} does not exist; this server serves {ctx.tm.model_name!r}",
-        404,
-        param="model",
-        code="model_not_found",
-    )
-
-
 async def _serve_openai(
     request: Request, ctx: ServerContext, req: CompletionRequest | ChatCompletionRequest, serving: _Serving
 ) -> Response:
-    if (not_found := _model_not_found(ctx, req.model)) is not None:
+    if (not_found := ctx.model_not_found(req.model)) is not None:
         return not_found
     reject_unsupported_fields(req)
     obj = serving.build_input(req)
@@ -71,7 +59,7 @@ async def v1_chat_completions(request: Request, ctx: Ctx) -> Response:
 async def v1_responses(request: Request, ctx: Ctx) -> Response:
     """OpenAI's Responses API, stateless (`srt.entrypoints.openai.serving_responses`)."""
     req = await parse_body(request, ResponsesRequest)
-    if (not_found := _model_not_found(ctx, req.model)) is not None:
+    if (not_found := ctx.model_not_found(req.model)) is not None:
         return not_found
     serving = OpenAIServingResponses(ctx.chat)
     chat_req, obj = serving.build_input(req)
