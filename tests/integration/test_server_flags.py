@@ -89,9 +89,11 @@ def test_usage_has_no_cache_details_without_the_flag(server):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "priority": 1}
     usage = requests.post(server.url("/v1/completions"), json=body, timeout=60).json()["usage"]
     assert usage["prompt_tokens_details"] is None and usage["completion_tokens"] == 2
-    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}, "a_newer_field": 1}  # ignored
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
     out = requests.post(server.url("/generate"), json=body, timeout=60).json()
     assert out["meta_info"]["cached_tokens"] >= 0  # /generate always reports it
+    bad = requests.post(server.url("/generate"), json={**body, "a_newer_field": 1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "a_newer_field"
 
 
 def test_priority_is_accepted_with_the_flag(server, client):

@@ -185,17 +185,19 @@ def test_known_unsupported_fields_are_400(server, field, value):
     assert r.json()["error"]["param"] == field
 
 
-def test_unknown_fields_are_ignored(server):
+def test_unknown_fields_are_refused_and_harmless_values_accepted(server):
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,
-        "some_future_field": {"x": 1},
         "store": False,
         "service_tier": "auto",
     }
     r = requests.post(server.url("/v1/chat/completions"), json=body, timeout=60)
     assert r.status_code == 200, r.text
+    r = requests.post(server.url("/v1/chat/completions"), json={**body, "some_future_field": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "some_future_field"
+    assert r.json()["error"]["code"] == "unknown_field"
 
 
 # ---------------------------------------------------------------- tools
