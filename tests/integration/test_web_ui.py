@@ -215,7 +215,14 @@ def test_settings_shape_the_request(page):
 
 def _load(client: openai.OpenAI) -> None:
     def one(i: int) -> None:
-        client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=24, temperature=0)
+        # long enough (seconds) that the once-a-second poll samples it running
+        client.completions.create(
+            model=MODEL,
+            prompt=f"Story number {i}:",
+            max_tokens=160,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(4)))
@@ -224,18 +231,27 @@ def _load(client: openai.OpenAI) -> None:
 def test_dashboard_charts_follow_a_load(page, client, shots):
     page.find_element("id", "tab-dashboard").click()
     canvas = "return document.getElementById('chart-throughput').toDataURL()"
-    start = page.execute_script("return srt.dashboard.samples.length")
+    samples_js = "return srt.dashboard.samples"
+    wait_for(lambda: page.execute_script(samples_js), what="a first sample")
+    before = page.execute_script(samples_js)[-1]
+    start = len(page.execute_script(samples_js))
     draws = page.execute_script("return srt.dashboard.charts.requests.draws")
     image = page.execute_script(canvas)
     _load(client)
+    generated = before["scheduler"]["num_generated_tokens"]
+    wait_for(
+        lambda: (
+            page.execute_script(samples_js)[-1]["scheduler"]["num_generated_tokens"] >= generated + 4 * 160
+        ),
+        what="a sample after the load",
+    )
     wait_for(
         lambda: any(p["values"].get("tokPerS") for p in page.execute_script("return srt.dashboard.points")),
         what="a throughput point",
     )
-    samples = page.execute_script("return srt.dashboard.samples")[start:]
+    samples = page.execute_script(samples_js)[start:]
     assert max(s["scheduler"]["num_running_reqs"] for s in samples) > 0
-    assert samples[-1]["scheduler"]["num_generated_tokens"] > samples[0]["scheduler"]["num_generated_tokens"]
-    assert samples[-1]["requests"]["itl"]["count"] > samples[0]["requests"]["itl"]["count"]
+    assert samples[-1]["requests"]["itl"]["count"] > before["requests"]["itl"]["count"]
     assert any(p["values"].get("ttft50") for p in page.execute_script("return srt.dashboard.points"))
     assert page.execute_script("return srt.dashboard.charts.requests.draws") > draws
     assert page.execute_script(canvas) != image
