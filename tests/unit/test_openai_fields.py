@@ -34,7 +34,7 @@ import pytest
 import typing_extensions
 from pydantic import ValidationError
 
-from srt.entrypoints.http.openai_routes import _model_not_found
+from srt.entrypoints.http.deps import ServerContext
 from srt.entrypoints.http.serving import _validation_message
 from srt.entrypoints.openai.protocol import (
     INFORMATIONAL_FIELDS,
@@ -160,7 +160,7 @@ class _StubTM:
         return json.dumps({"messages": messages, **kwargs}, sort_keys=True, default=str)
 
 
-_CTX = SimpleNamespace(model_names=frozenset({"m"}), tm=SimpleNamespace(model_name="m"))
+_CTX = ServerContext(SimpleNamespace(model_name="m"), None, None, frozenset({"m"}))  # type: ignore[arg-type]
 _TWO_CALLS = (
     '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
     '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
@@ -211,7 +211,7 @@ def _observe(model: type, serving_cls: type, text: str) -> Callable[[Body, dict]
         serving = serving_cls(_StubTM(**tm))
         obj = serving.build_input(req)
         return {
-            "model_served": _model_not_found(_CTX, req.model) is None,
+            "model_served": _CTX.model_not_found(req.model) is None,
             "input": (obj.text, obj.input_ids, obj.sampling_params, obj.return_logprob),
             "logprobs": (obj.top_logprobs_num, obj.logprob_start_len, obj.stream),
             "response": _scrub(serving.build_response(req, [_output(text)])),
