@@ -309,13 +309,19 @@ class LlamaForCausalLM(CheckpointLoader, nn.Module):
         check_config(config, type(self).__name__, self.config_requirements)
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, self.attention_options(config), dtype, linear_backend)
+        self.model = self.build_model(config, dtype, linear_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens
         else:
             self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
         self.logits_processor = LogitsProcessor(config.vocab_size, linear_backend)
+
+    def build_model(
+        self, config: PretrainedConfig, dtype: torch.dtype, linear_backend: LinearBackend | None
+    ) -> LlamaModel:
+        """The decoder (embedding, layers, final norm); a family with other layers builds its own."""
+        return LlamaModel(config, self.attention_options(config), dtype, linear_backend)
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:

@@ -32,12 +32,10 @@ import torch
 from torch import nn
 
 from srt.layers.layernorm import RMSNorm
-from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.moe import GatedMLP, MoEExperts, SparseMoeBlock
 from srt.layers.quantized_weight import GGUFTensor
 from srt.layers.rotary_embedding import get_rope
-from srt.layers.vocab_embedding import LMHead, VocabEmbedding
-from srt.models.config_check import check_config
+from srt.layers.vocab_embedding import VocabEmbedding
 from srt.models.llama import (
     AttentionOptions,
     LlamaAttention,
@@ -118,30 +116,18 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     checkpoint_alias: str | None = None  # a second checkpoint name of the MoE block (Mixtral)
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        dtype: torch.dtype = torch.float32,
-        linear_backend: LinearBackend | None = None,
-    ) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.dtype = dtype
-        check_config(config, type(self).__name__, self.config_requirements)
-        self.model = MoEModel(
+    def build_model(
+        self, config: PretrainedConfig, dtype: torch.dtype, linear_backend: LinearBackend | None
+    ) -> MoEModel:
+        model = MoEModel(
             config,
             self.attention_options(config),
             lambda i: self.build_mlp(config, i, dtype, linear_backend),
             dtype,
             linear_backend,
         )
-        apply_layer_windows(self.model.layers, config, self.sliding_window(config))
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head: nn.Module = self.model.embed_tokens
-        else:
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
-        self.logits_processor = LogitsProcessor(config.vocab_size, linear_backend)
+        apply_layer_windows(model.layers, config, self.sliding_window(config))
+        return model
 
     @classmethod
     def sliding_window(cls, config: PretrainedConfig) -> int | None:
