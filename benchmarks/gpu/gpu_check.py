@@ -309,8 +309,22 @@ def run_all(check: Check, args: argparse.Namespace, device: dict) -> None:
     check.record["bounds"] = bounds or {}
     if "tests" not in args.skip:
         junit = check.run_dir / "junit.xml"
-        argv = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-p", "no:cacheprovider"]
-        check.run(Step("tests", argv + [f"--junitxml={junit}"], TESTS_BUDGET_S, 60))
+        argv = [
+            py,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "tests/gpu",
+            "-v",
+            "--durations=12",
+            "-p",
+            "no:cacheprovider",
+        ]
+        # with no benchmark after them, the tests may use the whole run's budget (a fresh
+        # machine's FlashInfer compile grows with every kernel variant the tests touch)
+        budget = TESTS_BUDGET_S if "bench" not in args.skip else args.budget_s
+        check.run(Step("tests", argv + [f"--junitxml={junit}"], budget, 60))
         step = check.record["steps"]["tests"]
         log = check.run_dir / "tests.log"
         counts = report.count_test_outcomes(log.read_text(errors="replace") if log.is_file() else "", junit)

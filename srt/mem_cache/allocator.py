@@ -30,6 +30,16 @@ from srt.utils.pages import num_pages, page_floor
 IntSeq = Sequence[int] | np.ndarray | torch.Tensor
 
 
+def host_int64(values: IntSeq) -> np.ndarray:
+    """``values`` (ints, a numpy array, or a tensor on any device) as a flat int64 host array.
+
+    The page bookkeeping lives on the host; a tensor from the device's ``req_to_token`` is
+    copied over explicitly (``np.asarray`` of a CUDA tensor raises)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
 class InvalidFreeError(RuntimeError):
     """free() was given slots that were never allocatable (padding page, out of range)."""
 
@@ -127,8 +137,7 @@ class TokenToKVPoolAllocator:
             ones of a sequence continue in its partially filled last page (``last_loc+1 ...``),
             the rest come from fresh pages. None (nothing allocated) if too few pages are free.
         """
-        p = np.asarray(prefix_lens, dtype=np.int64).reshape(-1)
-        s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        p, s = host_int64(prefix_lens), host_int64(seq_lens)
         if p.shape != s.shape or np.any(s < p) or np.any(p < 0):
             raise ValueError("alloc_extend: need 0 <= prefix_lens[i] <= seq_lens[i], same length")
         ext = s - p
@@ -136,7 +145,7 @@ class TokenToKVPoolAllocator:
         P = self.page_size
         if P == 1:
             return self.alloc(total)
-        last = np.asarray(last_loc, dtype=np.int64).reshape(-1)
+        last = host_int64(last_loc)
         if self.debug:
             self._check_last_loc(p, last)
         # pages already holding slots vs pages needed after the extend (elementwise)
@@ -171,11 +180,11 @@ class TokenToKVPoolAllocator:
             int64 tensor ``[bs]``: ``last_loc+1`` when that is still on the same page, else
             the first slot of a fresh page; None (nothing allocated) if too few pages are free.
         """
-        s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        s = host_int64(seq_lens)
         P = self.page_size
         if P == 1:
             return self.alloc(len(s))
-        last = np.asarray(last_loc, dtype=np.int64).reshape(-1)
+        last = host_int64(last_loc)
         if self.debug:
             self._check_last_loc(s - 1, last)
         need_page = (s - 1) % P == 0

@@ -30,6 +30,7 @@ from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from tests.helpers.device_like import DeviceLikeTensor, device_like_pools
 from tests.helpers.scheduler_fakes import (
     EOS,
     KVEchoRunner,
@@ -183,6 +184,25 @@ def test_exact_outputs_fake_model(name):
     if FAKE_CONFIGS[name].get("enable_overlap_schedule"):  # prefills sync; most decodes overlap
         m = sched.metrics
         assert m.num_overlapped_steps > (m.num_decode_steps // 2 if name == "overlap" else 0)
+    check_clean(sched)
+
+
+@pytest.mark.parametrize(
+    "name", ["page16_mixed_small", "overlap_mixed_page16_small", "lpm_small", "no_radix_small"]
+)
+def test_exact_outputs_with_a_device_like_table(name, monkeypatch):
+    """The scheduler's host code never converts the request-to-token table (or what it reads
+    from it) to numpy implicitly, which fails when the table lives on a GPU: the table is a
+    CPU tensor that refuses it (tests/helpers/device_like.py); prefix reuse, chunks, mixed
+    steps, retraction and overlap all touch it."""
+    device_like_pools(monkeypatch)
+    items = build_workload(_fake_prompts, _fake_group, seed=1)
+    sched = fake_scheduler(**FAKE_CONFIGS[name])
+    assert isinstance(sched.req_to_token_pool.req_to_token, DeviceLikeTensor)
+    out = drive(sched, items)
+    for it in items:
+        assert out[it.rid] == reference_generate(it.prompt, it.max_new), it.rid
+    assert sched.metrics.num_retractions > 0
     check_clean(sched)
 
 

@@ -1,18 +1,26 @@
 """The helper of tests/gpu/test_serving_modes_gpu.py on the CPU, as the GPU machine runs it:
 without the default model's package it serves a model of the default model's shapes with seeded
 random weights and prompts of seeded random ids, and each prompt alone gives the same greedy
-tokens with overlap scheduling on and off, and with speculative decoding."""
+tokens with overlap scheduling on and off, and with speculative decoding. The request-to-token
+table is a ``DeviceLikeTensor`` there, so host code that would fail on a CUDA table (an
+implicit numpy conversion) fails here too."""
 
 from __future__ import annotations
 
 import pytest
 
 import tests.gpu.test_serving_modes_gpu as modes
+from tests.helpers.device_like import device_like_pools
 
 
 @pytest.fixture
 def without_default_model(monkeypatch):
     monkeypatch.setattr(modes, "HAS_DEFAULT_MODEL", False)
+
+
+@pytest.fixture
+def device_like(monkeypatch):
+    device_like_pools(monkeypatch)
 
 
 def test_prompts_without_the_default_model_are_seeded_ids_in_its_vocabulary(without_default_model):
@@ -25,7 +33,7 @@ def test_prompts_without_the_default_model_are_seeded_ids_in_its_vocabulary(with
     assert len({tuple(p[:12]) for p in first}) == len(first)
 
 
-def test_greedy_alone_on_cpu_with_and_without_overlap(without_default_model, tmp_path):
+def test_greedy_alone_on_cpu_with_and_without_overlap(without_default_model, device_like, tmp_path):
     model = modes.model_kw(tmp_path / "shapes")
     assert model["load_format"] == "dummy"
     plain = modes.greedy_alone("cpu", disable_overlap_schedule=True, **model)
@@ -34,7 +42,7 @@ def test_greedy_alone_on_cpu_with_and_without_overlap(without_default_model, tmp
     assert overlapped == plain
 
 
-def test_greedy_alone_on_cpu_with_speculation(without_default_model, tmp_path):
+def test_greedy_alone_on_cpu_with_speculation(without_default_model, device_like, tmp_path):
     """The speculative check of the GPU module on the CPU: the same tokens, drafts accepted."""
     model = modes.model_kw(tmp_path / "shapes")
     plain = modes.greedy_alone("cpu", **model)

@@ -207,8 +207,9 @@ class ScheduleBatch:
         dev = pool.req_to_token.device
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
-        seq_lens = pos_t + 1
-        last_loc = pool.req_to_token[rows_t, pos_t - 1] if kv.page_size > 1 else pos_t
+        seq_lens = [p + 1 for p in prefix_lens]
+        # last_loc stays on the pool's device; the allocator copies it to the host
+        last_loc = pool.req_to_token[rows_t, pos_t - 1] if kv.page_size > 1 else prefix_lens
         out = kv.allocator.alloc_decode(seq_lens, last_loc)
         if out is None:
             raise KVAllocationError(f"alloc_decode failed for {need} slots")
@@ -385,7 +386,10 @@ class SamplingInfoCache:
 
 def last_locs(req_to_token: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
     """Slot of token ``prefix_len - 1`` of each request (-1 when the prefix is empty)."""
-    out = []
-    for r, p in zip(reqs, prefix_lens):
-        out.append(int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1)
-    return out
+    held = [(r.req_pool_idx, p - 1) for r, p in zip(reqs, prefix_lens) if p > 0]
+    if not held:
+        return [-1] * len(prefix_lens)
+    rows, cols = zip(*held)
+    # one gather and one copy to the host (not one per request: each is a sync on a GPU)
+    slots = iter(req_to_token[list(rows), list(cols)].tolist())
+    return [next(slots) if p > 0 else -1 for p in prefix_lens]
