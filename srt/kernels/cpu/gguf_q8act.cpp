@@ -10,6 +10,9 @@
 //       test hook: the quantized activations and x @ W^T through the scalar (scalar = true) or
 //       this CPU's row functions (AVX2 where detect_isa() has AVX2 or AVX-512).
 //
+// On AVX-512 CPUs with VNNI, Q4_K and Q6_K take the row functions of gguf_q8act_vnni.h, the
+// other types (and every type under SRT_CPU_ISA=avx2) the AVX2 ones.
+//
 // Threads take contiguous ranges of 4-row weight groups (so the weights stream from memory once
 // per call); each group passes over every activation row, 2 at a time. Every output's sum runs
 // in an order fixed by K alone (not by M, N or the thread count). The row functions follow
@@ -26,6 +29,7 @@
 
 #include "cpu_ops.h"
 #include "gguf_q8act_rows.h"
+#include "gguf_q8act_vnni.h"
 
 namespace srt_cpu {
 namespace {
@@ -60,7 +64,15 @@ const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
     default: return nullptr;
   }
 #if SRT_CPU_X86
-  if (!scalar && detect_isa() != CpuIsa::kScalar) {  // no AVX-512 functions: AVX-512 CPUs run AVX2
+  if (!scalar && detect_isa() == CpuIsa::kAvx512 && q8::vnni::supported() && (i == 3 || i == 5)) {
+    namespace qv = q8::vnni;  // Q4_K and Q6_K; the other types run the AVX2 functions
+    static const Q8aKernels kVnni[] = {
+        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>}},
+        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>}},
+    };
+    return &kVnni[i == 3 ? 0 : 1];
+  }
+  if (!scalar && detect_isa() != CpuIsa::kScalar) {
     namespace qa = q8::avx2;
     using S = qa::Simple;
     static const Q8aKernels kAvx2[] = {

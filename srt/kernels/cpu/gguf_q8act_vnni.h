@@ -1,0 +1,205 @@
+// GGUF matmuls on int8-quantized activations, AVX-512 VNNI row functions for the K-quants Q4_K and
+// Q6_K (the types of llama.cpp's Q4_K_M mix). Same numerics and contract as the AVX2 functions of
+// gguf_q8act_rows.h (the activation blocks of 32, the terms of each sum, float32 scaling), only
+// the integer products and the float32 summation order differ in how they are grouped:
+//
+//   _mm512_dpbusd_epi32 multiplies 64 unsigned weight codes by 64 signed activation codes and adds
+//   each 4 consecutive products into one of 16 int32 lanes (exact: no saturation, |sum| < 2^31).
+//   Q4_K: 64 codes = two sub-blocks of 32 (lanes 0-7 the low nibbles of qs[32 j ..], sub-block
+//   2j; lanes 8-15 the high nibbles, sub-block 2j + 1), which line up with activation blocks 2j
+//   and 2j + 1 (64 consecutive activation codes); each lane's int32 sum is converted and FMA'd
+//   with its sub-block's ((d sc) dx); the minimum terms -(dmin m) s fill lanes 0-7 once per
+//   super-block.
+//   Q6_K: 64 codes = four groups of 16 (4 lanes each); codes in 0..63, and 32 times the
+//   activation sums (one dpbusd of 32s per activation row and chunk, shared by the weight rows)
+//   start each lane's sum negative; the scale of group g is ((d sc_g) dx_{g / 2}).
+//
+// Tiles of R <= 4 weight rows and MX <= 2 activation rows, as the AVX2 functions: the activation
+// codes of a super-block are loaded once per tile, each weight row's codes decoded once for both
+// activation rows. About half the instructions of the AVX2 tiles per weight.
+#pragma once
+
+#include "gguf_q8act_rows.h"
+
+#if SRT_CPU_X86
+
+#define SRT_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define SRT_INLINE_VNNI SRT_TARGET_VNNI __attribute__((always_inline)) inline
+
+namespace srt_cpu {
+namespace q8act {
+namespace vnni {
+
+// Whether this CPU runs these functions (AVX-512 with VNNI and BW); detected once.
+inline bool supported() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+// lanes 0-7 take element A of v, lanes 8-15 element B
+SRT_INLINE_VNNI __m512 pair_bcast(__m512 v, int a, int b) {
+  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+// 8 floats in lanes 0-7, zeros above
+SRT_INLINE_VNNI __m512 low8(__m256 v) { return _mm512_insertf32x8(_mm512_setzero_ps(), v, 0); }
+
+template <int MX, int R>
+SRT_TARGET_VNNI void dot_q4k(const uint8_t* w, int64_t ldw, const Acts& a, int64_t i0, float* out, int64_t ldo) {
+  constexpr int TS = kquant::kQ4KBytes;
+  __m512 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
+    avx2::prefetch_ahead<R * TS>(w + avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
+    __m512i xv[MX][4];
+    for (int i = 0; i < MX; ++i) {
+      const int8_t* xq = a.q + (i0 + i) * a.k + sb * kquant::kQK;
+      for (int j = 0; j < 4; ++j) xv[i][j] = _mm512_loadu_si512(xq + 64 * j);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * ldw + sb * TS;
+      __m256 vds, vdm;  // d * sc[s], dmin * m[s]
+      kquant::avx2::scales_q45k(blk, &vds, &vdm);
+      __m512i codes[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
+        codes[j] = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), m4);
+      }
+      for (int i = 0; i < MX; ++i) {
+        const int64_t x0 = (i0 + i) * a.nb + sb * 8;
+        const __m512 scl = low8(_mm256_mul_ps(vds, _mm256_loadu_ps(a.d + x0)));  // (d sc[s]) dx[s]
+        acc[r][i] = _mm512_fnmadd_ps(low8(vdm), low8(_mm256_loadu_ps(a.s + x0)), acc[r][i]);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[j], xv[i][j]);
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_bcast(scl, 2 * j, 2 * j + 1), acc[r][i]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+// the 64 codes (0..63) of chunk C (weights 64 C .. 64 C + 63) of a Q6_K block
+template <int C>
+SRT_INLINE_VNNI __m512i codes_q6k(const uint8_t* blk) {
+  constexpr int H = C / 2;  // the half of 128 weights
+  const __m512i ql = _mm512_loadu_si512(blk + 64 * H);
+  __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * H)));
+  // weights 0-31 of the chunk take qh bits (4 (C % 2)) + 0..1, weights 32-63 bits + 2..3
+  if constexpr (C % 2) qh = _mm512_srli_epi16(qh, 4);
+  qh = _mm512_and_si512(_mm512_mask_srli_epi16(qh, 0xFFFF0000u, qh, 2), _mm512_set1_epi8(0x03));
+  const __m512i lo = C % 2 ? _mm512_srli_epi16(ql, 4) : ql;
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)), _mm512_slli_epi16(qh, 4));
+}
+
+// lanes 4q .. 4q + 3 take element 4 C + q of v
+template <int C>
+SRT_INLINE_VNNI __m512 quad_bcast(__m512 v) {
+  const __m512i idx = _mm512_setr_epi32(4 * C, 4 * C, 4 * C, 4 * C, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C + 1,
+                                        4 * C + 2, 4 * C + 2, 4 * C + 2, 4 * C + 2, 4 * C + 3, 4 * C + 3, 4 * C + 3,
+                                        4 * C + 3);
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+template <int MX, int R, int C>
+SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const __m512i (*xv)[4], const __m512i (*neg32)[4],
+                               const __m512* gscale, __m512* acc) {
+  const __m512i q = codes_q6k<C>(blk);
+  for (int i = 0; i < MX; ++i) {
+    const __m512i p = _mm512_dpbusd_epi32(neg32[i][C], q, xv[i][C]);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), quad_bcast<C>(gscale[i]), acc[i]);
+  }
+}
+
+template <int MX, int R>
+SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const Acts& a, int64_t i0, float* out, int64_t ldo) {
+  constexpr int TS = kquant::kQ6KBytes;
+  __m512 acc[R][MX];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_ps();
+  const __m512i k32 = _mm512_set1_epi8(32);
+  // group g of 16 codes lies in activation block g / 2
+  const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
+    avx2::prefetch_ahead<R * TS>(w + avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
+    __m512i xv[MX][4], neg32[MX][4];
+    __m512 dx[MX];
+    for (int i = 0; i < MX; ++i) {
+      const int8_t* xq = a.q + (i0 + i) * a.k + sb * kquant::kQK;
+      for (int c = 0; c < 4; ++c) {
+        xv[i][c] = _mm512_loadu_si512(xq + 64 * c);
+        neg32[i][c] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, xv[i][c]));
+      }
+      dx[i] = _mm512_permutexvar_ps(half, low8(_mm256_loadu_ps(a.d + (i0 + i) * a.nb + sb * 8)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * ldw + sb * TS;
+      const __m512 dsc = _mm512_mul_ps(
+          _mm512_set1_ps(kquant::fp16_at(blk + 208)),
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      __m512 gscale[MX];
+      for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, dx[i]);  // (d sc_g) dx_{g / 2}
+      q6k_chunk<MX, R, 0>(blk, xv, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 1>(blk, xv, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 2>(blk, xv, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 3>(blk, xv, neg32, gscale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MX; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+struct Q4KTile {
+  template <int MX, int R>
+  struct K {
+    static SRT_INLINE_VNNI void run(const uint8_t* w, int64_t ldw, const Acts& a, int64_t i0, float* out,
+                                    int64_t ldo) {
+      dot_q4k<MX, R>(w, ldw, a, i0, out, ldo);
+    }
+  };
+};
+
+struct Q6KTile {
+  template <int MX, int R>
+  struct K {
+    static SRT_INLINE_VNNI void run(const uint8_t* w, int64_t ldw, const Acts& a, int64_t i0, float* out,
+                                    int64_t ldo) {
+      dot_q6k<MX, R>(w, ldw, a, i0, out, ldo);
+    }
+  };
+};
+
+// the dispatcher of gguf_q8act.cpp: R = 4, or 1 for the last rows of N; MX = 2 or 1
+template <class Tile>
+SRT_TARGET_VNNI void dot_tiles(const uint8_t* w, int64_t ldw, int64_t rows, const Acts& a, int64_t i0, int64_t mx,
+                               float* out, int64_t ldo) {
+  if (rows == kMaxWRows) {
+    if (mx == 2) {
+      Tile::template K<2, 4>::run(w, ldw, a, i0, out, ldo);
+    } else {
+      Tile::template K<1, 4>::run(w, ldw, a, i0, out, ldo);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (mx == 2) {
+      Tile::template K<2, 1>::run(w + r * ldw, ldw, a, i0, out + r, ldo);
+    } else {
+      Tile::template K<1, 1>::run(w + r * ldw, ldw, a, i0, out + r, ldo);
+    }
+  }
+}
+
+}  // namespace vnni
+}  // namespace q8act
+}  // namespace srt_cpu
+
+#endif  // SRT_CPU_X86
