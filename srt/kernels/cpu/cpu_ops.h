@@ -49,6 +49,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 // gguf_q8act.cpp: x quantized to int8 per block of 32 first (numerics in gguf.py)
 at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);
+// gguf_q8act.cpp: the experts of a sparse MLP on int8 activations, every expert's rows in one
+// parallel loop per projection: xs [P, H] (the pairs' rows, grouped by expert: expert e's are
+// starts[e] .. starts[e + 1]) -> [P, H] (before the routing weights); undefined when a bank's
+// type has no int8 path
+at::Tensor moe_experts_q8a(const at::Tensor& xs, const std::vector<int64_t>& starts,
+                           const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
+                           const at::Tensor& down, int64_t down_qtype);
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
 

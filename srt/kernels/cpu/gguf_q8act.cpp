@@ -174,6 +174,63 @@ at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t 
 
 namespace {
 
+// one projection of the active experts: out[p, col0 + n] = (acts row p) . (row n of expert e's
+// matrix in `bank`) for the pairs p of each expert e (rows starts[e] .. starts[e + 1]); all the
+// experts' 4-row weight groups in one parallel loop
+void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vector<int64_t>& active,
+                 const std::vector<int64_t>& starts, const q8::Acts& acts, float* out, int64_t ldo, int64_t col0) {
+  constexpr int64_t G = q8::kMaxWRows;
+  const int64_t N = bank.size(1), bpr = bank.size(2), groups = (N + G - 1) / G;
+  const uint8_t* base = bank.data_ptr<uint8_t>();
+  const int64_t items = static_cast<int64_t>(active.size()) * groups;
+  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));
+  at::parallel_for(0, items, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / groups], n = t % groups * G, rows = std::min(G, N - n);
+      const uint8_t* w = base + (e * N + n) * bpr;
+      for (int64_t i = starts[e]; i < starts[e + 1]; i += q8::kMaxXRows) {
+        const int64_t mx = std::min<int64_t>(q8::kMaxXRows, starts[e + 1] - i);
+        ops.dot(w, bpr, rows, acts, i, mx, out + i * ldo + col0 + n, ldo);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor moe_experts_q8a(const at::Tensor& xs, const std::vector<int64_t>& starts,
+                           const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
+                           const at::Tensor& down, int64_t down_qtype) {
+  std::vector<const Q8aKernels*> gk;
+  for (int64_t q : gate_up_qtypes) gk.push_back(find_kernels(q, false));
+  const Q8aKernels* dk = find_kernels(down_qtype, false);
+  if (dk == nullptr || std::find(gk.begin(), gk.end(), nullptr) != gk.end()) return {};
+  const int64_t P = xs.size(0), H = xs.size(1), E = down.size(0);
+  int64_t width = 0;
+  for (const at::Tensor& b : gate_up) width += b.size(1);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (starts[e + 1] > starts[e]) active.push_back(e);
+  const at::Tensor xc = xs.contiguous();
+  const QuantizedX qx = quantize_x(gk[0]->quantize, xc.data_ptr<float>(), H, P, H);
+  at::Tensor h = at::empty({P, width}, xs.options());
+  int64_t col = 0;
+  for (size_t b = 0; b < gate_up.size(); ++b) {
+    check_args("moe_experts", xc, gate_up[b].select(0, 0), gk[b]->ops);
+    experts_q8a(gk[b]->ops, gate_up[b], active, starts, qx.acts, h.data_ptr<float>(), width, col);
+    col += gate_up[b].size(1);
+  }
+  const at::Tensor a = silu_and_mul(h);
+  const int64_t I = a.size(1);
+  check_args("moe_experts", a, down.select(0, 0), dk->ops);
+  const QuantizedX qa = quantize_x(dk->quantize, a.data_ptr<float>(), I, P, I);
+  at::Tensor y = at::empty({P, H}, xs.options());
+  experts_q8a(dk->ops, down, active, starts, qa.acts, y.data_ptr<float>(), H, 0);
+  return y;
+}
+
+namespace {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_q8a_debug(const at::Tensor& x, const at::Tensor& data,
                                                                           int64_t qtype, bool scalar) {
   const Q8aKernels* k = find_kernels(qtype, scalar);

@@ -8,16 +8,22 @@
 // then up rows of each expert) or two banks (gate, up) of different types; down is [E, H, *].
 //
 // The T*k (token, slot) pairs are ordered by expert id, stable (pair p = t * k + j keeps its
-// order within an expert: a counting sort), the pairs' rows of x gathered; per expert with rows,
-// one gate_up matmul over all of them (gguf_linear, or gguf_linear_q8a when the rows are at most
-// int8_max_rows; at::linear for float banks), silu_and_mul, one down matmul; each row scaled by its
-// routing weight; the rows added to their tokens with index_add_ in that order. This is
+// order within an expert: a counting sort), the pairs' rows of x gathered. When no expert has more
+// than int8_max_rows rows and every bank has an int8 path (decode), moe_experts_q8a
+// (gguf_q8act.cpp) runs every expert's gate_up in one parallel loop, silu_and_mul, then every
+// expert's down in another, on int8 activations quantized once per projection. Otherwise, per
+// expert with rows, one gate_up matmul over all of them (gguf_linear, or gguf_linear_q8a when the
+// rows are at most int8_max_rows; at::linear for float banks), silu_and_mul, one down matmul. Each
+// row is then scaled by its routing weight and the rows added to their tokens with index_add_ in
+// that order. The two int8 ways give the same bits (the same row functions on the same quantized
+// rows). This is
 // srt/layers/moe.py's MoEExperts.forward as one call: the Python path calls this op when the
 // extension is built and runs the same steps op by op otherwise, and the native decode stack
 // (decode_layers.cpp) calls moe_forward below.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -40,6 +46,27 @@ void check_bank(const at::Tensor& bank, int64_t qtype, int64_t E, const char* na
               "moe_experts: the ", name, " bank must be a contiguous CPU tensor [", E, ", rows, *]");
   TORCH_CHECK(qtype == kF32 ? bank.scalar_type() == at::kFloat : bank.scalar_type() == at::kByte,
               "moe_experts: the ", name, " bank must be float32 for qtype 0 and uint8 blocks otherwise");
+}
+
+// the experts one at a time (float banks, or more rows than the int8 path takes)
+at::Tensor experts_one_by_one(const at::Tensor& xs, const std::vector<int64_t>& counts,
+                              const std::vector<int64_t>& starts, const std::vector<at::Tensor>& gate_up,
+                              const std::vector<int64_t>& gate_up_qtypes, const at::Tensor& down,
+                              int64_t down_qtype, int64_t int8_max_rows) {
+  const int64_t E = down.size(0), P = xs.size(0), H = xs.size(1);
+  at::Tensor ys = at::empty({P, H}, xs.options());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = counts[e];
+    if (n == 0) continue;
+    const at::Tensor xe = xs.narrow(0, starts[e], n);
+    at::Tensor h = gate_up.size() == 1
+                       ? bank_linear(xe, gate_up[0], gate_up_qtypes[0], e, int8_max_rows)
+                       : at::cat({bank_linear(xe, gate_up[0], gate_up_qtypes[0], e, int8_max_rows),
+                                  bank_linear(xe, gate_up[1], gate_up_qtypes[1], e, int8_max_rows)},
+                                 -1);
+    ys.narrow(0, starts[e], n).copy_(bank_linear(silu_and_mul(h), down, down_qtype, e, int8_max_rows));
+  }
+  return ys;
 }
 
 }  // namespace
@@ -75,21 +102,17 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   const at::Tensor tokens = at::div(order, k, "floor");
 
   const at::Tensor xs = x.index_select(0, tokens);
-  at::Tensor ys = at::empty({P, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = counts[e];
-    if (n == 0) continue;
-    const at::Tensor xe = xs.narrow(0, starts[e], n);
-    at::Tensor h = gate_up.size() == 1
-                       ? bank_linear(xe, gate_up[0], gate_up_qtypes[0], e, int8_max_rows)
-                       : at::cat({bank_linear(xe, gate_up[0], gate_up_qtypes[0], e, int8_max_rows),
-                                  bank_linear(xe, gate_up[1], gate_up_qtypes[1], e, int8_max_rows)},
-                                 -1);
-    ys.narrow(0, starts[e], n).copy_(bank_linear(silu_and_mul(h), down, down_qtype, e, int8_max_rows));
+  at::Tensor ys;
+  const bool float_bank = down_qtype == kF32 || std::find(gate_up_qtypes.begin(), gate_up_qtypes.end(), kF32) !=
+                                                    gate_up_qtypes.end();
+  if (!float_bank && *std::max_element(counts.begin(), counts.end()) <= int8_max_rows) {
+    ys = moe_experts_q8a(xs, starts, gate_up, gate_up_qtypes, down, down_qtype);
   }
+  if (!ys.defined()) ys = experts_one_by_one(xs, counts, starts, gate_up, gate_up_qtypes, down, down_qtype, int8_max_rows);
   ys.mul_(weights.reshape({P}).index_select(0, order).unsqueeze(1).to(ys.scalar_type()));
   return at::zeros({T, H}, x.options()).index_add_(0, tokens, ys);
 }
+
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, bool renormalize) {
   const at::Tensor probs = at::softmax(router_logits, -1, at::kFloat);
