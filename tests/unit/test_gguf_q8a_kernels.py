@@ -133,11 +133,12 @@ def test_quantization_bit_exact_each_isa(qtype):
 
 @needs_native
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 3, 7, 64])
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 64])
 def test_matches_reference_each_isa(qtype, m):
     """The op (this CPU's functions) and both ISAs' row functions against the float64 formula;
-    N = 37 leaves a tail of single weight rows, odd M a single activation row."""
-    blocks = {1: (3, 18), 3: (1, 2), 7: (6, 48), 64: (2, 9)}[m]  # (K-quants, simple types)
+    N = 37 leaves a tail of single weight rows; M = 1, 3, 6, 7 leave every tail of activation
+    rows the tiles take (2 or 4 at a time)."""
+    blocks = {1: (3, 18), 3: (1, 2), 6: (2, 12), 7: (6, 48), 64: (2, 9)}[m]  # (K-quants, simple types)
     k = cols(qtype, blocks[0] if qtype >= 12 else blocks[1])
     data = random_code_blocks(37, k, qtype, seed=m)
     x = activations(m, k, seed=m)

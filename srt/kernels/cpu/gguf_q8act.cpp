@@ -67,8 +67,8 @@ const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
   if (!scalar && detect_isa() == CpuIsa::kAvx512 && q8::vnni::supported() && (i == 3 || i == 5)) {
     namespace qv = q8::vnni;  // Q4_K and Q6_K; the other types run the AVX2 functions
     static const Q8aKernels kVnni[] = {
-        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>}},
-        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>}},
+        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows}},
+        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows}},
     };
     return &kVnni[i == 3 ? 0 : 1];
   }
@@ -130,8 +130,8 @@ void linear_q8a(const q8::Q8aOps& ops, const uint8_t* w, int64_t bpr, int64_t N,
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * G, rows = std::min(G, N - n);
-      for (int64_t i = 0; i < M; i += q8::kMaxXRows) {
-        const int64_t mx = std::min<int64_t>(q8::kMaxXRows, M - i);
+      for (int64_t i = 0; i < M; i += ops.x_rows) {
+        const int64_t mx = std::min<int64_t>(ops.x_rows, M - i);
         ops.dot(w + n * bpr, bpr, rows, a, i, mx, out + i * N + n, N);
       }
       if (bias != nullptr) {
@@ -188,8 +188,8 @@ void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vecto
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e = active[t / groups], n = t % groups * G, rows = std::min(G, N - n);
       const uint8_t* w = base + (e * N + n) * bpr;
-      for (int64_t i = starts[e]; i < starts[e + 1]; i += q8::kMaxXRows) {
-        const int64_t mx = std::min<int64_t>(q8::kMaxXRows, starts[e + 1] - i);
+      for (int64_t i = starts[e]; i < starts[e + 1]; i += ops.x_rows) {
+        const int64_t mx = std::min<int64_t>(ops.x_rows, starts[e + 1] - i);
         ops.dot(w, bpr, rows, acts, i, mx, out + i * ldo + col0 + n, ldo);
       }
     }

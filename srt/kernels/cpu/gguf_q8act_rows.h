@@ -78,6 +78,7 @@ struct Q8aOps {
   int block_size;  // weights per weight block
   int type_size;   // bytes per weight block
   Q8DotFn dot;
+  int x_rows = kMaxXRows;  // activation rows per dot call (mx <= x_rows)
 };
 
 // ---------------------------------------------------------------- scalar (reference, fallback)

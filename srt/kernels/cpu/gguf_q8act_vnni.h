@@ -14,9 +14,10 @@
 //   activation sums (one dpbusd of 32s per activation row and chunk, shared by the weight rows)
 //   start each lane's sum negative; the scale of group g is ((d sc_g) dx_{g / 2}).
 //
-// Tiles of R <= 4 weight rows and MX <= 2 activation rows, as the AVX2 functions: the activation
-// codes of a super-block are loaded once per tile, each weight row's codes decoded once for both
-// activation rows. About half the instructions of the AVX2 tiles per weight.
+// Tiles of R <= 4 weight rows and MX <= 4 activation rows (the AVX2 functions take 2): each weight
+// row's codes and scales are decoded once for all MX activation rows, the activation codes read
+// from L1 by the dot instructions themselves. About half the instructions of the AVX2 tiles per
+// weight and activation row.
 #pragma once
 
 #include "gguf_q8act_rows.h"
@@ -29,6 +30,8 @@
 namespace srt_cpu {
 namespace q8act {
 namespace vnni {
+
+constexpr int kXRows = 4;  // activation rows per tile
 
 // Whether this CPU runs these functions (AVX-512 with VNNI and BW); detected once.
 inline bool supported() {
@@ -58,11 +61,6 @@ SRT_TARGET_VNNI void dot_q4k(const uint8_t* w, int64_t ldw, const Acts& a, int64
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
     avx2::prefetch_ahead<R * TS>(w + avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
-    __m512i xv[MX][4];
-    for (int i = 0; i < MX; ++i) {
-      const int8_t* xq = a.q + (i0 + i) * a.k + sb * kquant::kQK;
-      for (int j = 0; j < 4; ++j) xv[i][j] = _mm512_loadu_si512(xq + 64 * j);
-    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * ldw + sb * TS;
       __m256 vds, vdm;  // d * sc[s], dmin * m[s]
@@ -74,10 +72,11 @@ SRT_TARGET_VNNI void dot_q4k(const uint8_t* w, int64_t ldw, const Acts& a, int64
       }
       for (int i = 0; i < MX; ++i) {
         const int64_t x0 = (i0 + i) * a.nb + sb * 8;
+        const int8_t* xq = a.q + (i0 + i) * a.k + sb * kquant::kQK;
         const __m512 scl = low8(_mm256_mul_ps(vds, _mm256_loadu_ps(a.d + x0)));  // (d sc[s]) dx[s]
         acc[r][i] = _mm512_fnmadd_ps(low8(vdm), low8(_mm256_loadu_ps(a.s + x0)), acc[r][i]);
         for (int j = 0; j < 4; ++j) {
-          const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[j], xv[i][j]);
+          const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[j], _mm512_loadu_si512(xq + 64 * j));
           acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_bcast(scl, 2 * j, 2 * j + 1), acc[r][i]);
         }
       }
@@ -110,11 +109,11 @@ SRT_INLINE_VNNI __m512 quad_bcast(__m512 v) {
 }
 
 template <int MX, int R, int C>
-SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const __m512i (*xv)[4], const __m512i (*neg32)[4],
+SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const int8_t* const* xq, const __m512i (*neg32)[4],
                                const __m512* gscale, __m512* acc) {
   const __m512i q = codes_q6k<C>(blk);
   for (int i = 0; i < MX; ++i) {
-    const __m512i p = _mm512_dpbusd_epi32(neg32[i][C], q, xv[i][C]);
+    const __m512i p = _mm512_dpbusd_epi32(neg32[i][C], q, _mm512_loadu_si512(xq[i] + 64 * C));
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), quad_bcast<C>(gscale[i]), acc[i]);
   }
 }
@@ -130,13 +129,14 @@ SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const Acts& a, int64
   const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
     avx2::prefetch_ahead<R * TS>(w + avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
-    __m512i xv[MX][4], neg32[MX][4];
+    const int8_t* xq[MX];
+    __m512i neg32[MX][4];
     __m512 dx[MX];
     for (int i = 0; i < MX; ++i) {
-      const int8_t* xq = a.q + (i0 + i) * a.k + sb * kquant::kQK;
+      xq[i] = a.q + (i0 + i) * a.k + sb * kquant::kQK;
       for (int c = 0; c < 4; ++c) {
-        xv[i][c] = _mm512_loadu_si512(xq + 64 * c);
-        neg32[i][c] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, xv[i][c]));
+        const __m512i x = _mm512_loadu_si512(xq[i] + 64 * c);
+        neg32[i][c] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, x));
       }
       dx[i] = _mm512_permutexvar_ps(half, low8(_mm256_loadu_ps(a.d + (i0 + i) * a.nb + sb * 8)));
     }
@@ -147,10 +147,10 @@ SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const Acts& a, int64
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
       __m512 gscale[MX];
       for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, dx[i]);  // (d sc_g) dx_{g / 2}
-      q6k_chunk<MX, R, 0>(blk, xv, neg32, gscale, acc[r]);
-      q6k_chunk<MX, R, 1>(blk, xv, neg32, gscale, acc[r]);
-      q6k_chunk<MX, R, 2>(blk, xv, neg32, gscale, acc[r]);
-      q6k_chunk<MX, R, 3>(blk, xv, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 0>(blk, xq, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 1>(blk, xq, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 2>(blk, xq, neg32, gscale, acc[r]);
+      q6k_chunk<MX, R, 3>(blk, xq, neg32, gscale, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -177,25 +177,26 @@ struct Q6KTile {
   };
 };
 
-// the dispatcher of gguf_q8act.cpp: R = 4, or 1 for the last rows of N; MX = 2 or 1
+// the dispatcher of gguf_q8act.cpp: R = 4, or 1 for the last rows of N; MX = 1 .. kXRows
+template <class Tile, int R>
+SRT_INLINE_VNNI void dot_mx(const uint8_t* w, int64_t ldw, const Acts& a, int64_t i0, int64_t mx, float* out,
+                            int64_t ldo) {
+  switch (mx) {
+    case 4: Tile::template K<4, R>::run(w, ldw, a, i0, out, ldo); break;
+    case 3: Tile::template K<3, R>::run(w, ldw, a, i0, out, ldo); break;
+    case 2: Tile::template K<2, R>::run(w, ldw, a, i0, out, ldo); break;
+    default: Tile::template K<1, R>::run(w, ldw, a, i0, out, ldo); break;
+  }
+}
+
 template <class Tile>
 SRT_TARGET_VNNI void dot_tiles(const uint8_t* w, int64_t ldw, int64_t rows, const Acts& a, int64_t i0, int64_t mx,
                                float* out, int64_t ldo) {
   if (rows == kMaxWRows) {
-    if (mx == 2) {
-      Tile::template K<2, 4>::run(w, ldw, a, i0, out, ldo);
-    } else {
-      Tile::template K<1, 4>::run(w, ldw, a, i0, out, ldo);
-    }
+    dot_mx<Tile, 4>(w, ldw, a, i0, mx, out, ldo);
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if (mx == 2) {
-      Tile::template K<2, 1>::run(w + r * ldw, ldw, a, i0, out + r, ldo);
-    } else {
-      Tile::template K<1, 1>::run(w + r * ldw, ldw, a, i0, out + r, ldo);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) dot_mx<Tile, 1>(w + r * ldw, ldw, a, i0, mx, out + r, ldo);
 }
 
 }  // namespace vnni
