@@ -89,11 +89,12 @@ class _Bank:
             self._op = torch.ops.srt_cpu.gguf_linear
 
     def linear(self, e: int, x: torch.Tensor, int8_max_rows: int = 0) -> torch.Tensor:
-        """``int8_max_rows``: inputs of at most that many rows quantize x to int8 (blocks only)."""
+        """``int8_max_rows`` > 0: inputs of at most that many rows, or enough rows for the type's
+        int8 GEMM (``q8a_takes``), quantize x to int8 (blocks only)."""
         if self.qtype == F32_TYPE:
             return F.linear(x, self.mats[e])
         if self._op is not None and x.dtype == torch.float32 and x.is_contiguous():
-            if x.shape[0] <= int8_max_rows:
+            if gguf_kernels.q8a_takes(self.qtype, x.shape[0], int8_max_rows):
                 return torch.ops.srt_cpu.gguf_linear_q8a(x, self.mats[e], self.qtype, None)
             return self._op(x, self.mats[e], self.qtype, None)
         return gguf_kernels.quant_linear(x.float().contiguous(), self.mats[e], self.qtype)

@@ -134,8 +134,9 @@ class QuantizedWeight(nn.Module):
         return getattr(self, f"data{i}")
 
     def use_int8_activations(self, max_rows: int = INT8_MAX_ROWS) -> None:
-        """From now on, matmuls of at most ``max_rows`` rows quantize x to int8 per block of 32
-        (``gguf_linear_q8a``; changes numerics). Its kernels read the GGUF layout, so an x8-packed
+        """From now on, matmuls of at most ``max_rows`` rows, and those of types with an int8 GEMM
+        (Q4_K on AVX-512 VNNI CPUs) from its row count on, quantize x to int8 per block of 32
+        (``gguf_linear_q8a``, ``gguf_kernels.q8a_takes``; changes numerics). Its kernels read the GGUF layout, so an x8-packed
         weight is unpacked back."""
         q8a = gguf_kernels.q8a_qtypes()
         if self._native is None:  # several segments (never x8): each takes the int8 path
@@ -180,7 +181,7 @@ class QuantizedWeight(nn.Module):
         """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
             data, qtype, x8_rows = self._native
-            if x.shape[0] <= self.int8_max_rows:
+            if gguf_kernels.q8a_takes(qtype, x.shape[0], self.int8_max_rows):
                 return torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype, bias)
             if x8_rows:
                 return torch.ops.srt_cpu.gguf_linear_x8(x, data, qtype, x8_rows, bias)
@@ -200,7 +201,7 @@ class QuantizedWeight(nn.Module):
         qtype = self.segments[i][2]
         if qtype == F32_TYPE:
             return F.linear(x2, self._data(i), bias)
-        if x2.shape[0] <= self.int8_max_rows:
+        if gguf_kernels.q8a_takes(qtype, x2.shape[0], self.int8_max_rows):
             return gguf_kernels.quant_linear_q8a(x2, self._data(i), qtype, bias)
         if self.x8_rows:
             return gguf_kernels.quant_linear_x8(x2, self._data(i), qtype, self.x8_rows, bias)

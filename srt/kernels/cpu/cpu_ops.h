@@ -49,6 +49,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 // gguf_q8act.cpp: x quantized to int8 per block of 32 first (numerics in gguf.py)
 at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);
+// gguf_q8act.cpp: from how many rows a type takes the int8 GEMM (0: never); whether a matmul of
+// `rows` rows with int8 activations enabled (int8_max_rows > 0) quantizes its input: at most
+// int8_max_rows rows, or a type with an int8 GEMM from its row count on
+int64_t gguf_q8a_gemm_rows(int64_t qtype);
+bool q8a_takes(int64_t qtype, int64_t rows, int64_t int8_max_rows);
+
 // gguf_q8act.cpp: the experts of a sparse MLP on int8 activations, every expert's rows in one
 // parallel loop per projection: xs [P, H] (the pairs' rows, grouped by expert: expert e's are
 // starts[e] .. starts[e + 1]) -> [P, H] (before the routing weights); undefined when a bank's

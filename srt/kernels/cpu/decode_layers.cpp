@@ -51,11 +51,12 @@ struct Segment {
   int64_t qtype;
   int64_t x8_rows;  // rows of an x8-packed weight or N of a packed float32 one, 0 for GGUF rows
 
-  // int8_max_rows: inputs of at most that many rows take the int8-activation kernel (as the
-  // Python path's QuantizedWeight.linear does; never for float32 weights)
+  // int8_max_rows: inputs of at most that many rows, or of a type with an int8 GEMM enough rows
+  // (q8a_takes), take the int8-activation kernel (as the Python path's QuantizedWeight.linear
+  // does; never for float32 weights)
   at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows, const c10::optional<at::Tensor>& bias) const {
     if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
-    if (x.size(0) <= int8_max_rows) return gguf_linear_q8a(x, data, qtype, bias);
+    if (q8a_takes(qtype, x.size(0), int8_max_rows)) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }
 };

@@ -217,6 +217,32 @@ def q8a_qtypes() -> frozenset[int]:
     return _op_qtypes("gguf_linear_q8a", "gguf_q8a_qtypes")
 
 
+def q8a_gemm_rows(qtype: int) -> int:
+    """From how many activation rows on ``gguf_linear_q8a`` runs ``qtype`` as an int8 GEMM faster
+    than the float32 one (0: never on this CPU, or without the extension)."""
+    got = _gemm_rows_cache.get(qtype)
+    if got is None:
+        if not (native_available() and _op_registered("gguf_q8a_gemm_rows")):
+            return 0
+        got = _gemm_rows_cache[qtype] = int(torch.ops.srt_cpu.gguf_q8a_gemm_rows(qtype))
+    return got
+
+
+_gemm_rows_cache: dict[int, int] = {}
+
+
+def q8a_takes(qtype: int, rows: int, int8_max_rows: int) -> bool:
+    """Whether a matmul of ``rows`` rows quantizes its input to int8 when int8 activations are on
+    (``int8_max_rows`` > 0): at most ``int8_max_rows`` rows, or a type with an int8 GEMM from its
+    row count on (the native ops' ``q8a_takes``)."""
+    if int8_max_rows <= 0:
+        return False
+    if rows <= int8_max_rows:
+        return True
+    from_rows = q8a_gemm_rows(qtype)
+    return 0 < from_rows <= rows
+
+
 def _block_sums(xb: torch.Tensor) -> torch.Tensor:
     """float32 sums of blocks [..., 32] in the native kernels' order: 8 lane sums of x[l], x[l+8],
     x[l+16], x[l+24] (in that order), then lanes l and l+4, then (0 + 2) + (1 + 3)."""

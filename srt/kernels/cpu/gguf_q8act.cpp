@@ -6,6 +6,8 @@
 //       every output a sum of integer block dot products scaled in float32; the same contract
 //       as gguf_linear otherwise. A type without an int8 path takes gguf_linear (float32).
 //   gguf_q8a_qtypes() -> the types with an int8 path
+//   gguf_q8a_gemm_rows(qtype) -> from how many activation rows on the type takes an int8 GEMM
+//       faster than the float32 one (0: none on this CPU; Q4_K on AVX-512 VNNI CPUs: 16)
 //   gguf_q8a_debug(x, data, qtype, scalar) -> (q [M, K] i8, d [M, K / 32], s [M, K / 32], y [M, N])
 //       test hook: the quantized activations and x @ W^T through the scalar (scalar = true) or
 //       this CPU's row functions (AVX2 where detect_isa() has AVX2 or AVX-512).
@@ -67,7 +69,8 @@ const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
   if (!scalar && detect_isa() == CpuIsa::kAvx512 && q8::vnni::supported() && (i == 3 || i == 5)) {
     namespace qv = q8::vnni;  // Q4_K and Q6_K; the other types run the AVX2 functions
     static const Q8aKernels kVnni[] = {
-        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows}},
+        {&q8::avx2::quantize_row,
+         {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows, &qv::q4k_gemm_rows, qv::kGemmRows}},
         {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows}},
     };
     return &kVnni[i == 3 ? 0 : 1];
@@ -122,8 +125,31 @@ QuantizedX quantize_x(q8::QuantizeRowFn quantize, const float* x, int64_t ldx, i
 }
 
 // out [M, N] = acts @ W^T (+ bias): weight rows in groups of 4 over the threads
+// from this many activation rows on, a type with a GEMM function takes it (SRT_Q8A_GEMM_M overrides)
+int64_t q8a_gemm_m() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("SRT_Q8A_GEMM_M");
+    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{16};
+  }();
+  return limit;
+}
+
 void linear_q8a(const q8::Q8aOps& ops, const uint8_t* w, int64_t bpr, int64_t N, const q8::Acts& a, int64_t M,
                 const float* bias, float* out) {
+  if (ops.gemm != nullptr && M >= q8a_gemm_m()) {
+    const int64_t G = ops.gemm_rows, groups = (N + G - 1) / G;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = g * G, rows = std::min(G, N - n);
+        ops.gemm(w + n * bpr, bpr, rows, a, 0, M, out + n, N);
+        if (bias != nullptr) {
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t r = 0; r < rows; ++r) out[i * N + n + r] += bias[n + r];
+        }
+      }
+    });
+    return;
+  }
   constexpr int64_t G = q8::kMaxWRows;
   const int64_t groups = (N + G - 1) / G;
   const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));  // about 64 KiB of weights per task
@@ -198,6 +224,18 @@ void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vecto
 
 }  // namespace
 
+int64_t gguf_q8a_gemm_rows(int64_t qtype) {
+  const Q8aKernels* k = find_kernels(qtype, false);
+  return k != nullptr && k->ops.gemm != nullptr ? q8a_gemm_m() : 0;
+}
+
+bool q8a_takes(int64_t qtype, int64_t rows, int64_t int8_max_rows) {
+  if (int8_max_rows <= 0) return false;
+  if (rows <= int8_max_rows) return true;
+  const int64_t from = gguf_q8a_gemm_rows(qtype);
+  return from > 0 && rows >= from;
+}
+
 at::Tensor moe_experts_q8a(const at::Tensor& xs, const std::vector<int64_t>& starts,
                            const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
                            const at::Tensor& down, int64_t down_qtype) {
@@ -251,6 +289,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_q8a_debug(const 
   return {q, d, s, y};
 }
 
+int64_t gguf_q8a_gemm_rows_op(int64_t qtype) { return gguf_q8a_gemm_rows(qtype); }
+
 std::vector<int64_t> gguf_q8a_qtypes() {
   std::vector<int64_t> out;
   for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
@@ -266,6 +306,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("gguf_linear_q8a(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
   m.def("gguf_q8a_debug(Tensor x, Tensor data, int qtype, bool scalar) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gguf_q8a_qtypes() -> int[]", &srt_cpu::gguf_q8a_qtypes);
+  m.def("gguf_q8a_gemm_rows(int qtype) -> int", &srt_cpu::gguf_q8a_gemm_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {

@@ -79,6 +79,8 @@ struct Q8aOps {
   int type_size;   // bytes per weight block
   Q8DotFn dot;
   int x_rows = kMaxXRows;  // activation rows per dot call (mx <= x_rows)
+  Q8DotFn gemm = nullptr;  // many activation rows: rows <= gemm_rows weight rows, any mx (or none)
+  int gemm_rows = 0;
 };
 
 // ---------------------------------------------------------------- scalar (reference, fallback)

@@ -12,8 +12,8 @@
 // than int8_max_rows rows and every bank has an int8 path (decode), moe_experts_q8a
 // (gguf_q8act.cpp) runs every expert's gate_up in one parallel loop, silu_and_mul, then every
 // expert's down in another, on int8 activations quantized once per projection. Otherwise, per
-// expert with rows, one gate_up matmul over all of them (gguf_linear, or gguf_linear_q8a when the
-// rows are at most int8_max_rows; at::linear for float banks), silu_and_mul, one down matmul. Each
+// expert with rows, one gate_up matmul over all of them (gguf_linear, or gguf_linear_q8a when
+// q8a_takes: at most int8_max_rows rows, or a type with an int8 GEMM; at::linear for float banks), silu_and_mul, one down matmul. Each
 // row is then scaled by its routing weight and the rows added to their tokens with index_add_ in
 // that order. The two int8 ways give the same bits (the same row functions on the same quantized
 // rows). This is
@@ -37,7 +37,7 @@ constexpr int64_t kF32 = 0;  // ggml's F32: a float bank
 at::Tensor bank_linear(const at::Tensor& x, const at::Tensor& bank, int64_t qtype, int64_t e, int64_t int8_max_rows) {
   const at::Tensor w = bank.select(0, e);
   if (qtype == kF32) return at::linear(x, w);
-  if (x.size(0) <= int8_max_rows) return gguf_linear_q8a(x, w, qtype, c10::nullopt);
+  if (q8a_takes(qtype, x.size(0), int8_max_rows)) return gguf_linear_q8a(x, w, qtype, c10::nullopt);
   return gguf_linear(x, w, qtype, c10::nullopt);
 }
 
