@@ -7,7 +7,7 @@
 //       as gguf_linear otherwise. A type without an int8 path takes gguf_linear (float32).
 //   gguf_q8a_qtypes() -> the types with an int8 path
 //   gguf_q8a_gemm_rows(qtype) -> from how many activation rows on the type takes an int8 GEMM
-//       faster than the float32 one (0: none on this CPU; Q4_K on AVX-512 VNNI CPUs: 16)
+//       faster than the float32 one (0: none on this CPU; Q4_K and Q6_K on AVX-512 VNNI CPUs: 16)
 //   gguf_q8a_debug(x, data, qtype, scalar) -> (q [M, K] i8, d [M, K / 32], s [M, K / 32], y [M, N])
 //       test hook: the quantized activations and x @ W^T through the scalar (scalar = true) or
 //       this CPU's row functions (AVX2 where detect_isa() has AVX2 or AVX-512).
@@ -71,7 +71,8 @@ const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
     static const Q8aKernels kVnni[] = {
         {&q8::avx2::quantize_row,
          {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows, &qv::q4k_gemm_rows, qv::kGemmRows}},
-        {&q8::avx2::quantize_row, {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows}},
+        {&q8::avx2::quantize_row,
+         {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows, &qv::q6k_gemm_rows, qv::kGemmRows}},
     };
     return &kVnni[i == 3 ? 0 : 1];
   }

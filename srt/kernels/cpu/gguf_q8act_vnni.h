@@ -248,6 +248,81 @@ SRT_TARGET_VNNI inline void q4k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
     for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
 }
 
+// Q6_K the same way: lane l is weight row l; the codes (q - 32, signed) of 4 weights of the 16
+// rows per vector, 64 vectors per super-block; the activation codes go in as the unsigned
+// operand, x + 128 (each 4-byte broadcast XORed with 0x80808080), and 128 times each group's
+// sum of weight codes, computed once per super-block and group, is taken back off.
+SRT_INLINE_VNNI __m512 q6k_gemm_row(const __m512i* codes, const __m512i* wsum128, const float (*dsc)[16],
+                                    const int8_t* xq, const float* dx, __m512 acc) {
+  for (int g = 0; g < 16; ++g) {
+    __m512i p = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      int32_t xv;
+      std::memcpy(&xv, xq + 16 * g + 4 * t, 4);
+      p = _mm512_dpbusd_epi32(p, _mm512_set1_epi32(xv ^ static_cast<int32_t>(0x80808080u)),
+                              _mm512_load_si512(codes + 4 * g + t));
+    }
+    p = _mm512_sub_epi32(p, _mm512_load_si512(wsum128 + g));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(_mm512_load_ps(dsc[g]), _mm512_set1_ps(dx[g / 2])),
+                          acc);
+  }
+  return acc;
+}
+
+SRT_TARGET_VNNI inline void q6k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t rows, const Acts& a, int64_t i0,
+                                          int64_t mx, float* out, int64_t ldo) {
+  alignas(64) int32_t offs[16];
+  for (int l = 0; l < 16; ++l) offs[l] = static_cast<int32_t>((l < rows ? l : 0) * ldw);
+  const __m512i vofs = _mm512_load_si512(offs);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03), k32 = _mm512_set1_epi8(32);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i tr = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  alignas(64) float sc_rows[16][16];  // per row: d sc[g]
+  alignas(64) float dsc[16][16];      // per group across the rows
+  alignas(64) __m512i codes[64];      // weights 4 v .. 4 v + 3 of the 16 rows: codes[v]
+  alignas(64) __m512i wsum128[16];    // 128 * (sum of the group's codes), per row
+  thread_local std::vector<float> sums;  // [mx][16]
+  sums.assign(static_cast<size_t>(mx * 16), 0.f);
+  for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
+    const uint8_t* base = w + sb * kquant::kQ6KBytes;
+    for (int l = 0; l < 16; ++l) {
+      const uint8_t* blk = base + offs[l];
+      const __m512 d = _mm512_set1_ps(kquant::fp16_at(blk + 208));
+      _mm512_store_ps(sc_rows[l], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))))));
+    }
+    for (int g = 0; g < 16; ++g)
+      _mm512_store_ps(dsc[g], _mm512_i32gather_ps(_mm512_add_epi32(tr, _mm512_set1_epi32(g)), &sc_rows[0][0], 4));
+    for (int h = 0; h < 2; ++h) {
+      __m512i qh[8];
+      for (int v = 0; v < 8; ++v) qh[v] = _mm512_i32gather_epi32(vofs, base + 128 + 32 * h + 4 * v, 1);
+      for (int u = 0; u < 16; ++u) {
+        const __m512i ql = _mm512_i32gather_epi32(vofs, base + 64 * h + 4 * u, 1);
+        for (int n = 0; n < 2; ++n) {  // nibble n: weights 64 n + 4 u .. of the half
+          const int pl = 64 * n + 4 * u;  // position in the half
+          const __m512i lo = n ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4) : _mm512_and_si512(ql, m4);
+          const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(qh[(pl % 32) / 4], 2 * (pl / 32)), m2);
+          const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
+          codes[(128 * h + pl) / 4] = _mm512_sub_epi8(q, k32);
+        }
+      }
+    }
+    for (int g = 0; g < 16; ++g) {  // 128 * sum(q - 32) = sum over 4 vectors of dpbusd(128s, codes)
+      __m512i t = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) t = _mm512_dpbusd_epi32(t, ones, codes[4 * g + v]);
+      wsum128[g] = _mm512_slli_epi32(t, 7);
+    }
+    for (int64_t i = 0; i < mx; ++i) {
+      const int64_t row = i0 + i;
+      float* acc = sums.data() + 16 * i;
+      _mm512_storeu_ps(acc, q6k_gemm_row(codes, wsum128, dsc, a.q + row * a.k + sb * kquant::kQK,
+                                         a.d + row * a.nb + sb * 8, _mm512_loadu_ps(acc)));
+    }
+  }
+  for (int64_t i = 0; i < mx; ++i)
+    for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
+}
+
 struct Q4KTile {
   template <int MX, int R>
   struct K {
