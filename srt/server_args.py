@@ -69,9 +69,10 @@ class ServerArgs:
     )
     enable_int8_activations: bool = _f(
         False,
-        "With --quantization gguf: quantize activations to int8 per block of 32 for matmuls of at "
-        "most 8 rows (decode) and take integer dot products, as llama.cpp does. Faster single-stream "
-        "decode; changes numerics (outputs are no longer those of the float32 model), so off by default.",
+        "With --quantization gguf: quantize activations to int8 per block of 32 and take integer dot "
+        "products, as llama.cpp does, for matmuls of at most 8 rows (decode) and, on AVX-512 VNNI "
+        "CPUs, Q4_K / Q6_K matmuls of 16 rows or more (prefill). Faster decode and prefill; changes "
+        "numerics (outputs are no longer those of the float32 model), so off by default.",
     )
     dtype: str = _f(
         "auto",
