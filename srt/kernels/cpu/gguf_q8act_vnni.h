@@ -181,6 +181,34 @@ SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const Acts& a, int64
 // as the other functions (float32 summation order aside).
 constexpr int kGemmRows = 16;  // weight rows per call
 
+// The 16 weight rows of a GEMM call (lanes past `rows` read row 0 and are never stored) and the
+// activation rows' running sums, [mx][16] floats
+struct GemmRows16 {
+  alignas(64) int32_t offs[16];
+  __m512i vofs;
+  std::vector<float>& sums;
+
+  SRT_INLINE_VNNI GemmRows16(int64_t ldw, int64_t rows, int64_t mx) : sums(buffer()) {
+    for (int l = 0; l < 16; ++l) offs[l] = static_cast<int32_t>((l < rows ? l : 0) * ldw);
+    vofs = _mm512_load_si512(offs);
+    sums.assign(static_cast<size_t>(mx * 16), 0.f);
+  }
+  static std::vector<float>& buffer() {
+    thread_local std::vector<float> b;
+    return b;
+  }
+  // activation row i's sums, updated by f(its 16 lanes)
+  template <class F>
+  SRT_INLINE_VNNI void update(int64_t i, F f) {
+    float* acc = sums.data() + 16 * i;
+    _mm512_storeu_ps(acc, f(_mm512_loadu_ps(acc)));
+  }
+  void store(int64_t rows, int64_t mx, float* out, int64_t ldo) const {
+    for (int64_t i = 0; i < mx; ++i)
+      for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
+  }
+};
+
 // one activation row's share of a super-block: 4 pairs of sub-blocks, the minimum terms
 SRT_INLINE_VNNI __m512 q4k_gemm_row(const __m512i* codes, const float (*dsc)[16], const float (*dmn)[16],
                                     const int8_t* xq, const float* dx, const float* xs, __m512 acc) {
@@ -207,16 +235,14 @@ SRT_INLINE_VNNI __m512 q4k_gemm_row(const __m512i* codes, const float (*dsc)[16]
 // buffers, for all mx activation rows (whose sums wait in a buffer of mx x 16 floats)
 SRT_TARGET_VNNI inline void q4k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t rows, const Acts& a, int64_t i0,
                                           int64_t mx, float* out, int64_t ldo) {
-  alignas(64) int32_t offs[16];
-  for (int l = 0; l < 16; ++l) offs[l] = static_cast<int32_t>((l < rows ? l : 0) * ldw);
-  const __m512i vofs = _mm512_load_si512(offs);
+  GemmRows16 g16(ldw, rows, mx);
+  const int32_t* offs = g16.offs;
+  const __m512i vofs = g16.vofs;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i tr = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
   alignas(64) float sc_rows[16][8], mn_rows[16][8];  // per row: d sc[s], dmin m[s]
   alignas(64) float dsc[8][16], dmn[8][16];          // the same, per sub-block across the rows
   alignas(64) __m512i codes[64];                     // pair j: 8 low-nibble vectors, 8 high
-  thread_local std::vector<float> sums;  // [mx][16]
-  sums.assign(static_cast<size_t>(mx * 16), 0.f);
   for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
     const uint8_t* base = w + sb * kquant::kQ4KBytes;
     for (int l = 0; l < 16; ++l) {
@@ -239,13 +265,13 @@ SRT_TARGET_VNNI inline void q4k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
     }
     for (int64_t i = 0; i < mx; ++i) {
       const int64_t row = i0 + i;
-      float* acc = sums.data() + 16 * i;
-      _mm512_storeu_ps(acc, q4k_gemm_row(codes, dsc, dmn, a.q + row * a.k + sb * kquant::kQK,
-                                         a.d + row * a.nb + sb * 8, a.s + row * a.nb + sb * 8, _mm512_loadu_ps(acc)));
+      g16.update(i, [&](__m512 acc) {
+        return q4k_gemm_row(codes, dsc, dmn, a.q + row * a.k + sb * kquant::kQK, a.d + row * a.nb + sb * 8,
+                            a.s + row * a.nb + sb * 8, acc);
+      });
     }
   }
-  for (int64_t i = 0; i < mx; ++i)
-    for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
+  g16.store(rows, mx, out, ldo);
 }
 
 // Q6_K the same way: lane l is weight row l; the codes (q - 32, signed) of 4 weights of the 16
@@ -271,9 +297,9 @@ SRT_INLINE_VNNI __m512 q6k_gemm_row(const __m512i* codes, const __m512i* wsum128
 
 SRT_TARGET_VNNI inline void q6k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t rows, const Acts& a, int64_t i0,
                                           int64_t mx, float* out, int64_t ldo) {
-  alignas(64) int32_t offs[16];
-  for (int l = 0; l < 16; ++l) offs[l] = static_cast<int32_t>((l < rows ? l : 0) * ldw);
-  const __m512i vofs = _mm512_load_si512(offs);
+  GemmRows16 g16(ldw, rows, mx);
+  const int32_t* offs = g16.offs;
+  const __m512i vofs = g16.vofs;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03), k32 = _mm512_set1_epi8(32);
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i tr = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
@@ -281,8 +307,6 @@ SRT_TARGET_VNNI inline void q6k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
   alignas(64) float dsc[16][16];      // per group across the rows
   alignas(64) __m512i codes[64];      // weights 4 v .. 4 v + 3 of the 16 rows: codes[v]
   alignas(64) __m512i wsum128[16];    // 128 * (sum of the group's codes), per row
-  thread_local std::vector<float> sums;  // [mx][16]
-  sums.assign(static_cast<size_t>(mx * 16), 0.f);
   for (int64_t sb = 0; sb < a.k / kquant::kQK; ++sb) {
     const uint8_t* base = w + sb * kquant::kQ6KBytes;
     for (int l = 0; l < 16; ++l) {
@@ -314,13 +338,12 @@ SRT_TARGET_VNNI inline void q6k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
     }
     for (int64_t i = 0; i < mx; ++i) {
       const int64_t row = i0 + i;
-      float* acc = sums.data() + 16 * i;
-      _mm512_storeu_ps(acc, q6k_gemm_row(codes, wsum128, dsc, a.q + row * a.k + sb * kquant::kQK,
-                                         a.d + row * a.nb + sb * 8, _mm512_loadu_ps(acc)));
+      g16.update(i, [&](__m512 acc) {
+        return q6k_gemm_row(codes, wsum128, dsc, a.q + row * a.k + sb * kquant::kQK, a.d + row * a.nb + sb * 8, acc);
+      });
     }
   }
-  for (int64_t i = 0; i < mx; ++i)
-    for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
+  g16.store(rows, mx, out, ldo);
 }
 
 struct Q4KTile {
