@@ -272,3 +272,27 @@ def test_wrapper_uses_native():
     x = torch.randn(2, 96)
     assert torch.equal(gguf.quant_linear_q8a(x, data, 3), torch.ops.srt_cpu.gguf_linear_q8a(x, data, 3))
     assert torch.equal(gguf.quant_linear_q8a(x.T.contiguous().T, data, 3), gguf.quant_linear_q8a(x, data, 3))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_which_matmuls_take_int8_and_the_gemm_path(qtype):
+    """``q8a_takes`` (one rule for the Python layers, the decode stack and the experts): nothing
+    without int8 activations, up to int8_max_rows rows always, more only for a type with an int8
+    GEMM (Q4_K and Q6_K on AVX-512 VNNI CPUs, from 16 rows). The GEMM keeps the op's contract at
+    row counts that leave tails of weight rows (N = 37) and of activation rows."""
+    rows = gguf.q8a_gemm_rows(qtype)
+    assert rows in (0, 16)
+    if cpu_isa() != "avx512" or qtype not in (12, 14):
+        assert rows == 0
+    assert not gguf.q8a_takes(qtype, 1, 0)
+    assert gguf.q8a_takes(qtype, 8, 8)
+    assert gguf.q8a_takes(qtype, 15, 8) is False
+    assert gguf.q8a_takes(qtype, 200, 8) == (rows > 0)
+    k = cols(qtype, 3 if qtype >= 12 else 24)
+    data = random_code_blocks(37, k, qtype, seed=11)
+    x = activations(21, k, seed=11)
+    y = torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype)
+    assert_close_to_terms(y, x, data, qtype)
+    rows_alone = torch.cat([torch.ops.srt_cpu.gguf_linear_q8a(x[i : i + 1], data, qtype) for i in range(21)])
+    assert_close_to_terms(rows_alone, x, data, qtype)
