@@ -380,3 +380,10 @@ def test_build_module_exits_0_without_a_compiler(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "NOT built" in proc.stdout and "no C++ compiler" in proc.stdout
+
+
+def test_the_build_key_covers_every_source_and_header():
+    """A kernel source or header missing from build.py's lists would not change the cache key, and
+    an edit to it would load the library built before the edit."""
+    on_disk = {p.name for p in kbuild.SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == set(kbuild.SOURCES) | set(kbuild.HEADERS)

@@ -48,6 +48,7 @@ HEADERS = (
     "extend_attention_kernel.h",
     "gguf_kquant_rows.h",
     "gguf_q8act_rows.h",
+    "gguf_q8act_vnni.h",
     "gguf_quant.h",
     "gguf_simple_rows.h",
     "gguf_x8.h",

@@ -197,12 +197,7 @@ struct GemmRows16 {
     thread_local std::vector<float> b;
     return b;
   }
-  // activation row i's sums, updated by f(its 16 lanes)
-  template <class F>
-  SRT_INLINE_VNNI void update(int64_t i, F f) {
-    float* acc = sums.data() + 16 * i;
-    _mm512_storeu_ps(acc, f(_mm512_loadu_ps(acc)));
-  }
+  float* row(int64_t i) { return sums.data() + 16 * i; }  // activation row i's 16 lane sums
   void store(int64_t rows, int64_t mx, float* out, int64_t ldo) const {
     for (int64_t i = 0; i < mx; ++i)
       for (int64_t r = 0; r < rows; ++r) out[i * ldo + r] = sums[16 * i + r];
@@ -265,10 +260,9 @@ SRT_TARGET_VNNI inline void q4k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
     }
     for (int64_t i = 0; i < mx; ++i) {
       const int64_t row = i0 + i;
-      g16.update(i, [&](__m512 acc) {
-        return q4k_gemm_row(codes, dsc, dmn, a.q + row * a.k + sb * kquant::kQK, a.d + row * a.nb + sb * 8,
-                            a.s + row * a.nb + sb * 8, acc);
-      });
+      float* acc = g16.row(i);
+      _mm512_storeu_ps(acc, q4k_gemm_row(codes, dsc, dmn, a.q + row * a.k + sb * kquant::kQK,
+                                         a.d + row * a.nb + sb * 8, a.s + row * a.nb + sb * 8, _mm512_loadu_ps(acc)));
     }
   }
   g16.store(rows, mx, out, ldo);
@@ -338,9 +332,9 @@ SRT_TARGET_VNNI inline void q6k_gemm_rows(const uint8_t* w, int64_t ldw, int64_t
     }
     for (int64_t i = 0; i < mx; ++i) {
       const int64_t row = i0 + i;
-      g16.update(i, [&](__m512 acc) {
-        return q6k_gemm_row(codes, wsum128, dsc, a.q + row * a.k + sb * kquant::kQK, a.d + row * a.nb + sb * 8, acc);
-      });
+      float* acc = g16.row(i);
+      _mm512_storeu_ps(acc, q6k_gemm_row(codes, wsum128, dsc, a.q + row * a.k + sb * kquant::kQK,
+                                         a.d + row * a.nb + sb * 8, _mm512_loadu_ps(acc)));
     }
   }
   g16.store(rows, mx, out, ldo);
