@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 	touch $(STAMP)
 
 # The native CPU kernels (srt/kernels/cpu): built into ~/.cache/srt/kernels; a missing compiler
-# or a failed build is reported and srt runs on its pure-torch fallback (this never fails).
+# or a failed build is reported and srt runs on its pure-torch fallback (this never fails, unless
+# SRT_REQUIRE_KERNELS=1, as CI sets: a suite that passes on the fallbacks would hide a broken build).
 kernels:
-	MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build
+	MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build $(if $(filter 1,$(SRT_REQUIRE_KERNELS)),--require)
 
 # Headless Chromium and its chromedriver for the web page's browser tests
 # (tests/integration/test_web_ui.py): Debian's packages, installed with apt-get where it runs as

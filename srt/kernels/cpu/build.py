@@ -10,10 +10,17 @@ picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and n
 for ``at::parallel_for``; no -march: the AVX2 / AVX-512 paths carry their own target attributes and
 are chosen at run time). Running the module never fails: it prints what happened and exits 0, so
 ``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
+With ``--require`` (CI sets it: a test suite that passes on the fallbacks would hide a broken
+kernel) a failed build exits 1.
+
+torch's builder guards a build folder with a ``lock`` file that a killed build leaves behind, and
+every later build would wait on it forever. ``build`` holds an OS lock of its own on the folder
+(released by the kernel when its holder dies) and, holding it, removes such a leftover.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -109,16 +116,40 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(why)
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(
-        name=NAME,
-        sources=[str(SOURCE_DIR / s) for s in SOURCES],
-        extra_cflags=list(EXTRA_CFLAGS),
-        extra_ldflags=list(EXTRA_LDFLAGS),
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with open(build_dir / OWNER_LOCK, "a") as owner:
+        fcntl.flock(owner, fcntl.LOCK_EX)  # waits only on a live srt build of the same folder
+        try:
+            remove_leftover_lock(build_dir)
+            load(
+                name=NAME,
+                sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                extra_cflags=list(EXTRA_CFLAGS),
+                extra_ldflags=list(EXTRA_LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        finally:
+            fcntl.flock(owner, fcntl.LOCK_UN)
     return library_path()
+
+
+OWNER_LOCK = "srt-build.lock"  # flock-ed by the srt process building this folder
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's file baton
+
+
+def remove_leftover_lock(build_dir: Path) -> bool:
+    """Remove torch's baton file from ``build_dir``; call only while holding OWNER_LOCK.
+
+    Every srt build of a folder holds OWNER_LOCK while torch's baton exists, so a baton seen by
+    the holder was left by a build that died. Returns whether one was removed."""
+    baton = build_dir / TORCH_LOCK
+    try:
+        baton.unlink()
+    except FileNotFoundError:
+        return False
+    print(f"srt.kernels.cpu: removed {baton}, left by a build that did not finish", file=sys.stderr)
+    return True
 
 
 def summarize_error(err: BaseException, limit: int = 400) -> str:
@@ -133,6 +164,7 @@ def summarize_error(err: BaseException, limit: int = 400) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
+    require = "--require" in argv
     start = time.perf_counter()
     try:
         path = build(verbose=verbose)
@@ -140,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"srt.kernels.cpu: native kernels NOT built ({summarize_error(e)}); srt will use the pure-torch fallback"
         )
+        if require:
+            print(f"srt.kernels.cpu: --require: failing\n{e}", file=sys.stderr)
+            return 1
         return 0
     isa = torch.ops.srt_cpu.cpu_isa()
     print(f"srt.kernels.cpu: built {path} in {time.perf_counter() - start:.1f} s (cpu isa: {isa})")
