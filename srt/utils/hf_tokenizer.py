@@ -77,6 +77,24 @@ def _load_gguf_tokenizer(path: str):
     return tok
 
 
+def tokenizer_needs_torch(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether loading ``path``'s tokenizer may need torch: the repository's own code may import it,
+    and transformers converts a GGUF's tokenizer with its torch-based GGUF reader (a GGUF whose
+    converted copy is cached, a directory with tokenizer files and no GGUF need none)."""
+    if trust_remote_code:
+        return True
+    gguf = path if path.endswith(".gguf") else None
+    if gguf is None and os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            return False
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        return bool(ggufs)
+    if gguf is None:
+        return True  # a hub id or a path that does not exist: leave it to transformers
+    cache = _cache_dir(gguf)
+    return cache is None or not os.path.isfile(os.path.join(cache, "tokenizer.json"))
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """A transformers tokenizer from a directory or a ``.gguf`` file (or a directory holding one).
     Local files only (nothing is downloaded); ``trust_remote_code`` (--trust-remote-code) lets a

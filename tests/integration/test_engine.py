@@ -170,6 +170,21 @@ def test_launch_failure_raises_and_leaves_nothing(engine):
     assert wait_gone(extra, 5.0) == []
 
 
+def test_the_detokenizer_does_not_load_torch(engine):
+    """Decoding needs no torch: the detokenizer keeps transformers from importing it (about 190
+    MiB of resident memory); the scheduler does load it."""
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    pids = engine.child_pids
+    assert not maps_torch(pids["detokenizer"])
+    assert maps_torch(next(pid for name, pid in pids.items() if name != "detokenizer"))
+    out = engine.generate("Hi", {"max_new_tokens": 4, "temperature": 0})
+    assert out["text"] and out["meta_info"]["completion_tokens"] == 4
+
+
 def test_shutdown_leaves_no_child(engine):
     """Runs last: shuts the module's engine down."""
     pids = engine.child_pids
