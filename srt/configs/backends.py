@@ -114,7 +114,7 @@ def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
         raise ValueError(f"unknown linear backend {requested!r}; expected one of {LINEAR_BACKENDS}")
     if requested == "torch":
         return requested
-    from srt.configs.device import cpu_has_avx2_fma, onednn_linear_available  # imports torch
+    from srt.configs.cpu_features import cpu_has_avx2_fma
 
     cpu_f32 = device == "cpu" and dtype == "float32"
     if requested == "native":
@@ -123,6 +123,8 @@ def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
         return requested
     if requested == "auto" and cpu_f32 and cpu_has_avx2_fma():
         return "native"
+    from srt.configs.device import onednn_linear_available  # imports torch
+
     usable = cpu_f32 and onednn_linear_available()
     if requested == "auto":
         return "onednn" if usable else "torch"

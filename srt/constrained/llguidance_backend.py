@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from srt.constrained.base import Grammar, GrammarBackend, GrammarError, GrammarSpec
+
+if TYPE_CHECKING:  # not at run time: the main process validates grammars with this module and
+    from torch import Tensor  # stays free of torch (the scheduler has it)
 
 # JSON is written with single spaces after separators and no other whitespace: a weak model given
 # free whitespace can fill its whole budget with newlines (a schema's "x-guidance" overrides this)
@@ -188,7 +188,7 @@ class LLGuidanceBackend(GrammarBackend):
         if len(grammars) < 2 or not all(isinstance(g, LLGuidanceGrammar) for g in grammars):
             super().fill_bitmasks(grammars, bitmask)
             return
-        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
+        assert bitmask.is_contiguous() and bitmask.element_size() == 4 and not bitmask.is_floating_point()
         row_bytes = bitmask.shape[1] * 4
         pairs = [(g._m, k) for k, g in enumerate(grammars)]  # type: ignore[attr-defined]
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])

@@ -29,6 +29,7 @@ It returns ``(tokenizer_manager, scheduler_info)``; ``tokenizer_manager.launcher
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -45,9 +46,10 @@ from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.errors import ConfigError, EngineDeadError, LaunchError
-from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_needs_torch, tokenizer_source
 from srt.utils.logging_utils import configure_logging
 from srt.utils.process import ProcessSupervisor
+from srt.utils.torch_free import transformers_without_torch
 from srt.utils.watchdog import (
     HeartbeatReader,
     Watchdog,
@@ -137,7 +139,7 @@ def launch_subprocesses(
             scheduler_name = start_dp_groups(sup, server_args, port_args, entry)[0]
         else:
             scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
-        tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args)
+        tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args, owns_process)
         detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
         sup.start("detokenizer", detok_entry, (server_args, port_args))
         ready = sup.wait_ready()
@@ -169,13 +171,20 @@ def launch_subprocesses(
     return tm, scheduler_info
 
 
-def _load_tokenizer(server_args: ServerArgs, port_args: PortArgs) -> tuple[Any, str | None]:
+def _load_tokenizer(
+    server_args: ServerArgs, port_args: PortArgs, owns_process: bool
+) -> tuple[Any, str | None]:
     """This process's tokenizer (``--chat-template`` applied) and the fast-loading copy saved for
-    the detokenizer in the ipc directory; ``(None, None)`` with ``--skip-tokenizer-init``."""
+    the detokenizer in the ipc directory; ``(None, None)`` with ``--skip-tokenizer-init``. In a
+    process of srt's own (launch_server) transformers is loaded without torch when the tokenizer
+    needs none (srt/utils/torch_free.py), never in an `Engine`'s host program."""
     if server_args.skip_tokenizer_init:
         return None, None
+    source = tokenizer_source(server_args)
+    hide = owns_process and not tokenizer_needs_torch(source, server_args.trust_remote_code)
     try:
-        tokenizer = load_tokenizer(tokenizer_source(server_args), server_args.trust_remote_code)
+        with transformers_without_torch() if hide else contextlib.nullcontext():
+            tokenizer = load_tokenizer(source, server_args.trust_remote_code)
     except Exception as e:
         raise LaunchError("main", f"could not load the tokenizer: {e}") from e
     if server_args.chat_template is not None:

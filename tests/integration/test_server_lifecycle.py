@@ -131,6 +131,32 @@ def test_idle_cpu_below_5_percent(server):
     assert used < 0.05, f"idle server used {used:.1%} of a core"
 
 
+def test_only_the_scheduler_loads_torch(server):
+    """On a CPU host the HTTP process and the detokenizer never load torch (srt/utils/torch_free.py
+    and ServerArgs' torch-free resolution), after serving chat, a JSON schema and logprobs: about
+    200 MiB of resident memory each."""
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+    }
+    r = requests.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) is not None
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    children = _child_pids(server)
+    assert not maps_torch(server.proc.pid)
+    assert not maps_torch(children["detokenizer"])
+    schedulers = [pid for name, pid in children.items() if name.startswith("scheduler")]
+    assert schedulers and all(maps_torch(pid) for pid in schedulers), children
+
+
 def _child_pids(server) -> dict[str, int]:
     return requests.get(server.url("/get_server_info"), timeout=30).json()["process_pids"]
 

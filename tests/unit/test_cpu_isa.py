@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.configs.device import CPU_ISA_ENV, CPU_ISAS, cpu_has_avx2_fma, cpu_isa_cap
+from srt.configs.cpu_features import CPU_ISA_ENV, CPU_ISAS, cpu_has_avx2_fma, cpu_isa_cap
 from srt.kernels import cpu as cpu_kernels
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError

@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 
+from srt.configs import server_args_resolve
 from srt.configs.backends import (
     ATTENTION_BACKENDS,
     AUTO_ATTENTION_ORDER,
@@ -67,6 +68,7 @@ def fake_cuda(request, monkeypatch):
         return real_find_spec(name, package)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(server_args_resolve, "nvidia_driver_present", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     return installed
 
@@ -75,6 +77,18 @@ def test_server_args_auto_on_cuda(fake_cuda):
     resolved = ServerArgs(device="auto").resolve()
     assert resolved.device == "cuda"
     assert resolved.attention_backend == ("flashinfer" if fake_cuda else "torch_native")
+
+
+def test_without_an_nvidia_driver_auto_is_the_cpu_and_torch_is_not_asked(monkeypatch):
+    """No driver: no CUDA device is visible to anything, so ``auto`` resolves to the CPU without
+    importing torch (the main process stays free of it)."""
+    monkeypatch.setattr(server_args_resolve, "nvidia_driver_present", lambda: False)
+
+    def asked():
+        raise AssertionError("torch.cuda.is_available() was called")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    assert ServerArgs(device="auto").resolve().device == "cpu"
 
 
 def test_server_args_on_cpu_never_picks_flashinfer(fake_cuda):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from srt.configs.device import CPU_ISA_ENV
+from srt.configs.cpu_features import CPU_ISA_ENV
 from tests.helpers.isa import ISA_RUNS, ISAS, cpu_isa, hardware_isa
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

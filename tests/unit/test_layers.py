@@ -276,11 +276,11 @@ def test_small_batch_linear_kernel_matches_f_linear(m, k, n):
 
 
 def test_resolve_linear_backend(monkeypatch):
-    import srt.configs.device as device_mod
+    import srt.configs.cpu_features as cpu_features
 
     ok = onednn_linear_available()
     for avx2 in (True, False):
-        monkeypatch.setattr(device_mod, "cpu_has_avx2_fma", lambda v=avx2: v)
+        monkeypatch.setattr(cpu_features, "cpu_has_avx2_fma", lambda v=avx2: v)
         want = "native" if avx2 else ("onednn" if ok else "torch")
         assert resolve_linear_backend("auto", "cpu", "float32") == want
         assert resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"

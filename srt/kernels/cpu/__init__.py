@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.configs.device import CPU_ISA_ENV, cpu_isa_cap
+from srt.configs.cpu_features import CPU_ISA_ENV, cpu_isa_cap
 from srt.kernels.cpu.reference import paged_decode_attention_ref
 from srt.utils.cpu_affinity import format_cpu_list, set_process_affinity, thread_ids
 
