@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from srt.utils.errors import ConfigError, DtypeError
+from srt.utils.errors import DtypeError
 
 logger = logging.getLogger(__name__)
 
