@@ -140,7 +140,10 @@ def test_only_the_scheduler_loads_torch(server):
         "max_tokens": 8,
         "logprobs": True,
         "top_logprobs": 2,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": {"type": "object"}},
+        },
     }
     r = requests.post(server.url("/v1/chat/completions"), json=body, timeout=120)
     assert r.status_code == 200, r.text

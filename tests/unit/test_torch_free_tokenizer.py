@@ -42,7 +42,9 @@ def test_a_tokenizer_loaded_without_torch_is_the_same_tokenizer(tmp_path):
     load_tokenizer(tokenizer_source(ServerArgs())).save_pretrained(saved)  # as the launcher saves it
     hidden, plain = _probe(str(saved), True), _probe(str(saved), False)
     assert hidden["torch"] is False and plain["torch"] is True
-    assert {k: v for k, v in hidden.items() if k != "torch"} == {k: v for k, v in plain.items() if k != "torch"}
+    assert {k: v for k, v in hidden.items() if k != "torch"} == {
+        k: v for k, v in plain.items() if k != "torch"
+    }
 
 
 def test_tokenizer_needs_torch(tmp_path):
