@@ -29,7 +29,6 @@ It returns ``(tokenizer_manager, scheduler_info)``; ``tokenizer_manager.launcher
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import logging
 import os
@@ -46,10 +45,9 @@ from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.errors import ConfigError, EngineDeadError, LaunchError
-from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_needs_torch, tokenizer_source
+from srt.utils.hf_tokenizer import load_tokenizer, load_tokenizer_without_torch, tokenizer_source
 from srt.utils.logging_utils import configure_logging
 from srt.utils.process import ProcessSupervisor
-from srt.utils.torch_free import transformers_without_torch
 from srt.utils.watchdog import (
     HeartbeatReader,
     Watchdog,
@@ -180,11 +178,9 @@ def _load_tokenizer(
     needs none (srt/utils/torch_free.py), never in an `Engine`'s host program."""
     if server_args.skip_tokenizer_init:
         return None, None
-    source = tokenizer_source(server_args)
-    hide = owns_process and not tokenizer_needs_torch(source, server_args.trust_remote_code)
+    load = load_tokenizer_without_torch if owns_process else load_tokenizer
     try:
-        with transformers_without_torch() if hide else contextlib.nullcontext():
-            tokenizer = load_tokenizer(source, server_args.trust_remote_code)
+        tokenizer = load(tokenizer_source(server_args), server_args.trust_remote_code)
     except Exception as e:
         raise LaunchError("main", f"could not load the tokenizer: {e}") from e
     if server_args.chat_template is not None:

@@ -7,6 +7,7 @@ ipc directory, and the detokenizer loads that copy (a fraction of a second).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from srt.utils.errors import ConfigError
 from srt.utils.model_path import resolve_model_path
+from srt.utils.torch_free import transformers_without_torch
 
 # what a model folder holds when it carries its tokenizer (one is enough)
 TOKENIZER_FILES = (
@@ -77,22 +79,27 @@ def _load_gguf_tokenizer(path: str):
     return tok
 
 
+def _gguf_in_dir(path: str) -> str | None:
+    """The GGUF file of directory ``path`` whose tokenizer `load_tokenizer` converts: the first one,
+    when the directory has no ``tokenizer.json`` / ``tokenizer_config.json`` of its own."""
+    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    return ggufs[0] if ggufs else None
+
+
 def tokenizer_needs_torch(path: str, trust_remote_code: bool = False) -> bool:
     """Whether loading ``path``'s tokenizer may need torch: the repository's own code may import it,
     and transformers converts a GGUF's tokenizer with its torch-based GGUF reader (a GGUF whose
     converted copy is cached, a directory with tokenizer files and no GGUF need none)."""
     if trust_remote_code:
         return True
-    gguf = path if path.endswith(".gguf") else None
-    if gguf is None and os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            return False
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        return bool(ggufs)
-    if gguf is None:
-        return True  # a hub id or a path that does not exist: leave it to transformers
-    cache = _cache_dir(gguf)
-    return cache is None or not os.path.isfile(os.path.join(cache, "tokenizer.json"))
+    if path.endswith(".gguf"):
+        cache = _cache_dir(path)
+        return cache is None or not os.path.isfile(os.path.join(cache, "tokenizer.json"))
+    if os.path.isdir(path):
+        return _gguf_in_dir(path) is not None
+    return True  # a hub id or a path that does not exist: leave it to transformers
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -104,16 +111,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if path.endswith(".gguf"):
         return _load_gguf_tokenizer(path)
     kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": True}
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if ggufs and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0], **kwargs)
-        if not ggufs and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if os.path.isdir(path):
+        gguf = _gguf_in_dir(path)
+        if gguf is not None:
+            return AutoTokenizer.from_pretrained(path, gguf_file=gguf, **kwargs)
+        if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
             raise ConfigError(
                 f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}, no .gguf): "
                 "pass --tokenizer-path, or --skip-tokenizer-init and send input_ids"
             )
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def load_tokenizer_without_torch(path: str, trust_remote_code: bool = False):
+    """`load_tokenizer`, with torch hidden from transformers when the tokenizer needs none
+    (srt/utils/torch_free.py): for the processes of srt's own that only tokenize or decode."""
+    hide = not tokenizer_needs_torch(path, trust_remote_code)
+    with transformers_without_torch() if hide else contextlib.nullcontext():
+        return load_tokenizer(path, trust_remote_code)
 
 
 def special_token_ids(tokenizer) -> set[int]:

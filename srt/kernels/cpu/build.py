@@ -116,21 +116,18 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(why)
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / OWNER_LOCK, "a") as owner:
+    with open(build_dir / OWNER_LOCK, "a") as owner:  # closing the file releases the lock
         fcntl.flock(owner, fcntl.LOCK_EX)  # waits only on a live srt build of the same folder
-        try:
-            remove_leftover_lock(build_dir)
-            load(
-                name=NAME,
-                sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                extra_cflags=list(EXTRA_CFLAGS),
-                extra_ldflags=list(EXTRA_LDFLAGS),
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=verbose,
-            )
-        finally:
-            fcntl.flock(owner, fcntl.LOCK_UN)
+        remove_leftover_lock(build_dir)
+        load(
+            name=NAME,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=list(EXTRA_CFLAGS),
+            extra_ldflags=list(EXTRA_LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
     return library_path()
 
 

@@ -29,7 +29,6 @@ Guarantees of the emitted text (``BatchStrOut.output_strs`` are increments):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,8 +46,7 @@ from srt.managers.io_struct import (
 )
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
-from srt.utils.hf_tokenizer import load_tokenizer, special_token_ids, tokenizer_needs_torch, tokenizer_source
-from srt.utils.torch_free import transformers_without_torch
+from srt.utils.hf_tokenizer import load_tokenizer_without_torch, special_token_ids, tokenizer_source
 from srt.utils.zmq import get_zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -248,11 +246,10 @@ def run_detokenizer_process(
     confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "detokenizer")
     tokenizer = None
     if not server_args.skip_tokenizer_init:
-        source = tokenizer_path or tokenizer_source(server_args)
         # decoding never needs torch: without it this process is about 190 MiB smaller
-        hide = not tokenizer_needs_torch(source, server_args.trust_remote_code)
-        with transformers_without_torch() if hide else contextlib.nullcontext():
-            tokenizer = load_tokenizer(source, server_args.trust_remote_code)
+        tokenizer = load_tokenizer_without_torch(
+            tokenizer_path or tokenizer_source(server_args), server_args.trust_remote_code
+        )
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context(io_threads=1)
     recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
