@@ -315,7 +315,7 @@ def run_all(check: Check, args: argparse.Namespace, device: dict) -> None:
             "pytest",
             "-m",
             "gpu",
-            "tests/gpu",
+            *args.tests,
             "-v",
             "--durations=12",
             "-p",
@@ -343,6 +343,12 @@ def _exit_on_sigterm(signum, frame) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wheels", default=str(REPO / DEFAULT_DEST), help="folder of carried wheels")
+    ap.add_argument(
+        "--tests",
+        nargs="+",
+        default=["tests/gpu"],
+        help="pytest paths or node ids the tests step runs (default: tests/gpu)",
+    )
     ap.add_argument("--results-dir", default=str(RESULTS), help="a run folder is made inside")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's time budget")
     ap.add_argument("--skip", default="", help="comma-separated: tests, bench")

@@ -267,8 +267,11 @@ class ModelRunner:
         return logits_output, self.sample(logits_output, forward_batch)
 
     def _run_model(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        self.attn_backend.init_forward_metadata(forward_batch)
+        # the backend's planning too: FlashInfer's plan() copies into buffers it may have
+        # (re)allocated during the CUDA-graph warm-up, which runs in inference mode, and an
+        # in-place update of an inference tensor outside inference mode is an error
         with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     # ------------------------------------------------------------------ pool sizing

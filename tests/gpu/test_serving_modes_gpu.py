@@ -33,9 +33,9 @@ PROMPT_LENGTHS = (12, 40, 90, 200)
 MAX_NEW = 24
 # FlashInfer in bfloat16: (CUDA graphs, overlap scheduling) on / off
 MODES = {
-    "graphs, overlap": {},
+    "graphs, overlap": {"enable_overlap_schedule": True},
     "graphs, no overlap": {"disable_overlap_schedule": True},
-    "eager, overlap": {"disable_cuda_graph": True},
+    "eager, overlap": {"disable_cuda_graph": True, "enable_overlap_schedule": True},
     "eager, no overlap": {"disable_cuda_graph": True, "disable_overlap_schedule": True},
 }
 

@@ -133,6 +133,31 @@ def test_forward_attaches_pools_and_samples(tiny_path):
         runner.sample(logits_output, no_info)
 
 
+def test_attention_metadata_is_planned_in_inference_mode(tiny_path, monkeypatch):
+    """FlashInfer's plan() copies into buffers it grows on demand; one grown during the CUDA-graph
+    warm-up (in inference mode) is an inference tensor, which an eager plan outside inference
+    mode may not update. The backend stand-in below keeps such a buffer, created in inference
+    mode as that warm-up would, and updates it in place on every planning."""
+    runner = ModelRunner(_args(tiny_path, max_total_tokens=256))
+    backend = runner.attn_backend
+    with torch.inference_mode():
+        kv_lens = torch.zeros(8, dtype=torch.int32)
+    plan = backend.init_forward_metadata
+
+    def planning_like_flashinfer(fb):
+        kv_lens[: fb.batch_size].copy_(fb.seq_lens.to(torch.int32))
+        plan(fb)
+
+    monkeypatch.setattr(backend, "init_forward_metadata", planning_like_flashinfer)
+    prompt = [5, 9, 77, 3, 101]
+    (row,) = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc_extend([0], [len(prompt)], [-1])
+    runner.req_to_token_pool.req_to_token[row, : len(prompt)] = loc
+    fb = ForwardBatch.build(ForwardMode.EXTEND, prompt, [row], [0], [len(prompt)], loc)
+    runner.forward(fb)
+    assert kv_lens[0].item() == len(prompt)
+
+
 def _params(runner: ModelRunner) -> dict[str, torch.Tensor]:
     """Every weight the model holds: parameters and buffers (the packed panels included), not the
     plain weights the native linear backend released (``meta``)."""
