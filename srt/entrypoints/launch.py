@@ -44,6 +44,7 @@ from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
+from srt.utils.cpu_memory import configure_cpu_allocator
 from srt.utils.errors import ConfigError, EngineDeadError, LaunchError
 from srt.utils.hf_tokenizer import load_tokenizer, load_tokenizer_without_torch, tokenizer_source
 from srt.utils.logging_utils import configure_logging
@@ -69,7 +70,11 @@ def run_scheduler(
 
     The scheduler pulls in torch and the model code; importing it here, at call time in the
     spawned child, keeps the main process (tokenizer manager, HTTP server, Engine front end) free
-    of both. These are the only edges from srt.entrypoints to the scheduler (a process boundary)."""
+    of both. These are the only edges from srt.entrypoints to the scheduler (a process boundary).
+
+    On a CPU the allocator is set up first, before torch is imported (srt/utils/cpu_memory.py)."""
+    if server_args.device == "cpu":
+        logger.info(configure_cpu_allocator())
     if server_args.tp_size > 1:
         from srt.managers.scheduler.tp_process import run_tp_scheduler_process
 

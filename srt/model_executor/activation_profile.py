@@ -22,7 +22,7 @@ from torch import nn
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.mem_cache import pool_size
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from srt.model_loader.weight_utils import release_free_memory
+from srt.utils.cpu_memory import release_free_memory
 from srt.utils.pages import page_ceil
 
 

@@ -54,8 +54,9 @@ from srt.model_executor.activation_profile import profile_activation_peak
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_off_reason
 from srt.model_loader import get_model
 from srt.model_loader.reload import replacement_config, shape_mismatch
-from srt.model_loader.weight_utils import release_free_memory, weight_bytes
+from srt.model_loader.weight_utils import weight_bytes
 from srt.server_args import ServerArgs
+from srt.utils.cpu_memory import release_free_memory
 from srt.utils.errors import ConfigError
 from srt.utils.pages import page_floor
 

@@ -41,11 +41,11 @@ from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safeten
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
     init_dummy_weights,
-    release_free_memory,
     safetensors_weights_iterator,
     weight_bytes,
 )
 from srt.models.registry import get_model_class
+from srt.utils.cpu_memory import release_free_memory
 from srt.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)

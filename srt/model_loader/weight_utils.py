@@ -16,12 +16,10 @@ offsets relative to the start of the data.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import json
 import os
 import struct
-import sys
 import zlib
 from collections.abc import Iterator
 
@@ -138,17 +136,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02, views
             del values
 
 
-def release_free_memory() -> None:
-    """Return the allocator's freed pages to the OS after loading (glibc ``malloc_trim``); the
-    per-tensor temporaries of loading would otherwise stay in the resident set."""
-    if sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each storage counted once (tied weights);
     a prepacked (``torch._mkldnn``) weight counts its elements, a released one (``meta``) none."""
@@ -172,7 +159,6 @@ def weight_bytes(model: nn.Module) -> int:
 __all__ = [
     "WeightLoadError",
     "init_dummy_weights",
-    "release_free_memory",
     "safetensors_files",
     "safetensors_weights_iterator",
     "weight_bytes",
