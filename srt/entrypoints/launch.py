@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from srt.configs.chat_templates import load_chat_template
+from srt.configs.gguf_header import gguf_config_dict
 from srt.entrypoints.dp_launch import start_dp_groups
 from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
@@ -45,9 +47,10 @@ from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.cpu_memory import configure_cpu_allocator
-from srt.utils.errors import ConfigError, EngineDeadError, LaunchError
+from srt.utils.errors import ConfigError, EngineDeadError, LaunchError, ModelNotFoundError
 from srt.utils.hf_tokenizer import load_tokenizer, load_tokenizer_without_torch, tokenizer_source
 from srt.utils.logging_utils import configure_logging
+from srt.utils.model_path import resolve_model_path
 from srt.utils.process import ProcessSupervisor
 from srt.utils.watchdog import (
     HeartbeatReader,
@@ -74,7 +77,7 @@ def run_scheduler(
 
     On a CPU the allocator is set up first, before torch is imported (srt/utils/cpu_memory.py)."""
     if server_args.device == "cpu":
-        logger.info(configure_cpu_allocator())
+        logger.info(configure_cpu_allocator(_hidden_size(server_args.model_path)))
     if server_args.tp_size > 1:
         from srt.managers.scheduler.tp_process import run_tp_scheduler_process
 
@@ -83,6 +86,22 @@ def run_scheduler(
     from srt.managers.scheduler.process import run_scheduler_process
 
     run_scheduler_process(server_args, port_args, pipe_writer)
+
+
+def _hidden_size(model_path: str | None) -> int | None:
+    """The model's hidden size from its config.json or GGUF header, read without torch; None when
+    neither says (the allocator then keeps its defaults)."""
+    try:
+        model_path = resolve_model_path(model_path)  # None: the default model's GGUF
+        if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+            config = gguf_config_dict(model_path)
+        else:
+            with open(os.path.join(model_path, "config.json")) as f:
+                config = json.load(f)
+        config = config if "hidden_size" in config else config.get("text_config", {})
+        return int(config["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelNotFoundError):
+        return None
 
 
 class Launcher:

@@ -7,14 +7,20 @@ most of those blocks land in the heap; chunks of varying sizes then leave it fra
 freed pages stay resident. On that shape with a full 4,096-token pool the scheduler held about
 700 MiB beyond its weights and pool after a few prefills.
 
-``configure_cpu_allocator`` (called in the scheduler child before torch is imported):
+``configure_cpu_allocator(hidden_size)`` (called in the scheduler child before torch is imported),
+for models of hidden size ``BIG_HIDDEN_SIZE`` (4096, a 7-8B model) or more:
 
 * a fixed mmap threshold of ``MMAP_THRESHOLD_BYTES`` (4 MiB): every block that large is its own
   mapping, returned to the OS when freed; decode steps' small tensors stay in the heap;
 * torch's transparent huge pages for tensors of 2 MiB or more (``THP_MEM_ALLOC_ENABLE=1``, read
-  by torch at its first allocation): a fresh mapping then faults in 2 MiB at a time, which is what
-  keeps those per-layer mappings cheap (alone, the 4 MiB threshold slowed a 2,048-token prefill
-  of a Qwen2.5-1.5B shape by about 10%; with huge pages it is as fast as before).
+  by torch at its first allocation): a fresh mapping then faults in 2 MiB at a time, which keeps
+  those per-layer mappings cheap (alone, the 4 MiB threshold slowed a 2,048-token prefill of a
+  Qwen2.5-1.5B shape by about 10%; with huge pages it was as fast as before).
+
+Smaller models keep glibc's and torch's defaults: a fresh mapping costs the same page faults
+whatever the model, but a small model does little arithmetic per byte of activations, so they
+show (SmolLM2-135M, 2,048-token prefill: 23% slower with both settings, 5% with huge pages
+alone), while its heap stays small.
 
 Either setting the user made (``MALLOC_MMAP_THRESHOLD_``, ``THP_MEM_ALLOC_ENABLE`` in the
 environment) is left as it is. Measured figures: docs/benchmarks.md. Standard library only.
@@ -26,6 +32,7 @@ import ctypes
 import os
 import sys
 
+BIG_HIDDEN_SIZE = 4096
 MMAP_THRESHOLD_BYTES = 4 << 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
@@ -41,9 +48,13 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def configure_cpu_allocator() -> str:
-    """Apply the settings above in this process (before torch's first allocation); returns what
-    was done, for the log."""
+def configure_cpu_allocator(hidden_size: int | None) -> str:
+    """Apply the settings above in this process (before torch's first allocation) for a model of
+    ``hidden_size`` (None: unknown, defaults kept); returns what was done, for the log."""
+    if hidden_size is None:
+        return "allocator: glibc's and torch's defaults (the model's hidden size is unknown)"
+    if hidden_size < BIG_HIDDEN_SIZE:
+        return f"allocator: glibc's and torch's defaults (hidden size {hidden_size} < {BIG_HIDDEN_SIZE})"
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return "allocator: not glibc, left as it is"

@@ -13,6 +13,7 @@ import pytest
 
 import srt.entrypoints.launch as launch
 from srt.server_args import PortArgs, ServerArgs
+from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc and /proc")
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc and /proc
 RETAINED = r"""
 import ctypes, json, os, sys
 from srt.utils.cpu_memory import configure_cpu_allocator
-msg = configure_cpu_allocator() if sys.argv[1] == "on" else ""
+msg = configure_cpu_allocator(int(sys.argv[2])) if sys.argv[1] == "on" else ""
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -57,7 +58,7 @@ def _thp_possible() -> bool:
         return False
 
 
-def _run(mode: str, env: dict | None = None) -> dict:
+def _run(mode: str, env: dict | None = None, hidden_size: int = 4096) -> dict:
     import os
 
     full_env = {
@@ -65,7 +66,11 @@ def _run(mode: str, env: dict | None = None) -> dict:
     }
     full_env.update(env or {})
     out = subprocess.run(
-        [sys.executable, "-c", RETAINED, mode], capture_output=True, text=True, env=full_env, timeout=120
+        [sys.executable, "-c", RETAINED, mode, str(hidden_size)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,6 +88,14 @@ def test_freed_activations_go_back_to_the_os_and_big_tensors_sit_on_huge_pages()
         assert on["huge_mib"] >= 32, on
 
 
+def test_small_models_keep_the_defaults():
+    """A small model's prefill does little arithmetic per byte of activations: fresh mappings
+    would show there, so its allocator is left alone."""
+    got = _run("on", hidden_size=576)
+    assert got["msg"] == "allocator: glibc's and torch's defaults (hidden size 576 < 4096)"
+    assert got["retained_mib"] > 100 and got["thp"] is None and got["huge_mib"] == 0, got
+
+
 def test_the_users_own_settings_are_kept():
     got = _run("on", {"MALLOC_MMAP_THRESHOLD_": "65536", "THP_MEM_ALLOC_ENABLE": "0"})
     assert got["msg"] == (
@@ -92,14 +105,21 @@ def test_the_users_own_settings_are_kept():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_scheduler_child_sets_the_allocator_up_first_on_cpu(monkeypatch, device):
+def test_the_scheduler_child_sets_the_allocator_up_first_on_cpu(monkeypatch, tmp_path, device):
     calls: list[str] = []
     fake = types.ModuleType("srt.managers.scheduler.process")
     fake.run_scheduler_process = lambda *a: calls.append("scheduler")
     monkeypatch.setitem(sys.modules, "srt.managers.scheduler.process", fake)
+    sizes: list = []
     monkeypatch.setattr(
-        launch, "configure_cpu_allocator", lambda: calls.append("allocator") or "allocator: x"
+        launch,
+        "configure_cpu_allocator",
+        lambda h: sizes.append(h) or calls.append("allocator") or "allocator: x",
     )
-    args = ServerArgs(model_path="m", device=device)
+    args = ServerArgs(model_path=save_tiny_model("llama", tmp_path), device=device)
     launch.run_scheduler(args, PortArgs.__new__(PortArgs), None)
     assert calls == (["allocator", "scheduler"] if device == "cpu" else ["scheduler"])
+    # the model's hidden size, read from its config without torch
+    assert sizes == (
+        [json.loads((tmp_path / "config.json").read_text())["hidden_size"]] if device == "cpu" else []
+    )
