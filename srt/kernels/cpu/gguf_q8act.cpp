@@ -15,8 +15,10 @@
 // On AVX-512 CPUs with VNNI, Q4_K and Q6_K take the row functions of gguf_q8act_vnni.h, the
 // other types (and every type under SRT_CPU_ISA=avx2) the AVX2 ones.
 //
-// Threads take contiguous ranges of 4-row weight groups (so the weights stream from memory once
-// per call); each group passes over every activation row, 2 at a time. Every output's sum runs
+// Below q8a_gemm_m() rows (or without a GEMM for the type), threads take contiguous ranges of
+// 4-row weight groups (so the weights stream from memory once per call) and each group passes over
+// every activation row, 2 at a time; from q8a_gemm_m() rows on, each task is one group of the
+// GEMM's gemm_rows weight rows against all the activation rows. Every output's sum runs
 // in an order fixed by K alone (not by M, N or the thread count). The row functions follow
 // detect_isa() (SRT_CPU_ISA=scalar selects the scalar ones), as for gguf_linear.
 #include <ATen/ATen.h>
