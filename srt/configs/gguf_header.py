@@ -3,7 +3,8 @@
 A GGUF file (llama.cpp's format) holds the config and the tokenizer as key/value metadata
 and the weights as (possibly quantized) tensors. This module parses the header itself
 (``parse_gguf``; the ``gguf`` package's reader builds a numpy view per vocabulary string and
-takes seconds) and derives the HF config fields (``gguf_config_dict``) and end-of-generation
+takes seconds) and derives the HF config fields (``gguf_config_dict``; ``model_config_dict`` reads a
+model's config either way, from a GGUF or a folder's config.json) and end-of-generation
 ids (``gguf_eos_token_ids``) from it; reading the tensors is the loader's job
 (``srt/model_loader/gguf.py``).
 
@@ -19,6 +20,7 @@ File layout (v2/v3, little-endian)::
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import mmap
@@ -375,3 +377,12 @@ def gguf_eos_token_ids(path: str) -> list[int]:
         if value is not None and value not in ids:
             ids.append(int(value))
     return ids
+
+
+def model_config_dict(model_path: str) -> dict[str, Any]:
+    """The config of the model at local ``model_path``, without torch: a ``.gguf`` file's derived
+    fields (``gguf_config_dict``), else the folder's ``config.json``."""
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return gguf_config_dict(model_path)
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from srt.configs.device import resolve_dtype
-from srt.configs.gguf_header import gguf_config_dict, gguf_eos_token_ids
+from srt.configs.gguf_header import gguf_eos_token_ids, model_config_dict
 from srt.utils.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
 from srt.utils.model_path import resolve_model_path
 
@@ -210,10 +210,7 @@ class ModelConfig:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))
 
     def _read_config_dict(self) -> dict[str, Any]:
-        if self.gguf_file is not None:
-            return gguf_config_dict(self.gguf_file)
-        with open(os.path.join(self.model_path, "config.json")) as f:
-            return json.load(f)
+        return model_config_dict(self.model_path)
 
     def _resolve_context_len(self, context_length: int | None) -> int:
         derived = None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
 import os
 import shutil
@@ -39,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from srt.configs.chat_templates import load_chat_template
-from srt.configs.gguf_header import gguf_config_dict
+from srt.configs.gguf_header import model_config_dict
 from srt.entrypoints.dp_launch import start_dp_groups
 from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
@@ -92,12 +91,7 @@ def _hidden_size(model_path: str | None) -> int | None:
     """The model's hidden size from its config.json or GGUF header, read without torch; None when
     neither says (the allocator then keeps its defaults)."""
     try:
-        model_path = resolve_model_path(model_path)  # None: the default model's GGUF
-        if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-            config = gguf_config_dict(model_path)
-        else:
-            with open(os.path.join(model_path, "config.json")) as f:
-                config = json.load(f)
+        config = model_config_dict(resolve_model_path(model_path))  # None: the default model's GGUF
         config = config if "hidden_size" in config else config.get("text_config", {})
         return int(config["hidden_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelNotFoundError):

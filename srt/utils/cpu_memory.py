@@ -23,7 +23,8 @@ show (SmolLM2-135M, 2,048-token prefill: 23% slower with both settings, 5% with 
 alone), while its heap stays small.
 
 Either setting the user made (``MALLOC_MMAP_THRESHOLD_``, ``THP_MEM_ALLOC_ENABLE`` in the
-environment) is left as it is. Measured figures: docs/benchmarks.md. Standard library only.
+environment) is left as it is. Measured figures: docs/configuration.md and
+docs/benchmark-history.md. Standard library only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU scheduler's allocator settings (srt/utils/cpu_memory.py): big freed blocks go back to
-the OS, torch puts tensors of 2 MiB or more on huge-page boundaries, the user's own settings
-win, and the scheduler child applies them before anything else."""
+the OS, torch puts big tensors on transparent huge pages, small models keep the defaults, the
+user's own settings win, and the scheduler child applies them before anything else."""
 
 from __future__ import annotations
 
