@@ -30,7 +30,8 @@ free. The CPU pool's memory is committed as it is written, so a large pool costs
     CPU   min(max_total_tokens // 2, 256) -- a CPU forward over more than a few hundred decoding
           sequences is slower than serving them in turns, so a small cap keeps latency sane.
 The ReqToTokenPool gets ``max_running_requests + REQ_POOL_HEADROOM`` rows: a request being
-prefilled in chunks holds a row while the running batch is full.
+prefilled in chunks holds a row while the running batch is full. Its rows (and the rope tables)
+are ``max_positions`` wide: min(context length, pool), since a request's KV must fit the pool.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ def default_max_running_requests(max_total_tokens: int, device: str) -> int:
     """See the module docstring: at least 1, at most 4096 (CUDA) / 256 (CPU)."""
     cap = CUDA_MAX_RUNNING_REQUESTS if device == "cuda" else CPU_MAX_RUNNING_REQUESTS
     return max(1, min(max_total_tokens // 2, cap))
+
+
+def max_positions(context_len: int, max_total_tokens: int) -> int:
+    """Positions a request can reach: its prompt plus its new tokens fit both the context length
+    and the whole KV pool (``request_fit``). A Llama-3.1-8B config's 131,072-token rows would
+    cost 1 MiB each (int64) for a pool of a few thousand tokens."""
+    return max(1, min(context_len, max_total_tokens))
 
 
 def req_to_token_pool_size(max_running_requests: int) -> int:

@@ -46,6 +46,7 @@ from srt.layers.attention.registry import create_attention_backend
 from srt.layers.forward_batch import ForwardBatch
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.rotary_embedding import limit_positions
 from srt.layers.sampler import SampleOutput, Sampler
 from srt.mem_cache import pool_size
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -87,6 +88,8 @@ class ModelRunner:
         self._init_model(server_args)
         self.cuda_graph_runner = self._new_cuda_graph_runner(server_args)
         self._init_memory_pools(server_args)
+        self._finish_model(self.model)
+        self.weight_bytes = weight_bytes(self.model)  # the rope tables cut
         if self.cuda_graph_runner is not None:
             self.cuda_graph_runner.capture(self.max_running_requests)
 
@@ -106,7 +109,6 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
-        self._enable_native_decode(self.model)
         logger.info(
             "Model loaded in %.1f s: %.1f MiB of weights (%s, quantization %s), process RSS %.1f MiB; "
             "attention %s, linear %s, %d threads",
@@ -153,7 +155,9 @@ class ModelRunner:
         )
 
         self.req_to_token_pool = ReqToTokenPool(
-            pool_size.req_to_token_pool_size(self.max_running_requests), self.context_len, self.device
+            pool_size.req_to_token_pool_size(self.max_running_requests),
+            pool_size.max_positions(self.context_len, self.max_total_num_tokens),
+            self.device,
         )
         self.token_to_kv_pool = self._new_kv_pool(self.max_total_num_tokens)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
@@ -180,6 +184,12 @@ class ModelRunner:
             a.enable_int8_activations,
             self.tp,
         )
+
+    def _finish_model(self, model: nn.Module) -> None:
+        """Once the pools are sized: the rope tables cut to the positions a request can reach,
+        then the native decode layers (they capture the tables)."""
+        limit_positions(model, self.req_to_token_pool.max_context_len)
+        self._enable_native_decode(model)
 
     def _enable_native_decode(self, model: nn.Module) -> None:
         """Hand the model's decode layers to the native call where it applies (llama_native.py);
@@ -222,7 +232,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - a bad checkpoint must not take the scheduler down
             logger.exception("weight update from %s failed", model_path)
             return False, f"weights not updated: {type(e).__name__}: {e}"
-        self._enable_native_decode(model)
+        self._finish_model(model)
         self.model = model  # the old model (and its native decode stack) is freed here
         release_free_memory()
         if self.cuda_graph_runner is not None:  # the graphs read the old weights' memory

@@ -217,3 +217,37 @@ def test_the_cpu_activation_profile_runs_one_layer_and_restores_the_model(tiny_p
         assert cut and len(inner.layers) == 1 and inner.native_decode is None
         raise RuntimeError("boom")
     assert inner.layers is layers and inner.native_decode is native
+
+
+def _prompt_and_next_logits(runner: ModelRunner, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of an extend of ``prompt`` and of one decode step after it (greedy token)."""
+    greedy = [SamplingParams(temperature=0.0)]
+    vocab = runner.model_config.vocab_size
+    (row,) = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc_extend([0], [len(prompt)], [-1])
+    runner.req_to_token_pool.req_to_token[row, : len(prompt)] = loc
+    fb = ForwardBatch.build(ForwardMode.EXTEND, prompt, [row], [0], [len(prompt)], loc)
+    fb.sampling_info = SamplingBatchInfo.from_reqs(greedy, [0], [[]], None, vocab)
+    first, sampled = runner.forward_batch_generation(fb)
+    last = runner.token_to_kv_pool_allocator.alloc_decode([len(prompt) + 1], [loc[-1].item()])
+    runner.req_to_token_pool.req_to_token[row, len(prompt)] = last[0]
+    fb = ForwardBatch.build(
+        ForwardMode.DECODE, [sampled.next_token_ids.item()], [row], [len(prompt) + 1], [1], last
+    )
+    fb.sampling_info = SamplingBatchInfo.from_reqs(greedy, [0], [[]], None, vocab)
+    return first.next_token_logits, runner.forward(fb).next_token_logits
+
+
+def test_positions_are_cut_to_what_the_pool_can_hold(tiny_path):
+    """The req_to_token rows and the rope tables are min(context length, pool) wide; a request
+    that fills the pool computes what it computes with the whole context's tables."""
+    small = ModelRunner(_args(tiny_path, max_total_tokens=256, page_size=16))
+    assert small.context_len == 512 and small.req_to_token_pool.max_context_len == 256
+    assert small.req_to_token_pool.req_to_token.shape[1] == 256
+    ropes = [m for m in small.model.modules() if hasattr(m, "cos_sin_cache")]
+    assert ropes and all(m.cos_sin_cache.shape[0] == 256 for m in ropes)
+    whole = ModelRunner(_args(tiny_path, max_total_tokens=2048, page_size=16))
+    assert whole.req_to_token_pool.max_context_len == 512
+    prompt = [(7 * i) % 200 + 3 for i in range(254)]  # the decode step writes position 254
+    for got, want in zip(_prompt_and_next_logits(small, prompt), _prompt_and_next_logits(whole, prompt)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

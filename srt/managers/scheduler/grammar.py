@@ -32,6 +32,7 @@ from srt.constrained.base import GrammarBackend, GrammarError, GrammarSpec
 from srt.constrained.bitmask import allocate_bitmask
 from srt.constrained.registry import create_grammar_backend
 from srt.managers.io_struct import FinishReason
+from srt.utils.cpu_memory import release_free_memory
 from srt.utils.torch_threads import single_threaded_executor
 
 if TYPE_CHECKING:
@@ -84,13 +85,12 @@ class GrammarManager:
             from srt.utils.hf_tokenizer import load_tokenizer
 
             t0 = time.perf_counter()
+            tokenizer = load_tokenizer(tokenizer_source, trust_remote_code)
             backend = create_grammar_backend(
-                backend_name,
-                load_tokenizer(tokenizer_source, trust_remote_code),
-                vocab_size,
-                eos_token_ids,
-                reasoning_parser,
+                backend_name, tokenizer, vocab_size, eos_token_ids, reasoning_parser
             )
+            del tokenizer  # llguidance keeps its own copy: the freed pages go back to the OS
+            release_free_memory()
             logger.info("grammar backend: %s (ready in %.1f s)", backend_name, time.perf_counter() - t0)
             return backend
 
