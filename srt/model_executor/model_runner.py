@@ -188,7 +188,12 @@ class ModelRunner:
     def _finish_model(self, model: nn.Module) -> None:
         """Once the pools are sized: the rope tables cut to the positions a request can reach,
         then the native decode layers (they capture the tables)."""
-        limit_positions(model, self.req_to_token_pool.max_context_len)
+        positions = self.req_to_token_pool.max_context_len
+        freed = limit_positions(model, positions)
+        if freed:
+            logger.info(
+                "rope tables cut to %d positions (the pool's): %.1f MiB freed", positions, freed / (1 << 20)
+            )
         self._enable_native_decode(model)
 
     def _enable_native_decode(self, model: nn.Module) -> None:

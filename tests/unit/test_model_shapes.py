@@ -143,3 +143,16 @@ def test_throughput_plot_is_written(tmp_path):
     path = tmp_path / "t.png"
     plot_throughput(rounds, "shape", str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vllm_gets_the_memory_share_a_big_shape_needs_to_start():
+    from benchmarks.compare_servers import vllm_memory_utilization, vllm_spec
+
+    gib = 1 << 30
+    assert vllm_memory_utilization(int(6.2e9), 24 * gib) == 0.5  # the 1.5B shape: vLLM's usual share
+    # the 3B shape's 12.85 GB of float32 weights: 0.5 x 24 GiB would not hold them
+    util = vllm_memory_utilization(int(12.85e9), 24 * gib)
+    assert 0.5 < util < 0.9 and util * 24 * gib >= 12.85e9 + 6 * gib - 0.01 * 24 * gib
+    assert vllm_memory_utilization(int(40e9), 24 * gib) == 0.9  # never more
+    argv = vllm_spec("python", "/m", 1, 32, "", memory_utilization=util).argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == str(util)
