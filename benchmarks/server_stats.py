@@ -23,7 +23,7 @@ from benchmarks.model_shapes import Shape, flops_per_token, weight_bytes_per_tok
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _group_pids(pgid: int) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -41,7 +41,7 @@ def _group_pids(pgid: int) -> list[int]:
 def group_rss_bytes(pgid: int) -> int:
     """Resident bytes of every process in process group ``pgid`` (0 when none is left)."""
     total = 0
-    for pid in _group_pids(pgid):
+    for pid in group_pids(pgid):
         try:
             with open(f"/proc/{pid}/statm") as f:
                 total += int(f.read().split()[1]) * PAGE

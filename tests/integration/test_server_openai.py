@@ -325,3 +325,7 @@ def test_metrics_and_server_info(server, client):
     assert st["quantization"] == "gguf"
     assert 50e6 < st["weight_bytes"] <= 120e6, st["weight_bytes"]
     assert st["weight_bytes"] < st["scheduler_rss_bytes"] < 4 * 2**30
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x (K, V) float32 per token, plus a padding page
+    per_token = 30 * 3 * 64 * 2 * 4
+    assert 16384 * per_token < st["kv_pool_bytes"] <= (16384 + 64) * per_token
+    assert st["vocab_size"] == 49152

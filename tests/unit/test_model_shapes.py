@@ -86,9 +86,9 @@ def test_group_rss_counts_every_process_of_the_group():
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         time.sleep(1.0)
-        from benchmarks.server_stats import _group_pids
+        from benchmarks.server_stats import group_pids
 
-        assert len(_group_pids(proc.pid)) == 2
+        assert len(group_pids(proc.pid)) == 2
         with GroupRss(proc.pid, interval_s=0.1) as rss:
             time.sleep(0.3)
         assert rss.peak >= group_rss_bytes(proc.pid) * 0.9 > 0
@@ -156,3 +156,14 @@ def test_vllm_gets_the_memory_share_a_big_shape_needs_to_start():
     assert vllm_memory_utilization(int(40e9), 24 * gib) == 0.9  # never more
     argv = vllm_spec("python", "/m", 1, 32, "", memory_utilization=util).argv
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(util)
+
+
+def test_bench_memory_fills_the_pool_and_relates_the_peak_to_weights_plus_pool():
+    from benchmarks.bench_memory import fill_input_len, peak_ratio
+
+    n, out = 8, 16
+    per = fill_input_len(4096, n, out)
+    assert per == 480 and n * (per + out) <= 4096  # the 8B shape's run: 8 x 480 tokens
+    assert fill_input_len(64, 8, 16) == 1  # never an empty prompt
+    mib = 1 << 20
+    assert peak_ratio(6061 * mib, 4260 * mib, 1024 * mib) == 1.147

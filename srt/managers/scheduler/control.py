@@ -170,6 +170,8 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "quantization": s.server_args.quantization,
         # the loaded weights (quantized blocks as stored) and this process's resident memory
         "weight_bytes": getattr(s.model_runner, "weight_bytes", None),
+        "kv_pool_bytes": _kv_pool_bytes(s.model_runner),
+        "vocab_size": s.vocab_size,
         "profiling": s.profiler.active,
         "scheduler_rss_bytes": process_rss_bytes(),
         **s.metrics.snapshot(),
@@ -177,6 +179,12 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "num_queue_time_refusals": s.deadlines.num_queue_refusals,
         "step_histograms": s.step_timings.snapshot(),
     }
+
+
+def _kv_pool_bytes(runner) -> int | None:
+    """Bytes of the runner's K and V buffers (None for a runner without a KV pool of its own)."""
+    pool = getattr(runner, "token_to_kv_pool", None)
+    return pool.mem_bytes() if pool is not None else None
 
 
 def ready_message(s: Scheduler) -> SchedulerReady:
