@@ -1,9 +1,9 @@
 """Resident memory of srt serving a full KV pool, against its weights plus its pool.
 
 Protocol:
-  1. start ``python -m srt.launch_server --model-path M [SERVER FLAGS]`` in a process group of its
-     own (every srt process: the HTTP process, the scheduler, the detokenizer, multiprocessing's
-     resource tracker), poll ``/health`` until ready;
+  1. start ``python -m srt.launch_server --model-path M [SERVER FLAGS]`` as compare_servers.py
+     does (``running``: a process group of its own, holding every srt process: the HTTP process,
+     the scheduler, the detokenizer, multiprocessing's resource tracker), until ``/health`` answers;
   2. read the scheduler's state in ``/get_server_info``: the weights (``weight_bytes``), the KV
      pool (``kv_pool_bytes``, ``max_total_num_tokens``), the vocabulary; and each process's
      resident memory when idle;
@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -38,7 +35,8 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import cpu_model  # noqa: E402
-from benchmarks.server_stats import GroupRss, group_pids  # noqa: E402
+from benchmarks.compare_servers import running, srt_spec  # noqa: E402
+from benchmarks.server_stats import group_pids  # noqa: E402
 
 MIB = 1 << 20
 
@@ -82,58 +80,28 @@ def _generate(port: int, ids: list[int], output_len: int) -> None:
         r.read()
 
 
-def start_server(model_path: str, port: int, flags: list[str], log_path: str) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        "-m",
-        "srt.launch_server",
-        "--model-path",
-        model_path,
-        "--port",
-        str(port),
-        *flags,
-    ]
-    log = open(log_path, "w")  # noqa: SIM115 - the server writes it until it stops
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-    deadline = time.time() + 1800
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); its log: {log_path}")
-        try:
-            _get(port, "/health")
-            return proc
-        except OSError:
-            time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"the server was not ready in 30 minutes; its log: {log_path}")
-
-
 def run(args: argparse.Namespace) -> dict:
-    proc = start_server(args.model_path, args.port, args.server_flags, args.log)
-    try:
+    spec = srt_spec(args.model_path, args.port, "", args.server_flags)
+    with running(spec, args.port, Path(args.log), args.interval_s) as (_, rss):
         info = _get(args.port, "/get_server_info")
         state = info["internal_states"][0]  # the scheduler's (one data-parallel rank)
         pool_tokens = int(state["max_total_num_tokens"])
         input_len = args.input_len or fill_input_len(pool_tokens, args.num_requests, args.output_len)
         vocab = int(state["vocab_size"])
         time.sleep(2)
-        idle = process_memory(proc.pid)
+        idle = process_memory(rss.pgid)
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(args.num_requests)]
-        with GroupRss(proc.pid, args.interval_s) as rss:
-            t0 = time.perf_counter()
-            threads = [
-                threading.Thread(target=_generate, args=(args.port, p, args.output_len)) for p in prompts
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            seconds = time.perf_counter() - t0
-        after = process_memory(proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        rss.peak = rss.sample()  # the fill's peak, not the start-up's
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=_generate, args=(args.port, p, args.output_len)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        rss.sample()
+        after = process_memory(rss.pgid)
     weights, pool = int(state["weight_bytes"]), int(state["kv_pool_bytes"])
     return {
         "cpu": cpu_model(),

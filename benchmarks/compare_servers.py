@@ -288,10 +288,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) 
 
 
 @contextmanager
-def running(spec: ServerSpec, port: int, log: Path) -> Iterator[tuple[float, GroupRss]]:
+def running(
+    spec: ServerSpec, port: int, log: Path, rss_interval_s: float = 1.0
+) -> Iterator[tuple[float, GroupRss]]:
     """Start ``spec`` (own process group, output to ``log``), yield its start-up seconds once
-    ``/health`` answers and the sampler of its group's resident memory, stop the whole group on
-    exit (normal, error or Ctrl-C)."""
+    ``/health`` answers and the sampler of its group's resident memory (every ``rss_interval_s``),
+    stop the whole group on exit (normal, error or Ctrl-C)."""
     shown = shlex.join("<LLAMACPP_MAIN>" if a == LLAMACPP_MAIN else a for a in spec.argv)
     print(f"[{spec.name}] starting: {shown}", flush=True)
     with open(log, "wb") as out:
@@ -305,7 +307,7 @@ def running(spec: ServerSpec, port: int, log: Path) -> Iterator[tuple[float, Gro
             start_new_session=True,
         )
     try:
-        with GroupRss(proc.pid) as rss:
+        with GroupRss(proc.pid, rss_interval_s) as rss:
             ready = wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, STARTUP_TIMEOUT_S[spec.name])
             print(f"[{spec.name}] ready after {ready:.0f} s, RSS {rss.sample() / 2**30:.2f} GiB", flush=True)
             yield ready, rss
