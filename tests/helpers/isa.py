@@ -74,9 +74,12 @@ np.save(sys.argv[2], getattr(torch.ops.srt_cpu, sys.argv[1])(*args).numpy())
 """
 
 
-def op_under_isa(isa: str, op: str, args: list[torch.Tensor | int], tmp: Path) -> torch.Tensor:
+def op_under_isa(
+    isa: str, op: str, args: list[torch.Tensor | int], tmp: Path, env: dict[str, str] | None = None
+) -> torch.Tensor:
     """``torch.ops.srt_cpu.<op>(*args)`` in a fresh process under ``SRT_CPU_ISA=isa`` (the ISA is
-    fixed per process), for checks that every ISA branch gives the same bits."""
+    fixed per process), for checks that every ISA branch gives the same bits; ``env`` adds other
+    variables the kernels read once per process (tuning knobs)."""
     argv = [sys.executable, "-c", _OP_UNDER_ISA, op, str(tmp / "out.npy")]
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -84,5 +87,5 @@ def op_under_isa(isa: str, op: str, args: list[torch.Tensor | int], tmp: Path) -
             argv.append(f"t:{tmp / f'arg{i}.npy'}")
         else:
             argv.append(f"i:{int(a)}")
-    subprocess.run(argv, check=True, env={**os.environ, "SRT_CPU_ISA": isa}, timeout=300)
+    subprocess.run(argv, check=True, env={**os.environ, **(env or {}), "SRT_CPU_ISA": isa}, timeout=300)
     return torch.from_numpy(np.load(tmp / "out.npy"))

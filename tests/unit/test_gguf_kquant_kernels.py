@@ -125,6 +125,22 @@ def test_kquant_types_listed(native):
     assert {Q4_K, Q5_K, Q6_K} <= set(torch.ops.srt_cpu.gguf_qtypes())
 
 
+def test_prefill_row_groups_give_the_same_bits(native, tmp_path):
+    """A prefill's x goes through the dequantized-tile GEMM in groups of rows that stay in the
+    last-level cache (SRT_GGUF_GEMM_X_MIB): 300 rows of K = 4096 are one group by default and five
+    (64 rows each, the last 44) under a 1 MiB budget; every output's sum is the same either way."""
+    from tests.helpers.isa import cpu_isa, op_under_isa
+
+    n, k, m = 100, 4096, 300
+    raw = random_blocks(Q4_K, n, k, seed=11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    here = torch.ops.srt_cpu.gguf_linear(x, torch.from_numpy(raw), Q4_K)
+    args = [x, torch.from_numpy(raw), Q4_K]
+    grouped = op_under_isa(cpu_isa(), "gguf_linear", args, tmp_path, {"SRT_GGUF_GEMM_X_MIB": "1"})
+    assert_same_bits(grouped, here)
+    assert_matmul_close(here, x, reference(raw, Q4_K))
+
+
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
 def test_prefill_tiles_give_the_same_bits_on_every_isa(native, qtype, tmp_path):
     """The dequantized-tile GEMM (M >= 13) takes a 12 x 16 AVX-512 tile where the CPU has it and

@@ -34,9 +34,9 @@ const QuantRowOps kAvx2Ops[3] = {
 };
 namespace kw = kquant::avx512;
 const QuantRowOps kAvx512Ops[3] = {
-    {kquant::kQK, kquant::kQ4KBytes, &ka::dequant_row_q45k<false>, &kw::dot_rows_q45k<false>},
-    {kquant::kQK, kquant::kQ5KBytes, &ka::dequant_row_q45k<true>, &kw::dot_rows_q45k<true>},
-    {kquant::kQK, kquant::kQ6KBytes, &ka::dequant_row_q6k, &kw::dot_rows_q6k},
+    {kquant::kQK, kquant::kQ4KBytes, &kw::dequant_row_q45k<false>, &kw::dot_rows_q45k<false>},
+    {kquant::kQK, kquant::kQ5KBytes, &kw::dequant_row_q45k<true>, &kw::dot_rows_q45k<true>},
+    {kquant::kQK, kquant::kQ6KBytes, &kw::dequant_row_q6k, &kw::dot_rows_q6k},
 };
 #endif
 
@@ -83,7 +83,7 @@ const QuantRowOps* kquant_ops(int qtype, CpuIsa isa) {
   const int i = qtype - kGgmlQ4_K;
   if (i < 0 || i > 2) return nullptr;
 #if SRT_CPU_X86
-  // AVX-512: its own dot_rows, the AVX2 dequant_row
+  // AVX-512: its own dot_rows and dequant_row
   if (isa == CpuIsa::kAvx512) return &kAvx512Ops[i];
   if (isa == CpuIsa::kAvx2) return &kAvx2Ops[i];
 #endif

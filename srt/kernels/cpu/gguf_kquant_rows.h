@@ -416,8 +416,8 @@ SRT_TARGET_AVX2 inline void dot_rows_q6k(const uint8_t* row, int64_t k, const fl
 
 // AVX-512 dot_rows: the AVX2 functions' arithmetic 16 lanes at a time (the scales, the codes and
 // the minimum terms through the AVX2 helpers above). Sums are grouped differently, so the results
-// differ from the AVX2 ones by float rounding (dot_rows needs no bit-exactness); dequant_row
-// stays the AVX2 one (bit-exact).
+// differ from the AVX2 ones by float rounding (dot_rows needs no bit-exactness); dequant_row does
+// the AVX2 one's lane-wise arithmetic on 16 lanes, so it is bit-exact too.
 namespace avx512 {
 
 SRT_INLINE_AVX512 __m512i widen16_u8(const uint8_t* p) {  // 16 bytes -> 16 int32 lanes (zero-extended)
@@ -426,6 +426,65 @@ SRT_INLINE_AVX512 __m512i widen16_u8(const uint8_t* p) {  // 16 bytes -> 16 int3
 
 SRT_INLINE_AVX512 __m512 widen16_s8_ps(const uint8_t* p) {  // 16 int8 -> 16 float lanes
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// ---- dequant_row: the AVX2 functions' arithmetic 16 lanes at a time (bit-exact as well) ----
+
+SRT_INLINE_AVX512 __m512 opaque(__m512 v) {  // as avx2::opaque: the product stays a rounding step
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+template <bool kHigh>
+SRT_TARGET_AVX512 void dequant_row_q45k(const uint8_t* row, float* out, int64_t k) {
+  constexpr int TS = kHigh ? kQ5KBytes : kQ4KBytes;
+  const __m512i m4 = _mm512_set1_epi32(0xF);
+  alignas(32) float ds[8], dm[8];
+  alignas(64) uint8_t qb[kHigh ? kQK : 1];
+  for (int64_t b = 0; b < k / kQK; ++b) {
+    const uint8_t* blk = row + b * TS;
+    float* o = out + b * kQK;
+    __m256 vds, vdm;
+    avx2::scales_q45k(blk, &vds, &vdm);
+    _mm256_store_ps(ds, vds);
+    _mm256_store_ps(dm, vdm);
+    if (kHigh) avx2::codes_q5k(blk, qb);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 dl = _mm512_set1_ps(ds[2 * j]), ml = _mm512_set1_ps(dm[2 * j]);
+      const __m512 dh = _mm512_set1_ps(ds[2 * j + 1]), mh = _mm512_set1_ps(dm[2 * j + 1]);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        __m512i ql, qh;
+        if (kHigh) {
+          ql = widen16_u8(qb + 64 * j + 16 * c);
+          qh = widen16_u8(qb + 64 * j + 32 + 16 * c);
+        } else {
+          const __m512i v = widen16_u8(blk + 16 + 32 * j + 16 * c);
+          ql = _mm512_and_si512(v, m4);
+          qh = _mm512_srli_epi32(v, 4);
+        }
+        _mm512_storeu_ps(o + 64 * j + 16 * c, _mm512_sub_ps(opaque(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(ql))), ml));
+        _mm512_storeu_ps(o + 64 * j + 32 + 16 * c,
+                         _mm512_sub_ps(opaque(_mm512_mul_ps(dh, _mm512_cvtepi32_ps(qh))), mh));
+      }
+    }
+  }
+}
+
+SRT_TARGET_AVX512 inline void dequant_row_q6k(const uint8_t* row, float* out, int64_t k) {
+  alignas(32) float ds[16];
+  alignas(64) uint8_t qb[kQK];
+  for (int64_t b = 0; b < k / kQK; ++b) {
+    const uint8_t* blk = row + b * kQ6KBytes;
+    const __m256 d = avx2::fp16_bcast(blk + 208);
+    _mm256_store_ps(ds, _mm256_mul_ps(d, avx2::widen8_s8_ps(blk + 192)));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(d, avx2::widen8_s8_ps(blk + 200)));
+    avx2::codes_q6k(blk, qb);
+    float* o = out + b * kQK;
+#pragma GCC unroll 16
+    for (int g = 0; g < 16; ++g) _mm512_storeu_ps(o + 16 * g, _mm512_mul_ps(_mm512_set1_ps(ds[g]), widen16_s8_ps(qb + 16 * g)));
+  }
 }
 
 template <bool kHigh, int M>

@@ -7,9 +7,10 @@
 //
 // gguf_linear takes one of three paths by the number of input rows M (threads always take
 // contiguous ranges of weight rows, so the quantized weights stream from memory once per call):
-//   M <= 4        dot_rows: each block dequantized in registers and applied to all rows (decode:
+//   M <= 3 (4)    dot_rows: each block dequantized in registers and applied to all rows (decode:
 //                 bound by reading the weights, about 1/6 of float32's bytes for 4-bit types);
-//   5 <= M <= 12  8 weight rows at a time dequantized into an L1 buffer, float dot tiles;
+//   4 (5) <= M <= 12  8 weight rows at a time dequantized into an L1 buffer, float dot tiles
+//                 (the bounds in brackets: CPUs without AVX-512);
 //   M >= 13       a GEMM on dequantized tiles against x packed once per call (prefill, big
 //                 decode batches): at float32 GEMM speed, plus the dequantization.
 // Each output's sum runs in a fixed order that depends on M and K only, not on the thread count.
@@ -36,7 +37,9 @@ namespace {
 int64_t small_m_limit() {
   static const int64_t limit = [] {
     const char* env = std::getenv("SRT_GGUF_SMALL_M");
-    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{5};
+    // AVX-512's buffered tiles beat dot_rows from 4 rows (an 11008 x 4096 Q4_K weight on Zen 5:
+    // 2.17 vs 3.14 ms); AVX2's from 5
+    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{detect_isa() == CpuIsa::kAvx512 ? 4 : 5};
   }();
   return limit;
 }
@@ -47,6 +50,18 @@ int64_t gemm_m_limit() {
     return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{13};
   }();
   return limit;
+}
+
+// rows of x per pass of the dequantized-tile GEMM: x's rows are re-read for every block of weight
+// rows, so a pass takes at most SRT_GGUF_GEMM_X_MIB (default 8) MiB of them, a multiple of 32
+// rows, at least 64 (a Llama-3.1-8B down projection, K = 14336, 730 rows on Zen 5: 272 ms in one
+// pass of 42 MB, 3 passes of 128 rows ...)
+int64_t gemm_group_rows(int64_t K) {
+  static const int64_t budget = [] {
+    const char* env = std::getenv("SRT_GGUF_GEMM_X_MIB");
+    return (env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{8}) << 20;
+  }();
+  return std::max<int64_t>(64, budget / (K * 4) / 32 * 32);
 }
 
 // the row functions' instruction set: AVX2 where detect_isa() has AVX2 or AVX-512 (there are no
@@ -140,8 +155,9 @@ int64_t column_chunk(int64_t K, int64_t bs, int64_t target) {
 
 // ---------------------------------------------------------------- medium batch: dequantized rows
 // kRb weight rows at a time are dequantized into a buffer, at most 512 columns at a time (16 KiB,
-// L1), and multiplied with every input row by float dot products: a tile of MX <= 3 input rows x
-// 4 weight rows keeps 4 MX accumulators; the 3 rows of x stay in L1 while the buffer passes.
+// L1), and multiplied with every input row by float dot products: a tile of MX input rows x 4
+// weight rows keeps 4 MX accumulators (AVX2: MX <= 3 in ymm; AVX-512: MX <= 4 in zmm, twice the
+// columns per FMA); those rows of x stay in L1 while the buffer passes.
 constexpr int64_t kRb = 8;
 
 template <int MX, int R>
@@ -185,12 +201,58 @@ SRT_TARGET_AVX2 void dot_tiles(int64_t mx, int64_t kc, const float* x, int64_t l
   }
 }
 
+// The AVX-512 tile: MX <= 4 input rows x R weight rows, 16 columns per step (kc a multiple of 16:
+// every block size is); 16 accumulators at MX = R = 4, reduced together at the end of the chunk.
+template <int MX, int R>
+SRT_TARGET_AVX512 void dot_tile16(int64_t kc, const float* x, int64_t ldx, const float* w, int64_t ldw, float* out,
+                                  int64_t ldo, bool accumulate, const float* bias_or_null) {
+  __m512 acc[MX * R];
+  for (int i = 0; i < MX * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 16) {
+    __m512 xv[MX];
+    for (int m = 0; m < MX; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(w + r * ldw + k);
+      for (int m = 0; m < MX; ++m) acc[m * R + r] = _mm512_fmadd_ps(wv, xv[m], acc[m * R + r]);
+    }
+  }
+  alignas(64) float sums[16];
+  if constexpr (MX * R == 16) {
+    _mm512_store_ps(sums, VecAvx512::reduce_tile(acc));
+  } else {
+    for (int i = 0; i < MX * R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+  }
+  for (int m = 0; m < MX; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float v = sums[m * R + r];
+      if (accumulate) v = out[m * ldo + r] + v;
+      if (bias_or_null != nullptr) v += bias_or_null[r];
+      out[m * ldo + r] = v;
+    }
+  }
+}
+
+// mx (<= 4) input rows against R weight rows, AVX-512
+template <int R>
+SRT_TARGET_AVX512 void dot_tiles16(int64_t mx, int64_t kc, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                                   float* out, int64_t ldo, bool accumulate, const float* bias_or_null) {
+  switch (mx) {
+    case 4: dot_tile16<4, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    case 3: dot_tile16<3, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    case 2: dot_tile16<2, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    case 1: dot_tile16<1, R>(kc, x, ldx, w, ldw, out, ldo, accumulate, bias_or_null); break;
+    default: break;
+  }
+}
+
 // weight rows [n0, n1) for all M input rows
 void linear_rows_buffered(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t K, const float* x,
                           int64_t ldx, int64_t M, const float* bias, float* out, int64_t N, int64_t n0, int64_t n1) {
   const int64_t bs = ops.block_size;
   const int64_t kcc = column_chunk(K, bs, std::max<int64_t>(bs, 512));
   std::vector<float> buf(static_cast<size_t>(kRb * kcc));
+  const bool wide = detect_isa() == CpuIsa::kAvx512;  // 4 x rows per pass in zmm tiles, else 3 in ymm
+  const int64_t mstep = wide ? 4 : 3;
   // rows outer, columns inner: the weights stream row group by row group, x (M x K) stays in L2
   for (int64_t n = n0; n < n1; n += kRb) {
     const int64_t rows = std::min(kRb, n1 - n);
@@ -199,18 +261,26 @@ void linear_rows_buffered(const QuantRowOps& ops, const uint8_t* w, int64_t bpr,
       const int64_t boff = k0 / bs * ops.type_size;
       const bool accumulate = k0 > 0, last = k0 + kc >= K;
       for (int64_t j = 0; j < rows; ++j) ops.dequant_row(w + (n + j) * bpr + boff, buf.data() + j * kc, kc);
-      for (int64_t m0 = 0; m0 < M; m0 += 3) {  // 3 rows of x stay in L1 while the buffer passes
-        const int64_t mx = std::min<int64_t>(3, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += mstep) {  // these rows of x stay in L1 while the buffer passes
+        const int64_t mx = std::min<int64_t>(mstep, M - m0);
         const float* xm = x + m0 * ldx + k0;
         float* om = out + m0 * N + n;
         int64_t j = 0;
         for (; j + 4 <= rows; j += 4) {
           const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
-          dot_tiles<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          if (wide) {
+            dot_tiles16<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          } else {
+            dot_tiles<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          }
         }
         for (; j < rows; ++j) {
           const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
-          dot_tiles<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          if (wide) {
+            dot_tiles16<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          } else {
+            dot_tiles<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
+          }
         }
       }
     }
@@ -323,6 +393,35 @@ SRT_TARGET_AVX512 void tile_12x16(int64_t kc, const float* w, int64_t ldw, const
 #undef SRT_ROWS
 }
 
+// tile_12x16 on two 16-row panels at once (x from xa and xb, sums in ca and cb): each weight
+// broadcast feeds two FMAs instead of one (24 accumulators), and every sum is the one
+// tile_12x16 computes, bit for bit.
+SRT_TARGET_AVX512 void tile_12x16x2(int64_t kc, const float* w, int64_t ldw, const float* xa, const float* xb,
+                                    float* ca, float* cb) {
+#define SRT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SRT_LOAD(r) __m512 a##r = _mm512_loadu_ps(ca + r * 16), b##r = _mm512_loadu_ps(cb + r * 16);
+  SRT_ROWS(SRT_LOAD)
+#undef SRT_LOAD
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 x0 = _mm512_loadu_ps(xa + k * 16), x1 = _mm512_loadu_ps(xb + k * 16);
+#define SRT_FMA(r)                                      \
+  {                                                     \
+    const __m512 v = _mm512_set1_ps(w[r * ldw + k]);    \
+    a##r = _mm512_fmadd_ps(v, x0, a##r);                \
+    b##r = _mm512_fmadd_ps(v, x1, b##r);                \
+  }
+    SRT_ROWS(SRT_FMA)
+#undef SRT_FMA
+  }
+#define SRT_STORE(r)                    \
+  _mm512_storeu_ps(ca + r * 16, a##r);  \
+  _mm512_storeu_ps(cb + r * 16, b##r);
+  SRT_ROWS(SRT_STORE)
+#undef SRT_STORE
+#undef SRT_ROWS
+}
+
 // weight rows [n0, n1) (n0 a multiple of kNc) for all M input rows; 16-row panels take the
 // AVX-512 tile where detect_isa() allows it (SRT_CPU_ISA=avx2 keeps the AVX2 one)
 void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t K, const PackedX& px, int64_t M,
@@ -350,7 +449,12 @@ void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int
       for (int64_t p = 0; p < panels; ++p) {
         const float* xp = px.data.data() + px.offset[p] + k0 * px.width[p];
         float* c = acc.data() + p * kNc * 16;
-        if (px.width[p] == 16 && wide) {
+        if (wide && p + 1 < panels && px.width[p] == 16 && px.width[p + 1] == 16) {  // two panels
+          const float* xq = px.data.data() + px.offset[p + 1] + k0 * 16;
+          float* cq = c + kNc * 16;
+          for (int64_t t = 0; t < kNc; t += 12) tile_12x16x2(kc, rows.data() + t * kc, kc, xp, xq, c + t * 16, cq + t * 16);
+          ++p;
+        } else if (px.width[p] == 16 && wide) {
           for (int64_t t = 0; t < kNc; t += 12) tile_12x16(kc, rows.data() + t * kc, kc, xp, c + t * 16);
         } else if (px.width[p] == 16) {
           for (int64_t t = 0; t < kNc; t += 6) tile_6x16(kc, rows.data() + t * kc, kc, xp, c + t * 16);
@@ -399,11 +503,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
     return out;
   }
   if (M >= gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
-    const PackedX px = pack_x(xp, ldx, M, K);
-    const int64_t blocks = (N + kNc - 1) / kNc;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      linear_rows_gemm(ops, wp, bpr, K, px, M, bp, op, N, b0 * kNc, std::min(N, b1 * kNc));
-    });
+    // groups of x's rows small enough to stay in the last-level cache while every weight block
+    // passes (each group dequantizes the weights again; the sums do not change)
+    const int64_t group = gemm_group_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      const int64_t gm = std::min(group, M - m0);
+      const PackedX px = pack_x(xp + m0 * ldx, ldx, gm, K);
+      const int64_t blocks = (N + kNc - 1) / kNc;
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        linear_rows_gemm(ops, wp, bpr, K, px, gm, bp, op + m0 * N, N, b0 * kNc, std::min(N, b1 * kNc));
+      });
+    }
     return out;
   }
 #endif
