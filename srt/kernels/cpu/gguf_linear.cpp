@@ -160,6 +160,19 @@ int64_t column_chunk(int64_t K, int64_t bs, int64_t target) {
 // columns per FMA); those rows of x stay in L1 while the buffer passes.
 constexpr int64_t kRb = 8;
 
+// a tile's write-back: out[m * ldo + r] = (out's value if accumulate) + sums[m * R + r] (+ bias[r])
+template <int MX, int R>
+inline void store_tile(const float* sums, float* out, int64_t ldo, bool accumulate, const float* bias_or_null) {
+  for (int m = 0; m < MX; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float v = sums[m * R + r];
+      if (accumulate) v = out[m * ldo + r] + v;
+      if (bias_or_null != nullptr) v += bias_or_null[r];
+      out[m * ldo + r] = v;
+    }
+  }
+}
+
 template <int MX, int R>
 SRT_TARGET_AVX2 void dot_tile(int64_t kc, const float* x, int64_t ldx, const float* w, int64_t ldw, float* out,
                               int64_t ldo, bool accumulate, const float* bias_or_null) {
@@ -179,14 +192,7 @@ SRT_TARGET_AVX2 void dot_tile(int64_t kc, const float* x, int64_t ldx, const flo
   } else {
     for (int i = 0; i < MX * R; ++i) sums[i] = VecAvx2::hsum(acc[i]);
   }
-  for (int m = 0; m < MX; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float v = sums[m * R + r];
-      if (accumulate) v = out[m * ldo + r] + v;
-      if (bias_or_null != nullptr) v += bias_or_null[r];
-      out[m * ldo + r] = v;
-    }
-  }
+  store_tile<MX, R>(sums, out, ldo, accumulate, bias_or_null);
 }
 
 // mx (<= 3) input rows against R weight rows
@@ -222,14 +228,7 @@ SRT_TARGET_AVX512 void dot_tile16(int64_t kc, const float* x, int64_t ldx, const
   } else {
     for (int i = 0; i < MX * R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
   }
-  for (int m = 0; m < MX; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float v = sums[m * R + r];
-      if (accumulate) v = out[m * ldo + r] + v;
-      if (bias_or_null != nullptr) v += bias_or_null[r];
-      out[m * ldo + r] = v;
-    }
-  }
+  store_tile<MX, R>(sums, out, ldo, accumulate, bias_or_null);
 }
 
 // mx (<= 4) input rows against R weight rows, AVX-512
