@@ -279,12 +279,15 @@ def test_wrapper_uses_native():
 def test_which_matmuls_take_int8_and_the_gemm_path(qtype):
     """``q8a_takes`` (one rule for the Python layers, the decode stack and the experts): nothing
     without int8 activations, up to int8_max_rows rows always, more only for a type with an int8
-    GEMM (Q4_K and Q6_K on AVX-512 VNNI CPUs, from 16 rows). The GEMM keeps the op's contract at
-    row counts that leave tails of weight rows (N = 37) and of activation rows."""
+    GEMM faster than the float32 one (on AVX-512 VNNI CPUs Q4_K from 16 rows, Q6_K from 128). The
+    GEMM keeps the op's contract at row counts that leave tails of weight rows (N = 37) and of
+    activation rows."""
     rows = gguf.q8a_gemm_rows(qtype)
-    assert rows in (0, 16)
+    assert rows in ((0, 128) if qtype == 14 else (0, 16))
     if cpu_isa() != "avx512" or qtype not in (12, 14):
         assert rows == 0
+    if rows:
+        assert gguf.q8a_takes(qtype, rows, 8) and not gguf.q8a_takes(qtype, rows - 1, 8)
     assert not gguf.q8a_takes(qtype, 1, 0)
     assert gguf.q8a_takes(qtype, 8, 8)
     assert gguf.q8a_takes(qtype, 15, 8) is False
