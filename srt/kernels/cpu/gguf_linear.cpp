@@ -55,7 +55,7 @@ int64_t gemm_m_limit() {
 // rows of x per pass of the dequantized-tile GEMM: x's rows are re-read for every block of weight
 // rows, so a pass takes at most SRT_GGUF_GEMM_X_MIB (default 8) MiB of them, a multiple of 32
 // rows, at least 64 (a Llama-3.1-8B down projection, K = 14336, 730 rows on Zen 5: 272 ms in one
-// pass of 42 MB, 3 passes of 128 rows ...)
+// pass over 42 MB of x, 203 ms in groups of 128 rows)
 int64_t gemm_group_rows(int64_t K) {
   static const int64_t budget = [] {
     const char* env = std::getenv("SRT_GGUF_GEMM_X_MIB");
@@ -64,8 +64,9 @@ int64_t gemm_group_rows(int64_t K) {
   return std::max<int64_t>(64, budget / (K * 4) / 32 * 32);
 }
 
-// the row functions' instruction set: AVX2 where detect_isa() has AVX2 or AVX-512 (there are no
-// AVX-512 row functions), scalar otherwise (SRT_CPU_ISA=scalar tests that path on any CPU)
+// whether the vector paths run: AVX2 where detect_isa() has AVX2 or AVX-512 (find_ops picks each
+// type's row functions, AVX-512 ones where a type has them), scalar otherwise (SRT_CPU_ISA=scalar
+// tests that path on any CPU)
 CpuIsa gguf_isa() { return detect_isa() == CpuIsa::kScalar ? CpuIsa::kScalar : CpuIsa::kAvx2; }
 
 const QuantRowOps* find_ops(int64_t qtype) {
@@ -252,6 +253,8 @@ void linear_rows_buffered(const QuantRowOps& ops, const uint8_t* w, int64_t bpr,
   std::vector<float> buf(static_cast<size_t>(kRb * kcc));
   const bool wide = detect_isa() == CpuIsa::kAvx512;  // 4 x rows per pass in zmm tiles, else 3 in ymm
   const int64_t mstep = wide ? 4 : 3;
+  const auto tiles4 = wide ? &dot_tiles16<4> : &dot_tiles<4>;
+  const auto tiles1 = wide ? &dot_tiles16<1> : &dot_tiles<1>;
   // rows outer, columns inner: the weights stream row group by row group, x (M x K) stays in L2
   for (int64_t n = n0; n < n1; n += kRb) {
     const int64_t rows = std::min(kRb, n1 - n);
@@ -267,19 +270,11 @@ void linear_rows_buffered(const QuantRowOps& ops, const uint8_t* w, int64_t bpr,
         int64_t j = 0;
         for (; j + 4 <= rows; j += 4) {
           const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
-          if (wide) {
-            dot_tiles16<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
-          } else {
-            dot_tiles<4>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
-          }
+          tiles4(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
         }
         for (; j < rows; ++j) {
           const float* bp = last && bias != nullptr ? bias + n + j : nullptr;
-          if (wide) {
-            dot_tiles16<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
-          } else {
-            dot_tiles<1>(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
-          }
+          tiles1(mx, kc, xm, ldx, buf.data() + j * kc, kc, om + j, N, accumulate, bp);
         }
       }
     }
@@ -504,11 +499,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
   if (M >= gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
     // groups of x's rows small enough to stay in the last-level cache while every weight block
     // passes (each group dequantizes the weights again; the sums do not change)
-    const int64_t group = gemm_group_rows(K);
+    const int64_t group = gemm_group_rows(K), blocks = (N + kNc - 1) / kNc;
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       const int64_t gm = std::min(group, M - m0);
       const PackedX px = pack_x(xp + m0 * ldx, ldx, gm, K);
-      const int64_t blocks = (N + kNc - 1) / kNc;
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         linear_rows_gemm(ops, wp, bpr, K, px, gm, bp, op + m0 * N, N, b0 * kNc, std::min(N, b1 * kNc));
       });

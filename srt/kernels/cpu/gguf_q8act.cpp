@@ -70,11 +70,15 @@ const Q8aKernels* find_kernels(int64_t qtype, bool scalar) {
 #if SRT_CPU_X86
   if (!scalar && detect_isa() == CpuIsa::kAvx512 && q8::vnni::supported() && (i == 3 || i == 5)) {
     namespace qv = q8::vnni;  // Q4_K and Q6_K; the other types run the AVX2 functions
+    // Q6_K's GEMM unpacks the 6-bit codes on every call: against the float32 GEMM (11008 x 4096 on
+    // Zen 5) 8.7 vs 5.2 ms at 16 rows, 26.4 vs 26.3 at 128, 46.9 vs 50.6 at 256; Q4_K's leads from 16
     static const Q8aKernels kVnni[] = {
         {&q8::avx2::quantize_row,
-         {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows, &qv::q4k_gemm_rows, qv::kGemmRows}},
+         {kquant::kQK, kquant::kQ4KBytes, &qv::dot_tiles<qv::Q4KTile>, qv::kXRows, &qv::q4k_gemm_rows, qv::kGemmRows,
+          16}},
         {&q8::avx2::quantize_row,
-         {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows, &qv::q6k_gemm_rows, qv::kGemmRows}},
+         {kquant::kQK, kquant::kQ6KBytes, &qv::dot_tiles<qv::Q6KTile>, qv::kXRows, &qv::q6k_gemm_rows, qv::kGemmRows,
+          128}},
     };
     return &kVnni[i == 3 ? 0 : 1];
   }
@@ -230,9 +234,7 @@ void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vecto
 int64_t gguf_q8a_gemm_rows(int64_t qtype) {
   const Q8aKernels* k = find_kernels(qtype, false);
   if (k == nullptr || k->ops.gemm == nullptr) return 0;
-  // Q6_K's int8 GEMM unpacks 6-bit codes per call and only passes the float32 GEMM from about 128
-  // rows (11008 x 4096 on Zen 5: 8.7 vs 5.2 ms at 16 rows, 26.4 vs 26.3 at 128, 46.9 vs 50.6 at 256)
-  return qtype == kGgmlQ6_K ? std::max<int64_t>(q8a_gemm_m(), 128) : q8a_gemm_m();
+  return std::max<int64_t>(q8a_gemm_m(), k->ops.gemm_beats_float);
 }
 
 bool q8a_takes(int64_t qtype, int64_t rows, int64_t int8_max_rows) {

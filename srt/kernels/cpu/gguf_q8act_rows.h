@@ -81,6 +81,7 @@ struct Q8aOps {
   int x_rows = kMaxXRows;  // activation rows per dot call (mx <= x_rows)
   Q8DotFn gemm = nullptr;  // many activation rows: rows <= gemm_rows weight rows, any mx (or none)
   int gemm_rows = 0;
+  int gemm_beats_float = 0;  // from this many activation rows on the GEMM is faster than float32's
 };
 
 // ---------------------------------------------------------------- scalar (reference, fallback)
