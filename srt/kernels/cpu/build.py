@@ -39,6 +39,7 @@ SOURCES = (
     "decode_layers.cpp",
     "elementwise.cpp",
     "extend_attention.cpp",
+    "gguf_a24.cpp",
     "gguf_kquant.cpp",
     "gguf_linear.cpp",
     "gguf_q8act.cpp",

@@ -46,6 +46,11 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
 // gguf_linear.cpp
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                        const c10::optional<at::Tensor>& bias);
+// gguf_a24.cpp: x as 24-bit fixed point per block of 32, integer dot products (AVX-512 VNNI;
+// Q4_K, Q6_K); gguf_a24_takes: whether this CPU runs it for the type
+at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                           const c10::optional<at::Tensor>& bias);
+bool gguf_a24_takes(int64_t qtype);
 // gguf_q8act.cpp: x quantized to int8 per block of 32 first (numerics in gguf.py)
 at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);

@@ -11,7 +11,10 @@ dequantize exactly as ``gguf.quants`` does and accumulate in float32:
 
 ``quant_linear`` picks a native path by the number of rows M of x: for a few rows (decode,
 M <= 4) each thread streams a contiguous range of weight rows once and applies every block to all
-rows from registers (bound by the weight bytes read); for 5..12 rows it dequantizes a few weight
+rows from registers (bound by the weight bytes read), except that Q4_K and Q6_K at 1-7 rows on a CPU
+with AVX-512 VNNI take ``gguf_linear_a24`` (each block of 32 activations as 24-bit fixed point,
+whose three bytes go through integer dot products: float32-level error, ``a24_qtypes()``); for 5..12
+rows it dequantizes a few weight
 rows at a time into an L1 buffer and runs float dot products; for more (prefill, big decode
 batches) it dequantizes tiles of weights into a cache-sized float32 buffer and runs a
 register-blocked GEMM against x packed once per call. Types without a native kernel (or no
@@ -53,6 +56,7 @@ from srt.kernels.cpu import _op_registered, native_available
 
 __all__ = [
     "QTYPE_NAMES",
+    "a24_qtypes",
     "block_info",
     "dequantize",
     "dequantize_ref",
@@ -103,6 +107,12 @@ def _op_qtypes(op: str, lister: str) -> frozenset[int]:
 def native_qtypes() -> frozenset[int]:
     """The types the native ops handle on this CPU; empty without the extension."""
     return _op_qtypes("gguf_linear", "gguf_qtypes")
+
+
+def a24_qtypes() -> frozenset[int]:
+    """The types ``quant_linear`` runs through ``gguf_linear_a24`` for 1-7 rows on this CPU (Q4_K and
+    Q6_K with AVX-512 VNNI); empty otherwise."""
+    return _op_qtypes("gguf_linear_a24", "gguf_a24_qtypes")
 
 
 def _row_bytes(qtype: int, cols: int) -> int:

@@ -1,0 +1,318 @@
+// GGUF matmuls on float32 activations through integer dot products (AVX-512 VNNI, Q4_K and Q6_K):
+// the decode path of gguf_linear for 1-3 input rows on CPUs that have it.
+//
+//   gguf_linear_a24(x [M, K] f32, data [N, K / 256 * ts] u8, qtype, bias?) -> [M, N] f32
+//   gguf_a24_qtypes() -> the types this CPU runs it for (empty without AVX-512 VNNI)
+//
+// Numerics. Each block of 32 activations is written as 24-bit fixed point: with a = max |x| of
+// the block, u = a / (127 * 2^16) and V_j = rint(x_j / u) (|V_j| <= 127 * 2^16), so that
+// |x_j - u V_j| <= about 0.75 u + 2^-24 |x_j|, that is a few 2^-24 of a: the size of the float32
+// rounding of any sum that holds the block's largest product. (It is not int8 quantization: the
+// 8-bit path, --enable-int8-activations, keeps 8 of those 24 bits.) V splits exactly into three
+// signed bytes, V = 2^16 hi + 2^8 mid + lo (mid, lo in [-128, 127]), and a weight row's sum over
+// 4 codes q is
+//
+//   sum q V = ((dot(q, hi) << 8) + dot(q, mid)) << 8 + dot(q, lo)
+//
+// three _mm512_dpbusd_epi32 (64 unsigned codes x 64 signed bytes into 16 int32 lanes of 4 products
+// each) joined by two shifts: exact in int32 (|sum q V| < 2^31; intermediate wrap-around cancels
+// in two's complement). Each lane is then converted once and scaled in float32 like the other
+// paths: Q4_K (d sc[s]) u[s] per sub-block minus (dmin m[s]) times the float sum of x over the
+// sub-block; Q6_K (d sc[g]) u[g / 2] per group of 16, the codes' offset 32 entering as -32 sum V
+// per lane (computed once per call). Float32 summation order differs from dot_rows' (which needs
+// no bit-exactness either). Blocks with a non-finite value give NaN (u = NaN); blocks whose largest
+// |x| is below 1e-30 count as zeros.
+//
+// Against dot_rows (float32 FMAs on codes widened to floats, compute-bound on AVX-512 at about
+// 36 GB/s of weights on Zen 5), a weight row's 64 codes take 3 dot instructions instead of 8
+// conversions and FMAs. Tiles and threading as gguf_linear_q8a's (gguf_q8act_vnni.h): 4 weight
+// rows x up to 4 activation rows, threads over contiguous ranges of 4-row weight groups.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "gguf_q8act_vnni.h"
+
+namespace srt_cpu {
+namespace {
+
+constexpr int64_t kBlock = 32;          // activations per scale u
+constexpr float kVmax = 127.f * 65536;  // |V| bound: the top byte stays in [-127, 127]
+constexpr int kMaxXTile = 4;            // activation rows per tile
+
+// M activation rows in 24-bit block fixed point
+struct A24 {
+  std::vector<int8_t> q;     // [M][3][K]: the planes hi, mid, lo of V
+  std::vector<float> u;      // [M][K / 32]: x ~ u V
+  std::vector<float> s;      // [M][K / 32]: float sum of x (Q4_K's minimum terms)
+  std::vector<int32_t> n32;  // [M][K / 4]: -32 (sum of V over 4 consecutive), Q6_K only
+  int64_t k = 0, nb = 0;
+  const int8_t* plane(int64_t i, int p) const { return q.data() + (3 * i + p) * k; }
+};
+
+#if SRT_CPU_X86
+#define SRT_TARGET_A24 SRT_TARGET_VNNI
+
+// one row of x -> its planes, scales and sums
+SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool offsets, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
+                              float* s, int32_t* n32) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i vmax = _mm512_set1_epi32(static_cast<int>(kVmax)), vmin = _mm512_set1_epi32(-static_cast<int>(kVmax));
+  const __m512i c128 = _mm512_set1_epi32(128), m255 = _mm512_set1_epi32(255);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+    s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    float ub = 0.f, inv = 0.f;
+    if (nan || !(amax <= 3.4e38f)) {
+      ub = std::numeric_limits<float>::quiet_NaN();  // inf or NaN in the block: the sums are NaN
+    } else if (amax >= 1e-30f) {
+      ub = amax / kVmax;
+      inv = kVmax / amax;
+    }
+    u[b] = ub;
+    const __m512 vi = _mm512_set1_ps(inv);
+    for (int h = 0; h < 2; ++h) {
+      __m512i V = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? v0 : v1, vi));  // round to nearest
+      V = _mm512_min_epi32(_mm512_max_epi32(V, vmin), vmax);
+      // balanced base-256 digits: lo, mid in [-128, 127]; the shifts are exact (multiples of 256)
+      const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(V, c128), m255), c128);
+      const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(V, l), 8);
+      const __m512i m = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(t, c128), m255), c128);
+      const __m512i H = _mm512_srai_epi32(_mm512_sub_epi32(t, m), 8);
+      const int64_t o = b * kBlock + 16 * h;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + o), _mm512_cvtepi32_epi8(H));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(mid + o), _mm512_cvtepi32_epi8(m));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + o), _mm512_cvtepi32_epi8(l));
+      if (offsets) {
+        alignas(64) int32_t vs[16];
+        _mm512_store_si512(vs, V);
+        for (int g = 0; g < 4; ++g) n32[o / 4 + g] = -32 * (vs[4 * g] + vs[4 * g + 1] + vs[4 * g + 2] + vs[4 * g + 3]);
+      }
+    }
+  }
+}
+
+A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool offsets) {
+  A24 a;
+  a.k = K;
+  a.nb = K / kBlock;
+  a.q.resize(static_cast<size_t>(3 * M * K));
+  a.u.resize(static_cast<size_t>(M * a.nb));
+  a.s.resize(static_cast<size_t>(M * a.nb));
+  if (offsets) a.n32.resize(static_cast<size_t>(M * K / 4));
+  for (int64_t i = 0; i < M; ++i) {
+    int8_t* base = a.q.data() + 3 * i * K;
+    split_row(x + i * ldx, K, offsets, base, base + K, base + 2 * K, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
+              offsets ? a.n32.data() + i * K / 4 : nullptr);
+  }
+  return a;
+}
+
+namespace qv = q8act::vnni;
+
+// sum over 64 codes x V, 4 products per int32 lane
+SRT_INLINE_VNNI __m512i dot24(__m512i codes, const int8_t* hi, const int8_t* mid, const int8_t* lo) {
+  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(hi));
+  p = _mm512_dpbusd_epi32(_mm512_slli_epi32(p, 8), codes, _mm512_loadu_si512(mid));
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(p, 8), codes, _mm512_loadu_si512(lo));
+}
+
+template <int MX, int R>
+SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+  constexpr int TS = kquant::kQ4KBytes;
+  qv::TileSums<R, MX> sums;
+  auto& acc = sums.acc;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int8_t* hp[MX];
+  for (int i = 0; i < MX; ++i) hp[i] = a.plane(i0 + i, 0);
+  const int64_t K = a.k;
+  for (int64_t sb = 0; sb < K / kquant::kQK; ++sb) {
+    q8act::avx2::prefetch_ahead<R * TS>(w + q8act::avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * ldw + sb * TS;
+      __m256 vds, vdm;  // d * sc[s], dmin * m[s]
+      kquant::avx2::scales_q45k(blk, &vds, &vdm);
+      __m512i codes[4];  // lanes 0-7: low nibbles of qs[32 j ..] (sub-block 2j), 8-15: high (2j + 1)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
+        codes[j] = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), m4);
+      }
+      for (int i = 0; i < MX; ++i) {
+        const int64_t x0 = (i0 + i) * a.nb + sb * 8;
+        const __m512 scl = qv::low8(_mm256_mul_ps(vds, _mm256_loadu_ps(a.u.data() + x0)));  // (d sc[s]) u[s]
+        acc[r][i] = _mm512_fnmadd_ps(qv::low8(vdm), qv::low8(_mm256_loadu_ps(a.s.data() + x0)), acc[r][i]);
+        const int8_t* xh = hp[i] + sb * kquant::kQK;
+        for (int j = 0; j < 4; ++j) {
+          const __m512i p = dot24(codes[j], xh + 64 * j, xh + K + 64 * j, xh + 2 * K + 64 * j);
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::pair_bcast(scl, 2 * j, 2 * j + 1), acc[r][i]);
+        }
+      }
+    }
+  }
+  sums.store(out, ldo);
+}
+
+template <int MX, int R, int C>
+SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const int8_t* const* xh, int64_t K, const __m512i (*n32)[4],
+                               const __m512* gscale, __m512* acc) {
+  const __m512i q = qv::codes_q6k<C>(blk);
+  for (int i = 0; i < MX; ++i) {
+    const int8_t* p0 = xh[i] + 64 * C;
+    const __m512i p = _mm512_add_epi32(dot24(q, p0, p0 + K, p0 + 2 * K), n32[i][C]);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::quad_bcast<C>(gscale[i]), acc[i]);
+  }
+}
+
+template <int MX, int R>
+SRT_TARGET_A24 void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+  constexpr int TS = kquant::kQ6KBytes;
+  qv::TileSums<R, MX> sums;
+  auto& acc = sums.acc;
+  const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // group g: block g / 2
+  const int64_t K = a.k;
+  for (int64_t sb = 0; sb < K / kquant::kQK; ++sb) {
+    q8act::avx2::prefetch_ahead<R * TS>(w + q8act::avx2::kPrefetchGroups * R * ldw + sb * (R * TS));
+    const int8_t* xh[MX];
+    __m512i n32[MX][4];
+    __m512 ux[MX];
+    for (int i = 0; i < MX; ++i) {
+      xh[i] = a.plane(i0 + i, 0) + sb * kquant::kQK;
+      const int32_t* np = a.n32.data() + (i0 + i) * (K / 4) + sb * 64;
+      for (int c = 0; c < 4; ++c) n32[i][c] = _mm512_loadu_si512(np + 16 * c);
+      ux[i] = _mm512_permutexvar_ps(half, qv::low8(_mm256_loadu_ps(a.u.data() + (i0 + i) * a.nb + sb * 8)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * ldw + sb * TS;
+      const __m512 dsc = _mm512_mul_ps(
+          _mm512_set1_ps(kquant::fp16_at(blk + 208)),
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      __m512 gscale[MX];
+      for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, ux[i]);  // (d sc_g) u_{g / 2}
+      q6k_chunk<MX, R, 0>(blk, xh, K, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 1>(blk, xh, K, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 2>(blk, xh, K, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 3>(blk, xh, K, n32, gscale, acc[r]);
+    }
+  }
+  sums.store(out, ldo);
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const A24&, int64_t, float*, int64_t);
+
+template <int MX, int R>
+struct Q4K {
+  static void run(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+    dot_q4k<MX, R>(w, ldw, a, i0, out, ldo);
+  }
+};
+template <int MX, int R>
+struct Q6K {
+  static void run(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+    dot_q6k<MX, R>(w, ldw, a, i0, out, ldo);
+  }
+};
+
+// [R == 4 ? 1 : 0][MX - 1]
+template <template <int, int> class Dot>
+constexpr TileFn kTiles[2][kMaxXTile] = {
+    {&Dot<1, 1>::run, &Dot<2, 1>::run, &Dot<3, 1>::run, &Dot<4, 1>::run},
+    {&Dot<1, 4>::run, &Dot<2, 4>::run, &Dot<3, 4>::run, &Dot<4, 4>::run},
+};
+
+const TileFn (*tiles_for(int64_t qtype))[kMaxXTile] {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SRT_GGUF_A24");
+    return detect_isa() == CpuIsa::kAvx512 && q8act::vnni::supported() && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  if (!enabled) return nullptr;
+  switch (qtype) {
+    case kGgmlQ4_K: return kTiles<Q4K>;
+    case kGgmlQ6_K: return kTiles<Q6K>;
+    default: return nullptr;
+  }
+}
+#else
+const void* tiles_for(int64_t) { return nullptr; }
+#endif  // SRT_CPU_X86
+
+}  // namespace
+
+bool gguf_a24_takes(int64_t qtype) { return tiles_for(qtype) != nullptr; }
+
+at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                           const c10::optional<at::Tensor>& bias) {
+  constexpr const char* op = "gguf_linear_a24";
+  TORCH_CHECK(qtype == kGgmlQ4_K || qtype == kGgmlQ6_K, op, ": ggml type ", qtype,
+              " has no 24-bit activation path (Q4_K = 12 and Q6_K = 14 have)");
+  TORCH_CHECK(gguf_a24_takes(qtype), op, ": needs an x86-64 CPU with AVX-512 VNNI (and SRT_GGUF_A24 not 0)");
+  check_activations(op, x);
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              op, ": data must be a contiguous uint8 CPU tensor [N, bytes_per_row]");
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  const int64_t ts = qtype == kGgmlQ4_K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
+  TORCH_CHECK(K > 0 && K % kquant::kQK == 0, op, ": the row length ", K, " must be a positive multiple of 256");
+  const int64_t bpr = K / kquant::kQK * ts;
+  TORCH_CHECK(data.size(1) == bpr, op, ": rows of ", K, " weights take ", bpr, " bytes, data rows have ",
+              data.size(1));
+  const float* bp = checked_bias(op, bias, N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if SRT_CPU_X86
+  const auto tiles = tiles_for(qtype);
+  const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, qtype == kGgmlQ6_K);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* op_out = out.data_ptr<float>();
+  constexpr int64_t G = 4;
+  const int64_t groups = (N + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));  // about 64 KiB of weights per task
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = g * G, rows = std::min(G, N - n);
+      for (int64_t i = 0; i < M; i += kMaxXTile) {
+        const int64_t mx = std::min<int64_t>(kMaxXTile, M - i);
+        if (rows == G) {
+          tiles[1][mx - 1](w + n * bpr, bpr, a, i, op_out + i * N + n, N);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + (n + r) * bpr, bpr, a, i, op_out + i * N + n + r, N);
+        }
+      }
+      if (bp != nullptr) {
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t r = 0; r < rows; ++r) op_out[i * N + n + r] += bp[n + r];
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+namespace {
+
+std::vector<int64_t> gguf_a24_qtypes() {
+  std::vector<int64_t> out;
+  for (int q : {kGgmlQ4_K, kGgmlQ6_K}) {
+    if (gguf_a24_takes(q)) out.push_back(q);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("gguf_linear_a24(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("gguf_a24_qtypes() -> int[]", &srt_cpu::gguf_a24_qtypes);
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) { m.impl("gguf_linear_a24", &srt_cpu::gguf_linear_a24); }
