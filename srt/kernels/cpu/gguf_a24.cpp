@@ -61,9 +61,18 @@ struct A24 {
 #if SRT_CPU_X86
 #define SRT_TARGET_A24 SRT_TARGET_VNNI
 
-// one row of x -> its planes, scales and sums
-SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool offsets, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
+// Q4_K's planes put the blocks of each 128 activations in the order 0, 2, 1, 3: one 64-byte load of
+// a super-block's codes gives the low nibbles of 64 bytes (sub-blocks 4k and 4k + 2) and, shifted,
+// the high ones (4k + 1 and 4k + 3), so each code vector meets 64 consecutive plane bytes
+inline int64_t plane_offset_q4k(int64_t b) {
+  constexpr int64_t kOrder[4] = {0, 2, 1, 3};
+  return (b - b % 4 + kOrder[b % 4]) * kBlock;
+}
+
+// one row of x -> its planes, scales and sums (Q6_K: the offsets -32 sum V as well)
+SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool q4k, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
                               float* s, int32_t* n32) {
+  const bool offsets = !q4k;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const __m512i vmax = _mm512_set1_epi32(static_cast<int>(kVmax)), vmin = _mm512_set1_epi32(-static_cast<int>(kVmax));
   const __m512i c128 = _mm512_set1_epi32(128), m255 = _mm512_set1_epi32(255);
@@ -91,9 +100,10 @@ SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool offsets, int8_t* h
       const __m512i m = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(t, c128), m255), c128);
       const __m512i H = _mm512_srai_epi32(_mm512_sub_epi32(t, m), 8);
       const int64_t o = b * kBlock + 16 * h;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + o), _mm512_cvtepi32_epi8(H));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(mid + o), _mm512_cvtepi32_epi8(m));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + o), _mm512_cvtepi32_epi8(l));
+      const int64_t po = q4k ? plane_offset_q4k(b) + 16 * h : o;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + po), _mm512_cvtepi32_epi8(H));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(mid + po), _mm512_cvtepi32_epi8(m));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + po), _mm512_cvtepi32_epi8(l));
       if (offsets) {
         alignas(64) int32_t vs[16];
         _mm512_store_si512(vs, V);
@@ -103,7 +113,8 @@ SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool offsets, int8_t* h
   }
 }
 
-A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool offsets) {
+A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k) {
+  const bool offsets = !q4k;
   A24 a;
   a.k = K;
   a.nb = K / kBlock;
@@ -113,7 +124,7 @@ A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool offsets) {
   if (offsets) a.n32.resize(static_cast<size_t>(M * K / 4));
   for (int64_t i = 0; i < M; ++i) {
     int8_t* base = a.q.data() + 3 * i * K;
-    split_row(x + i * ldx, K, offsets, base, base + K, base + 2 * K, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
+    split_row(x + i * ldx, K, q4k, base, base + K, base + 2 * K, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
               offsets ? a.n32.data() + i * K / 4 : nullptr);
   }
   return a;
@@ -143,10 +154,11 @@ SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
       const uint8_t* blk = w + r * ldw + sb * TS;
       __m256 vds, vdm;  // d * sc[s], dmin * m[s]
       kquant::avx2::scales_q45k(blk, &vds, &vdm);
-      __m512i codes[4];  // lanes 0-7: low nibbles of qs[32 j ..] (sub-block 2j), 8-15: high (2j + 1)
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
-        codes[j] = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), m4);
+      __m512i codes[4];  // codes[2h + n]: nibble n of qs[64 h .. 64 h + 63], sub-blocks 4h + n (lanes 0-7), 4h + n + 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+        codes[2 * h] = _mm512_and_si512(v, m4);
+        codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       }
       for (int i = 0; i < MX; ++i) {
         const int64_t x0 = (i0 + i) * a.nb + sb * 8;
@@ -155,7 +167,8 @@ SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
         const int8_t* xh = hp[i] + sb * kquant::kQK;
         for (int j = 0; j < 4; ++j) {
           const __m512i p = dot24(codes[j], xh + 64 * j, xh + K + 64 * j, xh + 2 * K + 64 * j);
-          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::pair_bcast(scl, 2 * j, 2 * j + 1), acc[r][i]);
+          const int sub = 4 * (j / 2) + j % 2;  // lanes 0-7: sub-block sub, 8-15: sub + 2
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::pair_bcast(scl, sub, sub + 2), acc[r][i]);
         }
       }
     }
@@ -270,7 +283,7 @@ at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t 
   if (M == 0 || N == 0) return out;
 #if SRT_CPU_X86
   const auto tiles = tiles_for(qtype);
-  const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, qtype == kGgmlQ6_K);
+  const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, qtype == kGgmlQ4_K);
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* op_out = out.data_ptr<float>();
   constexpr int64_t G = 4;
