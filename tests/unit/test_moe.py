@@ -14,7 +14,7 @@ from srt.layers.quantized_weight import GGUFTensor
 from tests.helpers.tiny_models import randomize_
 from tests.helpers.tiny_moe import _quantized, tiny_moe_config
 
-Q8_0, Q4_K = int(gguf.GGMLQuantizationType.Q8_0), int(gguf.GGMLQuantizationType.Q4_K)
+Q8_0, Q4_K, Q6_K = (int(gguf.GGMLQuantizationType[t]) for t in ("Q8_0", "Q4_K", "Q6_K"))
 
 
 def _x(t: int, h: int, seed: int = 0) -> torch.Tensor:
@@ -186,16 +186,20 @@ def test_sparse_block_with_shared_expert_matches_transformers():
 
 
 @pytest.mark.skipif(not gguf_kernels.moe_available(), reason="the native extension is not built")
-@pytest.mark.parametrize("source", ["float", "q4k", "mixed", "q4k-int8", "mixed-int8"])
+@pytest.mark.parametrize("source", ["float", "q4k", "mixed", "kquants", "q4k-int8", "mixed-int8"])
 def test_native_moe_op_equals_the_op_by_op_path(source, monkeypatch):
     """``moe_experts`` (moe.cpp) runs exactly the Python grouped path's kernels in its order:
     bit for bit the same output, for float banks, one GGUF bank, gate and up of two types, and
     int8 activations for small row counts (where every expert has at most int8_max_rows rows,
-    all experts in one loop per projection, moe_experts_q8a: the same bits)."""
+    all experts in one loop per projection, moe_experts_q8a: the same bits). On AVX-512 VNNI CPUs
+    the K-quant banks at up to 7 rows per expert take moe_experts_a24 likewise ("kquants": gate
+    Q4_K, up and down Q6_K, so both of its activation layouts run)."""
     if source == "float":
         experts = _float_experts(8, 64, 48)
     else:
-        qtypes = (Q4_K, Q8_0, Q4_K) if source.startswith("mixed") else (Q4_K, Q4_K, Q4_K)
+        qtypes = {"mixed": (Q4_K, Q8_0, Q4_K), "kquants": (Q4_K, Q6_K, Q6_K)}.get(
+            source.split("-")[0], (Q4_K,) * 3
+        )
         experts, _, _ = _gguf_experts(6, 256, 256, qtypes, per_expert=False)
     if source.endswith("int8"):
         experts.int8_max_rows = 2  # experts with 1-2 rows quantize x, the others do not

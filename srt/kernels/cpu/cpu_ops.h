@@ -51,6 +51,14 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);
 bool gguf_a24_takes(int64_t qtype);
+// gguf_a24.cpp: below how many rows gguf_linear takes gguf_linear_a24 (SRT_GGUF_A24_M, default 8)
+int64_t gguf_a24_rows();
+// gguf_a24.cpp: the experts of a sparse MLP through gguf_linear_a24's tiles, every expert's rows in
+// one parallel loop per projection (as moe_experts_q8a); undefined when a bank's type or shape has
+// no such path on this CPU
+at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& starts,
+                           const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
+                           const at::Tensor& down, int64_t down_qtype);
 // gguf_q8act.cpp: x quantized to int8 per block of 32 first (numerics in gguf.py)
 at::Tensor gguf_linear_q8a(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);

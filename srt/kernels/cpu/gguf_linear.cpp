@@ -46,19 +46,6 @@ int64_t small_m_limit() {
   return limit;
 }
 
-// below this many input rows, Q4_K and Q6_K take gguf_linear_a24 where the CPU has it (AVX-512
-// VNNI; SRT_GGUF_A24_M overrides, SRT_GGUF_A24=0 turns it off). On an 11008 x 4096 weight on Zen 5,
-// ms, a24 vs the float32 paths: Q4_K 1 row 0.49 vs 0.68, 4 rows 1.68 vs 2.10, 7 rows 2.97 vs 3.76,
-// 8 rows 3.53 vs 3.18; Q6_K 1 row 0.61 vs 1.02, 7 rows 3.72 vs 3.88, 8 rows 4.41 vs 3.38 (the
-// buffered float32 tiles take 4 rows at a time: 8 rows cost them no more than 7)
-int64_t a24_m_limit() {
-  static const int64_t limit = [] {
-    const char* env = std::getenv("SRT_GGUF_A24_M");
-    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{8};
-  }();
-  return limit;
-}
-
 int64_t gemm_m_limit() {
   static const int64_t limit = [] {
     const char* env = std::getenv("SRT_GGUF_GEMM_M");
@@ -517,7 +504,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
   float* op = out.data_ptr<float>();
 
 #if SRT_CPU_X86
-  if (M < a24_m_limit() && gguf_a24_takes(qtype)) return gguf_linear_a24(x, data, qtype, bias);
+  if (M < gguf_a24_rows() && gguf_a24_takes(qtype)) return gguf_linear_a24(x, data, qtype, bias);
   if (M >= small_m_limit() && M < gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
     const int64_t grain = std::max<int64_t>(kRb, 64 * 1024 / bpr / kRb * kRb);
     at::parallel_for(0, (N + kRb - 1) / kRb, std::max<int64_t>(1, grain / kRb), [&](int64_t g0, int64_t g1) {
