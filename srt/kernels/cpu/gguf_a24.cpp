@@ -55,7 +55,9 @@ struct A24 {
   std::vector<float> s;      // [M][K / 32]: float sum of x (Q4_K's minimum terms)
   std::vector<int32_t> n32;  // [M][K / 4]: -32 (sum of V over 4 consecutive), Q6_K only
   int64_t k = 0, nb = 0;
-  const int8_t* plane(int64_t i, int p) const { return q.data() + (3 * i + p) * k; }
+  int64_t ld = 0;  // bytes from one plane to the next: K plus a cache line, so that the planes of a
+                   // tile do not all map to the same L1 sets when K is a multiple of 4 KiB
+  const int8_t* plane(int64_t i, int p) const { return q.data() + (3 * i + p) * ld; }
 };
 
 #if SRT_CPU_X86
@@ -117,14 +119,15 @@ A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k) {
   const bool offsets = !q4k;
   A24 a;
   a.k = K;
+  a.ld = K + 64;
   a.nb = K / kBlock;
-  a.q.resize(static_cast<size_t>(3 * M * K));
+  a.q.resize(static_cast<size_t>(3 * M * a.ld));
   a.u.resize(static_cast<size_t>(M * a.nb));
   a.s.resize(static_cast<size_t>(M * a.nb));
   if (offsets) a.n32.resize(static_cast<size_t>(M * K / 4));
   for (int64_t i = 0; i < M; ++i) {
-    int8_t* base = a.q.data() + 3 * i * K;
-    split_row(x + i * ldx, K, q4k, base, base + K, base + 2 * K, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
+    int8_t* base = a.q.data() + 3 * i * a.ld;
+    split_row(x + i * ldx, K, q4k, base, base + a.ld, base + 2 * a.ld, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
               offsets ? a.n32.data() + i * K / 4 : nullptr);
   }
   return a;
@@ -166,7 +169,7 @@ SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
         acc[r][i] = _mm512_fnmadd_ps(qv::low8(vdm), qv::low8(_mm256_loadu_ps(a.s.data() + x0)), acc[r][i]);
         const int8_t* xh = hp[i] + sb * kquant::kQK;
         for (int j = 0; j < 4; ++j) {
-          const __m512i p = dot24(codes[j], xh + 64 * j, xh + K + 64 * j, xh + 2 * K + 64 * j);
+          const __m512i p = dot24(codes[j], xh + 64 * j, xh + a.ld + 64 * j, xh + 2 * a.ld + 64 * j);
           const int sub = 4 * (j / 2) + j % 2;  // lanes 0-7: sub-block sub, 8-15: sub + 2
           acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::pair_bcast(scl, sub, sub + 2), acc[r][i]);
         }
@@ -177,12 +180,12 @@ SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
 }
 
 template <int MX, int R, int C>
-SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const int8_t* const* xh, int64_t K, const __m512i (*n32)[4],
+SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const int8_t* const* xh, int64_t ld, const __m512i (*n32)[4],
                                const __m512* gscale, __m512* acc) {
   const __m512i q = qv::codes_q6k<C>(blk);
   for (int i = 0; i < MX; ++i) {
     const int8_t* p0 = xh[i] + 64 * C;
-    const __m512i p = _mm512_add_epi32(dot24(q, p0, p0 + K, p0 + 2 * K), n32[i][C]);
+    const __m512i p = _mm512_add_epi32(dot24(q, p0, p0 + ld, p0 + 2 * ld), n32[i][C]);
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), qv::quad_bcast<C>(gscale[i]), acc[i]);
   }
 }
@@ -212,10 +215,10 @@ SRT_TARGET_A24 void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
       __m512 gscale[MX];
       for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, ux[i]);  // (d sc_g) u_{g / 2}
-      q6k_chunk<MX, R, 0>(blk, xh, K, n32, gscale, acc[r]);
-      q6k_chunk<MX, R, 1>(blk, xh, K, n32, gscale, acc[r]);
-      q6k_chunk<MX, R, 2>(blk, xh, K, n32, gscale, acc[r]);
-      q6k_chunk<MX, R, 3>(blk, xh, K, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 0>(blk, xh, a.ld, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 1>(blk, xh, a.ld, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 2>(blk, xh, a.ld, n32, gscale, acc[r]);
+      q6k_chunk<MX, R, 3>(blk, xh, a.ld, n32, gscale, acc[r]);
     }
   }
   sums.store(out, ldo);
