@@ -1,5 +1,6 @@
 // GGUF matmuls on float32 activations through integer dot products (AVX-512 VNNI, Q4_K and Q6_K):
-// the decode path of gguf_linear for 1-3 input rows on CPUs that have it.
+// gguf_linear's path for 1-7 input rows (gguf_a24_rows()) on CPUs that have it, and moe_experts'
+// for experts of that many rows (moe_experts_a24, all experts in one parallel loop).
 //
 //   gguf_linear_a24(x [M, K] f32, data [N, K / 256 * ts] u8, qtype, bias?) -> [M, N] f32
 //   gguf_a24_qtypes() -> the types this CPU runs it for (empty without AVX-512 VNNI)
@@ -26,7 +27,9 @@
 // Against dot_rows (float32 FMAs on codes widened to floats, compute-bound on AVX-512 at about
 // 36 GB/s of weights on Zen 5), a weight row's 64 codes take 3 dot instructions instead of 8
 // conversions and FMAs. Tiles and threading as gguf_linear_q8a's (gguf_q8act_vnni.h): 4 weight
-// rows x up to 4 activation rows, threads over contiguous ranges of 4-row weight groups.
+// rows x up to 4 activation rows, threads over contiguous ranges of 4-row weight groups. Layout of
+// the planes: per activation row hi, mid, lo, each K bytes and a cache line apart; Q4_K's in the
+// block order of its code vectors (plane_offset_q4k).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
