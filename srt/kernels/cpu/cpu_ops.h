@@ -4,9 +4,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 #include <c10/util/string_view.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -87,6 +89,22 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, in
 // packed_linear.cpp: float32 x @ W^T on a weight from pack_linear_weight (N: W's rows)
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          c10::string_view isa);
+
+// One projection of a sparse block's active experts in one parallel loop: bank is uint8 [E, N, bpr]
+// (E matrices of GGUF rows); fn(e, n, rows, w) runs once for each group of G weight rows of each
+// active expert e (rows n .. n + rows - 1, w pointing at the first), about 64 KiB of weights per task.
+template <int64_t G, class Fn>
+void for_expert_row_groups(const at::Tensor& bank, const std::vector<int64_t>& active, Fn fn) {
+  const int64_t N = bank.size(1), bpr = bank.size(2), groups = (N + G - 1) / G;
+  const uint8_t* base = bank.data_ptr<uint8_t>();
+  const int64_t items = static_cast<int64_t>(active.size()) * groups;
+  at::parallel_for(0, items, std::max<int64_t>(1, 64 * 1024 / (G * bpr)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / groups], n = t % groups * G;
+      fn(e, n, std::min(G, N - n), base + (e * N + n) * bpr);
+    }
+  });
+}
 
 // Argument checks the GGUF matmul ops share (`op` names the op in the message).
 // x: a float32 CPU tensor [M, K] with a contiguous last dim

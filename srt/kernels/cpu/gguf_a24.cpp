@@ -213,9 +213,7 @@ SRT_TARGET_A24 void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * ldw + sb * TS;
-      const __m512 dsc = _mm512_mul_ps(
-          _mm512_set1_ps(kquant::fp16_at(blk + 208)),
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      const __m512 dsc = qv::q6k_scales(blk);
       __m512 gscale[MX];
       for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, ux[i]);  // (d sc_g) u_{g / 2}
       q6k_chunk<MX, R, 0>(blk, xh, a.ld, n32, gscale, acc[r]);
@@ -337,23 +335,15 @@ namespace {
 // experts' 4-row weight groups in one parallel loop
 void experts_a24(const TileFn (*tiles)[kMaxXTile], const at::Tensor& bank, const std::vector<int64_t>& active,
                  const std::vector<int64_t>& starts, const A24& a, float* out, int64_t ldo, int64_t col0) {
-  constexpr int64_t G = 4;
-  const int64_t N = bank.size(1), bpr = bank.size(2), groups = (N + G - 1) / G;
-  const uint8_t* base = bank.data_ptr<uint8_t>();
-  const int64_t items = static_cast<int64_t>(active.size()) * groups;
-  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));
-  at::parallel_for(0, items, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / groups], n = t % groups * G, rows = std::min(G, N - n);
-      const uint8_t* w = base + (e * N + n) * bpr;
-      for (int64_t i = starts[e]; i < starts[e + 1]; i += kMaxXTile) {
-        const int64_t mx = std::min<int64_t>(kMaxXTile, starts[e + 1] - i);
-        float* o = out + i * ldo + col0 + n;
-        if (rows == G) {
-          tiles[1][mx - 1](w, bpr, a, i, o, ldo);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + r * bpr, bpr, a, i, o + r, ldo);
-        }
+  const int64_t bpr = bank.size(2);
+  for_expert_row_groups<4>(bank, active, [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
+    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMaxXTile) {
+      const int64_t mx = std::min<int64_t>(kMaxXTile, starts[e + 1] - i);
+      float* o = out + i * ldo + col0 + n;
+      if (rows == 4) {
+        tiles[1][mx - 1](w, bpr, a, i, o, ldo);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + r * bpr, bpr, a, i, o + r, ldo);
       }
     }
   });

@@ -212,19 +212,11 @@ namespace {
 // experts' 4-row weight groups in one parallel loop
 void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vector<int64_t>& active,
                  const std::vector<int64_t>& starts, const q8::Acts& acts, float* out, int64_t ldo, int64_t col0) {
-  constexpr int64_t G = q8::kMaxWRows;
-  const int64_t N = bank.size(1), bpr = bank.size(2), groups = (N + G - 1) / G;
-  const uint8_t* base = bank.data_ptr<uint8_t>();
-  const int64_t items = static_cast<int64_t>(active.size()) * groups;
-  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));
-  at::parallel_for(0, items, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / groups], n = t % groups * G, rows = std::min(G, N - n);
-      const uint8_t* w = base + (e * N + n) * bpr;
-      for (int64_t i = starts[e]; i < starts[e + 1]; i += ops.x_rows) {
-        const int64_t mx = std::min<int64_t>(ops.x_rows, starts[e + 1] - i);
-        ops.dot(w, bpr, rows, acts, i, mx, out + i * ldo + col0 + n, ldo);
-      }
+  const int64_t bpr = bank.size(2);
+  for_expert_row_groups<q8::kMaxWRows>(bank, active, [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
+    for (int64_t i = starts[e]; i < starts[e + 1]; i += ops.x_rows) {
+      const int64_t mx = std::min<int64_t>(ops.x_rows, starts[e + 1] - i);
+      ops.dot(w, bpr, rows, acts, i, mx, out + i * ldo + col0 + n, ldo);
     }
   });
 }

@@ -114,6 +114,13 @@ SRT_INLINE_VNNI __m512i codes_q6k(const uint8_t* blk) {
   return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)), _mm512_slli_epi16(qh, 4));
 }
 
+// d * sc_g of a Q6_K block's 16 groups
+SRT_INLINE_VNNI __m512 q6k_scales(const uint8_t* blk) {
+  return _mm512_mul_ps(
+      _mm512_set1_ps(kquant::fp16_at(blk + 208)),
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+}
+
 // lanes 4q .. 4q + 3 take element 4 C + q of v
 template <int C>
 SRT_INLINE_VNNI __m512 quad_bcast(__m512 v) {
@@ -156,9 +163,7 @@ SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const Acts& a, int64
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * ldw + sb * TS;
-      const __m512 dsc = _mm512_mul_ps(
-          _mm512_set1_ps(kquant::fp16_at(blk + 208)),
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      const __m512 dsc = q6k_scales(blk);
       __m512 gscale[MX];
       for (int i = 0; i < MX; ++i) gscale[i] = _mm512_mul_ps(dsc, dx[i]);  // (d sc_g) dx_{g / 2}
       q6k_chunk<MX, R, 0>(blk, xq, neg32, gscale, acc[r]);
