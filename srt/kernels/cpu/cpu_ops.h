@@ -90,15 +90,14 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, in
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          c10::string_view isa);
 
-// One projection of a sparse block's active experts in one parallel loop: bank is uint8 [E, N, bpr]
-// (E matrices of GGUF rows); fn(e, n, rows, w) runs once for each group of G weight rows of each
-// active expert e (rows n .. n + rows - 1, w pointing at the first), about 64 KiB of weights per task.
+// One projection of a sparse block's active experts in one parallel loop: `base` holds E matrices
+// of N GGUF rows of bpr bytes (a uint8 bank [E, N, bpr]); fn(e, n, rows, w) runs once for each group
+// of G weight rows of each expert e in active[0 .. count) (rows n .. n + rows - 1, w pointing at
+// the first), about 64 KiB of weights per task. A dense matmul is the bank of one matrix, active {0}.
 template <int64_t G, class Fn>
-void for_expert_row_groups(const at::Tensor& bank, const std::vector<int64_t>& active, Fn fn) {
-  const int64_t N = bank.size(1), bpr = bank.size(2), groups = (N + G - 1) / G;
-  const uint8_t* base = bank.data_ptr<uint8_t>();
-  const int64_t items = static_cast<int64_t>(active.size()) * groups;
-  at::parallel_for(0, items, std::max<int64_t>(1, 64 * 1024 / (G * bpr)), [&](int64_t t0, int64_t t1) {
+void for_expert_row_groups(const uint8_t* base, int64_t N, int64_t bpr, const int64_t* active, int64_t count, Fn fn) {
+  const int64_t groups = (N + G - 1) / G;
+  at::parallel_for(0, count * groups, std::max<int64_t>(1, 64 * 1024 / (G * bpr)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e = active[t / groups], n = t % groups * G;
       fn(e, n, std::min(G, N - n), base + (e * N + n) * bpr);

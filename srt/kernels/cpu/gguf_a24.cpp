@@ -63,9 +63,12 @@ struct A24 {
   const int8_t* plane(int64_t i, int p) const { return q.data() + (3 * i + p) * ld; }
 };
 
-#if SRT_CPU_X86
-#define SRT_TARGET_A24 SRT_TARGET_VNNI
+// bytes of a Q4_K / Q6_K row of `cols` weights
+int64_t row_bytes(int64_t qtype, int64_t cols) {
+  return cols / kquant::kQK * (qtype == kGgmlQ4_K ? kquant::kQ4KBytes : kquant::kQ6KBytes);
+}
 
+#if SRT_CPU_X86
 // Q4_K's planes put the blocks of each 128 activations in the order 0, 2, 1, 3: one 64-byte load of
 // a super-block's codes gives the low nibbles of 64 bytes (sub-blocks 4k and 4k + 2) and, shifted,
 // the high ones (4k + 1 and 4k + 3), so each code vector meets 64 consecutive plane bytes
@@ -75,7 +78,7 @@ inline int64_t plane_offset_q4k(int64_t b) {
 }
 
 // one row of x -> its planes, scales and sums (Q6_K: the offsets -32 sum V as well)
-SRT_TARGET_A24 void split_row(const float* x, int64_t K, bool q4k, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
+SRT_TARGET_VNNI void split_row(const float* x, int64_t K, bool q4k, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
                               float* s, int32_t* n32) {
   const bool offsets = !q4k;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -146,7 +149,7 @@ SRT_INLINE_VNNI __m512i dot24(__m512i codes, const int8_t* hi, const int8_t* mid
 }
 
 template <int MX, int R>
-SRT_TARGET_A24 void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+SRT_TARGET_VNNI void dot_q4k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
   constexpr int TS = kquant::kQ4KBytes;
   qv::TileSums<R, MX> sums;
   auto& acc = sums.acc;
@@ -194,7 +197,7 @@ SRT_INLINE_VNNI void q6k_chunk(const uint8_t* blk, const int8_t* const* xh, int6
 }
 
 template <int MX, int R>
-SRT_TARGET_A24 void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
+SRT_TARGET_VNNI void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
   constexpr int TS = kquant::kQ6KBytes;
   qv::TileSums<R, MX> sums;
   auto& acc = sums.acc;
@@ -227,24 +230,14 @@ SRT_TARGET_A24 void dot_q6k(const uint8_t* w, int64_t ldw, const A24& a, int64_t
 
 using TileFn = void (*)(const uint8_t*, int64_t, const A24&, int64_t, float*, int64_t);
 
-template <int MX, int R>
-struct Q4K {
-  static void run(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
-    dot_q4k<MX, R>(w, ldw, a, i0, out, ldo);
-  }
-};
-template <int MX, int R>
-struct Q6K {
-  static void run(const uint8_t* w, int64_t ldw, const A24& a, int64_t i0, float* out, int64_t ldo) {
-    dot_q6k<MX, R>(w, ldw, a, i0, out, ldo);
-  }
-};
-
 // [R == 4 ? 1 : 0][MX - 1]
-template <template <int, int> class Dot>
-constexpr TileFn kTiles[2][kMaxXTile] = {
-    {&Dot<1, 1>::run, &Dot<2, 1>::run, &Dot<3, 1>::run, &Dot<4, 1>::run},
-    {&Dot<1, 4>::run, &Dot<2, 4>::run, &Dot<3, 4>::run, &Dot<4, 4>::run},
+constexpr TileFn kQ4KTiles[2][kMaxXTile] = {
+    {&dot_q4k<1, 1>, &dot_q4k<2, 1>, &dot_q4k<3, 1>, &dot_q4k<4, 1>},
+    {&dot_q4k<1, 4>, &dot_q4k<2, 4>, &dot_q4k<3, 4>, &dot_q4k<4, 4>},
+};
+constexpr TileFn kQ6KTiles[2][kMaxXTile] = {
+    {&dot_q6k<1, 1>, &dot_q6k<2, 1>, &dot_q6k<3, 1>, &dot_q6k<4, 1>},
+    {&dot_q6k<1, 4>, &dot_q6k<2, 4>, &dot_q6k<3, 4>, &dot_q6k<4, 4>},
 };
 
 const TileFn (*tiles_for(int64_t qtype))[kMaxXTile] {
@@ -254,9 +247,24 @@ const TileFn (*tiles_for(int64_t qtype))[kMaxXTile] {
   }();
   if (!enabled) return nullptr;
   switch (qtype) {
-    case kGgmlQ4_K: return kTiles<Q4K>;
-    case kGgmlQ6_K: return kTiles<Q6K>;
+    case kGgmlQ4_K: return kQ4KTiles;
+    case kGgmlQ6_K: return kQ6KTiles;
     default: return nullptr;
+  }
+}
+
+// the weight rows w .. w + rows - 1 (rows <= 4) against activation rows i0 .. i1 - 1, tiles of up to
+// 4 of them: out[(i - i0) * ldo + r] for weight row r and activation row i
+void tile_rows(const TileFn (*tiles)[kMaxXTile], const uint8_t* w, int64_t bpr, int64_t rows, const A24& a,
+               int64_t i0, int64_t i1, float* out, int64_t ldo) {
+  for (int64_t i = i0; i < i1; i += kMaxXTile) {
+    const int64_t mx = std::min<int64_t>(kMaxXTile, i1 - i);
+    float* o = out + (i - i0) * ldo;
+    if (rows == 4) {
+      tiles[1][mx - 1](w, bpr, a, i, o, ldo);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + r * bpr, bpr, a, i, o + r, ldo);
+    }
   }
 }
 #else
@@ -267,8 +275,9 @@ const void* tiles_for(int64_t) { return nullptr; }
 
 bool gguf_a24_takes(int64_t qtype) { return tiles_for(qtype) != nullptr; }
 
-// below this many input rows, gguf_linear (and moe_experts) take this path for Q4_K and Q6_K where the CPU has it (AVX-512
-// VNNI; SRT_GGUF_A24_M overrides, SRT_GGUF_A24=0 turns it off). On an 11008 x 4096 weight on Zen 5,
+// below this many input rows, gguf_linear (and moe_experts) take this path for Q4_K and Q6_K where
+// the CPU has it (AVX-512 VNNI; SRT_GGUF_A24_M overrides, SRT_GGUF_A24=0 turns it off). On an
+// 11008 x 4096 weight on Zen 5,
 // ms, a24 vs the float32 paths: Q4_K 1 row 0.49 vs 0.68, 4 rows 1.68 vs 2.10, 7 rows 2.97 vs 3.76,
 // 8 rows 3.53 vs 3.18; Q6_K 1 row 0.61 vs 1.02, 7 rows 3.72 vs 3.88, 8 rows 4.41 vs 3.38 (the
 // buffered float32 tiles take 4 rows at a time: 8 rows cost them no more than 7)
@@ -290,9 +299,8 @@ at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t 
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               op, ": data must be a contiguous uint8 CPU tensor [N, bytes_per_row]");
   const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
-  const int64_t ts = qtype == kGgmlQ4_K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
   TORCH_CHECK(K > 0 && K % kquant::kQK == 0, op, ": the row length ", K, " must be a positive multiple of 256");
-  const int64_t bpr = K / kquant::kQK * ts;
+  const int64_t bpr = row_bytes(qtype, K);
   TORCH_CHECK(data.size(1) == bpr, op, ": rows of ", K, " weights take ", bpr, " bytes, data rows have ",
               data.size(1));
   const float* bp = checked_bias(op, bias, N);
@@ -301,28 +309,16 @@ at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t 
 #if SRT_CPU_X86
   const auto tiles = tiles_for(qtype);
   const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, qtype == kGgmlQ4_K);
-  const uint8_t* w = data.data_ptr<uint8_t>();
   float* op_out = out.data_ptr<float>();
-  constexpr int64_t G = 4;
-  const int64_t groups = (N + G - 1) / G;
-  const int64_t grain = std::max<int64_t>(1, 64 * 1024 / (G * bpr));  // about 64 KiB of weights per task
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n = g * G, rows = std::min(G, N - n);
-      for (int64_t i = 0; i < M; i += kMaxXTile) {
-        const int64_t mx = std::min<int64_t>(kMaxXTile, M - i);
-        if (rows == G) {
-          tiles[1][mx - 1](w + n * bpr, bpr, a, i, op_out + i * N + n, N);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + (n + r) * bpr, bpr, a, i, op_out + i * N + n + r, N);
-        }
-      }
-      if (bp != nullptr) {
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t r = 0; r < rows; ++r) op_out[i * N + n + r] += bp[n + r];
-      }
+  const auto group = [&](int64_t, int64_t n, int64_t rows, const uint8_t* w) {
+    tile_rows(tiles, w, bpr, rows, a, 0, M, op_out + n, N);
+    if (bp != nullptr) {
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t r = 0; r < rows; ++r) op_out[i * N + n + r] += bp[n + r];
     }
-  });
+  };
+  const int64_t only = 0;  // one matrix: a bank of one
+  for_expert_row_groups<4>(data.data_ptr<uint8_t>(), N, bpr, &only, 1, group);
 #endif
   return out;
 }
@@ -336,24 +332,16 @@ namespace {
 void experts_a24(const TileFn (*tiles)[kMaxXTile], const at::Tensor& bank, const std::vector<int64_t>& active,
                  const std::vector<int64_t>& starts, const A24& a, float* out, int64_t ldo, int64_t col0) {
   const int64_t bpr = bank.size(2);
-  for_expert_row_groups<4>(bank, active, [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
-    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMaxXTile) {
-      const int64_t mx = std::min<int64_t>(kMaxXTile, starts[e + 1] - i);
-      float* o = out + i * ldo + col0 + n;
-      if (rows == 4) {
-        tiles[1][mx - 1](w, bpr, a, i, o, ldo);
-      } else {
-        for (int64_t r = 0; r < rows; ++r) tiles[0][mx - 1](w + r * bpr, bpr, a, i, o + r, ldo);
-      }
-    }
+  for_expert_row_groups<4>(bank.data_ptr<uint8_t>(), bank.size(1), bpr, active.data(),
+                           static_cast<int64_t>(active.size()), [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
+    tile_rows(tiles, w, bpr, rows, a, starts[e], starts[e + 1], out + starts[e] * ldo + col0 + n, ldo);
   });
 }
 
 // whether `bank` [E, rows, bytes] holds rows of `cols` weights of a type this CPU runs here
 bool bank_fits(const at::Tensor& bank, int64_t qtype, int64_t cols) {
   if (tiles_for(qtype) == nullptr || cols <= 0 || cols % kquant::kQK != 0) return false;
-  const int64_t ts = qtype == kGgmlQ4_K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
-  return bank.scalar_type() == at::kByte && bank.dim() == 3 && bank.is_contiguous() && bank.size(2) == cols / kquant::kQK * ts;
+  return bank.scalar_type() == at::kByte && bank.dim() == 3 && bank.is_contiguous() && bank.size(2) == row_bytes(qtype, cols);
 }
 #endif
 

@@ -213,7 +213,8 @@ namespace {
 void experts_q8a(const q8::Q8aOps& ops, const at::Tensor& bank, const std::vector<int64_t>& active,
                  const std::vector<int64_t>& starts, const q8::Acts& acts, float* out, int64_t ldo, int64_t col0) {
   const int64_t bpr = bank.size(2);
-  for_expert_row_groups<q8::kMaxWRows>(bank, active, [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
+  for_expert_row_groups<q8::kMaxWRows>(bank.data_ptr<uint8_t>(), bank.size(1), bpr, active.data(),
+                                       static_cast<int64_t>(active.size()), [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
     for (int64_t i = starts[e]; i < starts[e + 1]; i += ops.x_rows) {
       const int64_t mx = std::min<int64_t>(ops.x_rows, starts[e + 1] - i);
       ops.dot(w, bpr, rows, acts, i, mx, out + i * ldo + col0 + n, ldo);
