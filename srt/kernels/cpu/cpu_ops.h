@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "gguf_quant.h"
 #include "vec.h"
 
 namespace srt_cpu {
@@ -53,11 +54,28 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                            const c10::optional<at::Tensor>& bias);
 bool gguf_a24_takes(int64_t qtype);
-// gguf_a24.cpp: below how many rows gguf_linear takes gguf_linear_a24 (SRT_GGUF_A24_M, default 8)
+// gguf_a24.cpp: below how many rows gguf_linear takes gguf_linear_a24 where it runs
+// (SRT_GGUF_A24_M, default 3)
 int64_t gguf_a24_rows();
-// gguf_a24.cpp: the experts of a sparse MLP through gguf_linear_a24's tiles, every expert's rows in
-// one parallel loop per projection (as moe_experts_q8a); undefined when a bank's type or shape has
-// no such path on this CPU
+// gguf_linear.cpp: the register tiles (QuantRowOps::dot_tile) that gguf_linear runs for 2 rows
+// up to its GEMM (from gguf_a24_rows on where that runs): gguf_tile_ops, the type's row functions
+// where it has tiles on this CPU (SRT_GGUF_TILES=0: none); pack_tiles, x [M, K] (rows ldx apart)
+// packed for them; tile_rows_float, out[i * ldo + r] = dequant(w + r * bpr) . x[i] (+ bias[r]) for
+// the `rows` weight rows from w and every row of the packed x
+struct TileX {
+  std::vector<float> data;         // group g at data + m0[g] * k: [k / 16][width[g]][16]
+  std::vector<int64_t> m0, width;  // per group of at most kDotTileRows rows: first row, rows
+  int64_t k = 0;
+};
+const QuantRowOps* gguf_tile_ops(int64_t qtype);
+TileX pack_tiles(const float* x, int64_t ldx, int64_t M, int64_t K);
+void tile_rows_float(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t rows, const TileX& xt,
+                     const float* bias, float* out, int64_t ldo);
+// gguf_a24.cpp: the experts of a sparse MLP of at most kMoeSmallRows rows each through the paths
+// gguf_linear takes for them (gguf_linear_a24's tiles below gguf_a24_rows, else the register
+// tiles), every expert's rows in one parallel loop per projection (as moe_experts_q8a); undefined
+// when a bank's type or shape has no such path on this CPU
+constexpr int64_t kMoeSmallRows = 7;
 at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& starts,
                            const std::vector<at::Tensor>& gate_up, const std::vector<int64_t>& gate_up_qtypes,
                            const at::Tensor& down, int64_t down_qtype);

@@ -1,6 +1,7 @@
 // GGUF matmuls on float32 activations through integer dot products (AVX-512 VNNI, Q4_K and Q6_K):
-// gguf_linear's path for 1-7 input rows (gguf_a24_rows()) on CPUs that have it, and moe_experts'
-// for experts of that many rows (moe_experts_a24, all experts in one parallel loop).
+// gguf_linear's path for 1-2 input rows (gguf_a24_rows()) on CPUs that have it, and moe_experts'
+// for experts of up to 7 rows (moe_experts_a24, all experts in one parallel loop, each through the
+// path gguf_linear takes for its rows: this one or the register tiles).
 //
 //   gguf_linear_a24(x [M, K] f32, data [N, K / 256 * ts] u8, qtype, bias?) -> [M, N] f32
 //   gguf_a24_qtypes() -> the types this CPU runs it for (empty without AVX-512 VNNI)
@@ -275,16 +276,16 @@ const void* tiles_for(int64_t) { return nullptr; }
 
 bool gguf_a24_takes(int64_t qtype) { return tiles_for(qtype) != nullptr; }
 
-// below this many input rows, gguf_linear (and moe_experts) take this path for Q4_K and Q6_K where
-// the CPU has it (AVX-512 VNNI; SRT_GGUF_A24_M overrides, SRT_GGUF_A24=0 turns it off). On an
-// 11008 x 4096 weight on Zen 5,
-// ms, a24 vs the float32 paths: Q4_K 1 row 0.49 vs 0.68, 4 rows 1.68 vs 2.10, 7 rows 2.97 vs 3.76,
-// 8 rows 3.53 vs 3.18; Q6_K 1 row 0.61 vs 1.02, 7 rows 3.72 vs 3.88, 8 rows 4.41 vs 3.38 (the
-// buffered float32 tiles take 4 rows at a time: 8 rows cost them no more than 7)
+// below this many input rows gguf_linear (and moe_experts_a24, expert by expert) takes this path
+// for Q4_K and Q6_K where the CPU has it (AVX-512 VNNI; SRT_GGUF_A24_M overrides it, SRT_GGUF_A24=0
+// turns it off); from there on the register tiles (gguf_tile_ops). On Zen 5, ms, this path vs the
+// tiles: 11008 x 4096 Q4_K 1 row 0.49 vs 0.82, 2 rows 0.75 vs 0.92, 4 rows 1.62 vs 1.33; 14336 x
+// 4096 Q4_K 2 rows 0.94 vs 1.38, 3 rows 1.45 vs 1.52; 4096 x 14336 Q6_K 2 rows 1.33 vs 1.69, 3 rows
+// 2.00 vs 1.84. A decode step of the Llama-3.1-8B Q4_K_M shape at batch 3 takes as long either way.
 int64_t gguf_a24_rows() {
   static const int64_t limit = [] {
     const char* env = std::getenv("SRT_GGUF_A24_M");
-    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{8};
+    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{3};
   }();
   return limit;
 }
@@ -326,16 +327,33 @@ at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t 
 namespace {
 
 #if SRT_CPU_X86
-// one projection of the active experts: out[p, col0 + n] = (row p of a) . (row n of expert e's
+// one projection of the active experts: out[p, col0 + n] = (row p of x) . (row n of expert e's
 // matrix in `bank`) for the pairs p of each expert e (rows starts[e] .. starts[e + 1]); all the
-// experts' 4-row weight groups in one parallel loop
-void experts_a24(const TileFn (*tiles)[kMaxXTile], const at::Tensor& bank, const std::vector<int64_t>& active,
-                 const std::vector<int64_t>& starts, const A24& a, float* out, int64_t ldo, int64_t col0) {
-  const int64_t bpr = bank.size(2);
+// experts' 4-row weight groups in one parallel loop, each through the path gguf_linear takes for
+// the expert's row count (a: x's 24-bit planes, xt[e]: expert e's rows packed for the tiles)
+void experts_small(int64_t qtype, const at::Tensor& bank, const std::vector<int64_t>& active,
+                   const std::vector<int64_t>& starts, const A24& a, const std::vector<TileX>& xt, float* out,
+                   int64_t ldo, int64_t col0) {
+  const TileFn (*tiles)[kMaxXTile] = tiles_for(qtype);
+  const QuantRowOps* fops = gguf_tile_ops(qtype);
+  const int64_t bpr = bank.size(2), a24_rows = gguf_a24_rows();
   for_expert_row_groups<4>(bank.data_ptr<uint8_t>(), bank.size(1), bpr, active.data(),
                            static_cast<int64_t>(active.size()), [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
-    tile_rows(tiles, w, bpr, rows, a, starts[e], starts[e + 1], out + starts[e] * ldo + col0 + n, ldo);
+    float* o = out + starts[e] * ldo + col0 + n;
+    if (starts[e + 1] - starts[e] < a24_rows || fops == nullptr) {
+      tile_rows(tiles, w, bpr, rows, a, starts[e], starts[e + 1], o, ldo);
+    } else {
+      tile_rows_float(*fops, w, bpr, rows, xt[e], nullptr, o, ldo);
+    }
   });
+}
+
+// x's rows of each active expert packed for the register tiles (empty for the others)
+std::vector<TileX> pack_experts(const float* x, int64_t ldx, int64_t K, const std::vector<int64_t>& active,
+                                const std::vector<int64_t>& starts) {
+  std::vector<TileX> xt(starts.size() - 1);
+  for (int64_t e : active) xt[e] = pack_tiles(x + starts[e] * ldx, ldx, starts[e + 1] - starts[e], K);
+  return xt;
 }
 
 // whether `bank` [E, rows, bytes] holds rows of `cols` weights of a type this CPU runs here
@@ -357,15 +375,23 @@ at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& sta
     if (!bank_fits(gate_up[b], gate_up_qtypes[b], H)) return {};
   if (!bank_fits(down, down_qtype, I)) return {};
   std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) {
     if (starts[e + 1] > starts[e]) active.push_back(e);
+    most = std::max(most, starts[e + 1] - starts[e]);
+  }
+  // an expert past the 24-bit path's rows needs the register tiles (absent with SRT_GGUF_TILES=0)
+  for (int64_t q : gate_up_qtypes)
+    if (most >= gguf_a24_rows() && gguf_tile_ops(q) == nullptr) return {};
+  if (most >= gguf_a24_rows() && gguf_tile_ops(down_qtype) == nullptr) return {};
   const at::Tensor xc = xs.contiguous();
   int64_t width = 0;
   for (const at::Tensor& b : gate_up) width += b.size(1);
   at::Tensor h = at::empty({P, width}, xs.options());
-  // the activations once per layout (Q4_K's block order differs from Q6_K's)
+  // the activations once per layout (Q4_K's block order differs from Q6_K's), and packed for the tiles
   A24 split[2];
   bool have[2] = {false, false};
+  const std::vector<TileX> xt = pack_experts(xc.data_ptr<float>(), H, H, active, starts);
   int64_t col = 0;
   for (size_t b = 0; b < gate_up.size(); ++b) {
     const int q4k = gate_up_qtypes[b] == kGgmlQ4_K ? 1 : 0;
@@ -373,14 +399,15 @@ at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& sta
       split[q4k] = split_x(xc.data_ptr<float>(), H, P, H, q4k == 1);
       have[q4k] = true;
     }
-    experts_a24(tiles_for(gate_up_qtypes[b]), gate_up[b], active, starts, split[q4k], h.data_ptr<float>(), width, col);
+    experts_small(gate_up_qtypes[b], gate_up[b], active, starts, split[q4k], xt, h.data_ptr<float>(), width, col);
     col += gate_up[b].size(1);
   }
   const at::Tensor act = silu_and_mul(h);
   TORCH_CHECK(act.size(1) == I, "moe_experts: gate_up's width ", width, " is not twice down's columns ", I);
   const A24 sa = split_x(act.data_ptr<float>(), I, P, I, down_qtype == kGgmlQ4_K);
+  const std::vector<TileX> at = pack_experts(act.data_ptr<float>(), I, I, active, starts);
   at::Tensor y = at::empty({P, H}, xs.options());
-  experts_a24(tiles_for(down_qtype), down, active, starts, sa, y.data_ptr<float>(), H, 0);
+  experts_small(down_qtype, down, active, starts, sa, at, y.data_ptr<float>(), H, 0);
   return y;
 #else
   return {};

@@ -34,9 +34,9 @@ const QuantRowOps kAvx2Ops[3] = {
 };
 namespace kw = kquant::avx512;
 const QuantRowOps kAvx512Ops[3] = {
-    {kquant::kQK, kquant::kQ4KBytes, &kw::dequant_row_q45k<false>, &kw::dot_rows_q45k<false>},
+    {kquant::kQK, kquant::kQ4KBytes, &kw::dequant_row_q45k<false>, &kw::dot_rows_q45k<false>, &kw::dot_tile_q4k},
     {kquant::kQK, kquant::kQ5KBytes, &kw::dequant_row_q45k<true>, &kw::dot_rows_q45k<true>},
-    {kquant::kQK, kquant::kQ6KBytes, &kw::dequant_row_q6k, &kw::dot_rows_q6k},
+    {kquant::kQK, kquant::kQ6KBytes, &kw::dequant_row_q6k, &kw::dot_rows_q6k, &kw::dot_tile_q6k},
 };
 #endif
 

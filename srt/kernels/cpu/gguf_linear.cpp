@@ -5,17 +5,21 @@
 //   gguf_dequantize(data [R, bpr] u8 (or one row [bpr]), qtype, cols) -> [R, cols] f32
 //   gguf_qtypes() -> the types with row functions on this CPU
 //
-// gguf_linear takes one of three paths by the number of input rows M (threads always take
-// contiguous ranges of weight rows, so the quantized weights stream from memory once per call);
-// before them, Q4_K and Q6_K at M <= 7 on CPUs with AVX-512 VNNI take gguf_linear_a24 (x as
-// 24-bit fixed point per block of 32, integer dot products: gguf_a24.cpp):
+// gguf_linear takes one of these paths by the number of input rows M (threads always take
+// contiguous ranges of weight rows, so the quantized weights stream from memory once per call):
+//   M <= 2        Q4_K and Q6_K on CPUs with AVX-512 VNNI: gguf_linear_a24 (x as 24-bit fixed
+//                 point per block of 32, integer dot products: gguf_a24.cpp);
 //   M <= 3 (4)    dot_rows: each block dequantized in registers and applied to all rows (decode:
 //                 bound by reading the weights, about 1/6 of float32's bytes for 4-bit types);
-//   4 (5) <= M <= 12  8 weight rows at a time dequantized into an L1 buffer, float dot tiles
-//                 (the bounds in brackets: CPUs without AVX-512);
-//   M >= 13       a GEMM on dequantized tiles against x packed once per call (prefill, big
+//   2 <= M <= 27  types with register tiles (AVX-512: Q4_K, Q6_K; from 3 rows where the 24-bit
+//                 path runs): x packed once, weights dequantized in registers 3 rows at a time
+//                 against up to 8 rows of x (tile_rows_float);
+//   4 (5) <= M <= 12  the other types: 8 weight rows at a time dequantized into an L1 buffer,
+//                 float dot tiles (the bounds in brackets: CPUs without AVX-512);
+//   M >= 13 (28)  a GEMM on dequantized tiles against x packed once per call (prefill, big
 //                 decode batches): at float32 GEMM speed, plus the dequantization.
-// Each output's sum runs in a fixed order that depends on M and K only, not on the thread count.
+// Each output's sum runs in a fixed order that depends on M and K only, not on the thread count
+// (on the register tiles not on M either: a row's sums are the same in any batch).
 // The per-type row functions are AVX2 (also used on AVX-512 CPUs) or scalar (other CPUs, or
 // SRT_CPU_ISA=scalar); the buffered and GEMM paths need AVX2, the scalar build uses dot_rows.
 #include <ATen/ATen.h>
@@ -42,6 +46,18 @@ int64_t small_m_limit() {
     // AVX-512's buffered tiles beat dot_rows from 4 rows (an 11008 x 4096 Q4_K weight on Zen 5:
     // 2.17 vs 3.14 ms); AVX2's from 5
     return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{detect_isa() == CpuIsa::kAvx512 ? 4 : 5};
+  }();
+  return limit;
+}
+
+// below this many input rows the register tiles (gguf_tile_ops) run instead of the GEMM, from 2 rows
+// on (from gguf_a24_rows() on where the 24-bit path runs); SRT_GGUF_TILE_M overrides it. An
+// 11008 x 4096 weight on Zen 5, ms, tiles vs the GEMM: Q4_K 24 rows 5.9 vs 8.0, 28 rows 7.28 vs
+// 7.28, 32 rows 7.9 vs 7.3
+int64_t tile_m_limit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("SRT_GGUF_TILE_M");
+    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{28};
   }();
   return limit;
 }
@@ -487,6 +503,55 @@ void linear_rows_gemm(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int
 
 }  // namespace
 
+// ---------------------------------------------------------------- medium batch: register tiles
+// (declared in cpu_ops.h: moe_experts_a24 runs them too)
+
+const QuantRowOps* gguf_tile_ops(int64_t qtype) {
+  static const bool on = [] {
+    const char* env = std::getenv("SRT_GGUF_TILES");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  const QuantRowOps* ops = on ? find_ops(qtype) : nullptr;
+  return ops != nullptr && ops->dot_tile != nullptr ? ops : nullptr;
+}
+
+TileX pack_tiles(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  TileX t;
+  t.k = K;
+  const int64_t groups = (M + kDotTileRows - 1) / kDotTileRows;
+  t.data.resize(static_cast<size_t>(M * K));
+  for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+    const int64_t width = (M - m0) / (groups - g);
+    t.m0.push_back(m0);
+    t.width.push_back(width);
+    float* dst = t.data.data() + m0 * K;
+    for (int64_t i = 0; i < width; ++i) {
+      const float* src = x + (m0 + i) * ldx;
+      for (int64_t k0 = 0; k0 < K; k0 += 16) std::memcpy(dst + k0 * width + 16 * i, src + k0, 16 * sizeof(float));
+    }
+    m0 += width;
+  }
+  return t;
+}
+
+void tile_rows_float(const QuantRowOps& ops, const uint8_t* w, int64_t bpr, int64_t rows, const TileX& xt,
+                     const float* bias, float* out, int64_t ldo) {
+  float sums[kDotTileRows * kDotTileWeightRows];
+  for (int64_t n = 0; n < rows; n += kDotTileWeightRows) {
+    const int64_t r3 = std::min(kDotTileWeightRows, rows - n);
+    // the first group's pass prefetches the next weight rows (the last tile re-reads its own)
+    const uint8_t* pf = w + std::min(n + kDotTileWeightRows, rows - r3) * bpr;
+    for (size_t g = 0; g < xt.m0.size(); ++g) {
+      const int64_t m0 = xt.m0[g], mx = xt.width[g];
+      ops.dot_tile(w + n * bpr, bpr, r3, xt.k, xt.data.data() + m0 * xt.k, mx, g == 0 ? pf : w + n * bpr, sums);
+      for (int64_t i = 0; i < mx; ++i) {
+        float* o = out + (m0 + i) * ldo + n;
+        for (int64_t r = 0; r < r3; ++r) o[r] = sums[i * r3 + r] + (bias != nullptr ? bias[n + r] : 0.f);
+      }
+    }
+  }
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                        const c10::optional<at::Tensor>& bias) {
   const QuantRowOps& ops = ops_or_throw("gguf_linear", qtype);
@@ -505,6 +570,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& data, int64_t qtyp
 
 #if SRT_CPU_X86
   if (M < gguf_a24_rows() && gguf_a24_takes(qtype)) return gguf_linear_a24(x, data, qtype, bias);
+  if (M >= 2 && M < tile_m_limit()) {
+    if (const QuantRowOps* tops = gguf_tile_ops(qtype)) {
+      const TileX xt = pack_tiles(xp, ldx, M, K);
+      const int64_t only = 0;  // one matrix: a bank of one
+      for_expert_row_groups<kDotTileWeightRows * 4>(wp, N, bpr, &only, 1, [&](int64_t, int64_t n, int64_t rows, const uint8_t* w) {
+        tile_rows_float(*tops, w, bpr, rows, xt, bp == nullptr ? nullptr : bp + n, op + n, N);
+      });
+      return out;
+    }
+  }
   if (M >= small_m_limit() && M < gemm_m_limit() && gguf_isa() != CpuIsa::kScalar) {
     const int64_t grain = std::max<int64_t>(kRb, 64 * 1024 / bpr / kRb * kRb);
     at::parallel_for(0, (N + kRb - 1) / kRb, std::max<int64_t>(1, grain / kRb), [&](int64_t g0, int64_t g1) {

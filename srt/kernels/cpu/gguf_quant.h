@@ -30,12 +30,16 @@ constexpr int64_t kMaxDotRows = 4;
 using DequantRowFn = void (*)(const uint8_t* row, float* out, int64_t k);
 using DotRowsFn = void (*)(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* xsum16,
                            int64_t ldxs, int64_t m, float* out, int64_t ldo);
+constexpr int64_t kDotTileWeightRows = 3, kDotTileRows = 8;
+using DotTileFn = void (*)(const uint8_t* w, int64_t ldw, int64_t rows, int64_t k, const float* xp, int64_t m,
+                           const uint8_t* prefetch, float* sums);
 
 struct QuantRowOps {
   int block_size;  // weights per block
   int type_size;   // bytes per block
   DequantRowFn dequant_row;
   DotRowsFn dot_rows;
+  DotTileFn dot_tile = nullptr;  // where a type has one (AVX-512 Q4_K, Q6_K)
 };
 
 const QuantRowOps* simple_quant_ops(int qtype, CpuIsa isa);  // gguf_simple.cpp

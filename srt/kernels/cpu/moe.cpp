@@ -16,10 +16,10 @@
 // q8a_takes: at most int8_max_rows rows, or a type with an int8 GEMM; at::linear for float banks), silu_and_mul, one down matmul. Each
 // row is then scaled by its routing weight and the rows added to their tokens with index_add_ in
 // that order. The two int8 ways give the same bits (the same row functions on the same quantized
-// rows). Without int8 activations (int8_max_rows 0), when no expert has more rows than gguf_linear gives to
-// gguf_linear_a24 (Q4_K / Q6_K banks on AVX-512 VNNI CPUs), moe_experts_a24 (gguf_a24.cpp) runs
-// the experts in one loop per projection the same way, the same bits as one gguf_linear per
-// expert. This is
+// rows). Without int8 activations (int8_max_rows 0), when no expert has more than kMoeSmallRows
+// (7) rows and the banks are Q4_K / Q6_K on AVX-512 VNNI CPUs, moe_experts_a24 (gguf_a24.cpp) runs
+// the experts in one loop per projection the same way, each through the path gguf_linear takes
+// for its rows (24-bit or register tiles): the same bits as one gguf_linear per expert. This is
 // srt/layers/moe.py's MoEExperts.forward as one call: the Python path calls this op when the
 // extension is built and runs the same steps op by op otherwise, and the native decode stack
 // (decode_layers.cpp) calls moe_forward below.
@@ -112,7 +112,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
     ys = moe_experts_q8a(xs, starts, gate_up, gate_up_qtypes, down, down_qtype);
   }
   if (!ys.defined() && !float_bank && int8_max_rows <= 0 &&
-      *std::max_element(counts.begin(), counts.end()) < gguf_a24_rows()) {
+      *std::max_element(counts.begin(), counts.end()) <= kMoeSmallRows) {
     ys = moe_experts_a24(xs, starts, gate_up, gate_up_qtypes, down, down_qtype);
   }
   if (!ys.defined()) ys = experts_one_by_one(xs, counts, starts, gate_up, gate_up_qtypes, down, down_qtype, int8_max_rows);
