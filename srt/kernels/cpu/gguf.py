@@ -11,12 +11,14 @@ dequantize exactly as ``gguf.quants`` does and accumulate in float32:
 
 ``quant_linear`` picks a native path by the number of rows M of x: for a few rows (decode,
 M <= 4) each thread streams a contiguous range of weight rows once and applies every block to all
-rows from registers (bound by the weight bytes read), except that Q4_K and Q6_K at 1-7 rows on a CPU
-with AVX-512 VNNI take ``gguf_linear_a24`` (each block of 32 activations as 24-bit fixed point,
-whose three bytes go through integer dot products: float32-level error, ``a24_qtypes()``); for 5..12
-rows it dequantizes a few weight
-rows at a time into an L1 buffer and runs float dot products; for more (prefill, big decode
-batches) it dequantizes tiles of weights into a cache-sized float32 buffer and runs a
+rows from registers (bound by the weight bytes read), except that Q4_K and Q6_K at 1-2 rows on a
+CPU with AVX-512 VNNI take ``gguf_linear_a24`` (each block of 32 activations as 24-bit fixed point,
+whose three bytes go through integer dot products: float32-level error, ``a24_qtypes()``); on
+AVX-512 CPUs Q4_K and Q6_K from there up to 27 rows take register tiles (x packed once in groups
+of up to 8 rows, the weights dequantized in registers 3 rows at a time, float32 FMAs; a row's sums
+do not depend on the other rows); the other types at 5..12 rows dequantize a few weight rows at a
+time into an L1 buffer and run float dot products; for more (prefill, big decode batches) a
+dequantized tile of weights at a time goes into a cache-sized float32 buffer for a
 register-blocked GEMM against x packed once per call. Types without a native kernel (or no
 extension at all) take the references ``dequantize_ref`` / ``quant_linear_ref`` (gguf.quants in
 numpy, then ``F.linear``), which are also the tests' oracle.
@@ -110,7 +112,7 @@ def native_qtypes() -> frozenset[int]:
 
 
 def a24_qtypes() -> frozenset[int]:
-    """The types ``quant_linear`` runs through ``gguf_linear_a24`` for 1-7 rows on this CPU (Q4_K and
+    """The types ``quant_linear`` runs through ``gguf_linear_a24`` for 1-2 rows on this CPU (Q4_K and
     Q6_K with AVX-512 VNNI); empty otherwise."""
     return _op_qtypes("gguf_linear_a24", "gguf_a24_qtypes")
 
