@@ -23,6 +23,7 @@ import srt.kernels.cpu as kernels
 from srt.kernels.cpu import build as kbuild
 from srt.kernels.cpu.reference import paged_decode_attention_ref
 from tests.helpers.isa import isa_params
+from tests.helpers.threads import with_threads
 
 
 @dataclass
@@ -183,14 +184,7 @@ def test_split_and_reduce_equals_unsplit(native_op, isa, seq_len, split_len):
 
 def test_thread_count_does_not_change_results(native_op):
     batch = make_batch([4096, 33, 700], 1, 9, 3, 64, seed=11)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = native_op(*batch.args())
-        torch.set_num_threads(max(2, threads))
-        many = native_op(*batch.args())
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_threads(lambda: native_op(*batch.args()), (1, max(2, torch.get_num_threads())))
     assert_matches(many, one, rel=2e-6)
 
 

@@ -19,6 +19,7 @@ import torch
 from srt.kernels.cpu import _op_registered, gguf
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa
+from tests.helpers.threads import with_threads
 
 QTYPES = [12, 14]  # Q4_K, Q6_K
 A24 = gguf.a24_qtypes()
@@ -123,14 +124,7 @@ def test_bias_strided_rows_and_row_tails(qtype):
 def test_independent_of_thread_count(qtype):
     data = random_code_blocks(301, 512, qtype, seed=7)
     x = torch.randn(3, 512)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.srt_cpu.gguf_linear_a24(x, data, qtype)
-        torch.set_num_threads(2)
-        two = torch.ops.srt_cpu.gguf_linear_a24(x, data, qtype)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(lambda: torch.ops.srt_cpu.gguf_linear_a24(x, data, qtype))
     assert torch.equal(one, two)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from srt.kernels.cpu import gguf
 from tests.helpers.gguf_models import SCALE_FIELDS
 from tests.helpers.gguf_models import random_code_blocks as random_blocks
+from tests.helpers.threads import with_threads
 
 NATIVE = gguf.native_qtypes()
 SIMPLE = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
@@ -186,14 +187,7 @@ def test_linear_independent_of_thread_count(qtype, m):
     k = 768
     data = random_blocks(301, k, qtype)
     x = torch.randn(m, k)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.srt_cpu.gguf_linear(x, data, qtype, None)
-        torch.set_num_threads(2)
-        two = torch.ops.srt_cpu.gguf_linear(x, data, qtype, None)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(lambda: torch.ops.srt_cpu.gguf_linear(x, data, qtype, None))
     assert torch.equal(one, two)
 
 
@@ -285,14 +279,7 @@ def test_x8_linear_independent_of_thread_count(qtype, m):
     k, n = 768, 301
     packed = gguf.pack_x8(random_blocks(n, k, qtype), qtype)
     x = torch.randn(m, k)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gguf.quant_linear_x8(x, packed, qtype, n)
-        torch.set_num_threads(2)
-        two = gguf.quant_linear_x8(x, packed, qtype, n)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(lambda: gguf.quant_linear_x8(x, packed, qtype, n))
     assert torch.equal(one, two)
 
 

@@ -17,6 +17,7 @@ import torch
 from srt.kernels.cpu import _op_registered, gguf
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa
+from tests.helpers.threads import with_threads
 
 QTYPES = [3, 8, 2, 12, 14, 13]  # Q4_1, Q8_0, Q4_0 (the default model's), Q4_K, Q6_K, Q5_K
 NATIVE_Q8A = gguf.q8a_qtypes()
@@ -176,14 +177,7 @@ def test_independent_of_thread_count(qtype, m):
     k = cols(qtype, 3 if qtype >= 12 else 24)
     data = random_code_blocks(301, k, qtype)
     x = torch.randn(m, k)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype)
-        torch.set_num_threads(2)
-        two = torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = with_threads(lambda: torch.ops.srt_cpu.gguf_linear_q8a(x, data, qtype))
     assert torch.equal(one, two)
 
 

@@ -17,6 +17,7 @@ import torch
 from srt.kernels.cpu import gguf
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa
+from tests.helpers.threads import with_threads
 
 QTYPES = [12, 14]  # Q4_K, Q6_K
 FIRST = 3 if gguf.a24_qtypes() else 2  # below: gguf_linear_a24 (AVX-512 VNNI) or dot_rows
@@ -53,16 +54,19 @@ def test_within_float32_error_of_float64(qtype, m):
 
 @needs_tiles
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_rows_independent_of_the_batch(qtype):
+def test_rows_independent_of_the_batch_and_the_threads(qtype):
     """Row i of a call of m rows equals row i of a call of GEMM - 1 rows, for every m the tiles
-    take: the same bits whatever the groups of x (8 + 8 + 5 ... or 5 alone) and tile widths."""
+    take: the same bits whatever the groups of x (8 + 8 + 5 ... or 5 alone), the tile widths and
+    the thread count."""
     k = 512
-    data = random_code_blocks(14, k, qtype, seed=2)
+    data = random_code_blocks(301, k, qtype, seed=2)  # enough rows for both threads
     x = torch.randn(GEMM - 1, k, generator=torch.Generator().manual_seed(3))
     full = linear(x, data, qtype)
     check_float32_error(full, x, data, qtype)
     for m in range(FIRST, GEMM - 1):
         assert torch.equal(linear(x[:m], data, qtype), full[:m]), m
+    for y in with_threads(lambda: linear(x[:11], data, qtype)):
+        assert torch.equal(y, full[:11])
     # past the limit the GEMM: the same sums within rounding
     x28 = torch.cat([x, x[:1]])
     y28 = linear(x28, data, qtype)
@@ -81,22 +85,6 @@ def test_bias_and_strided_rows(qtype):
     check_float32_error(y, x, data, qtype, bias)
     assert torch.equal(y, linear(x.contiguous(), data, qtype, bias))
     assert torch.equal(y, linear(x, data, qtype) + bias)
-
-
-@needs_tiles
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_independent_of_thread_count(qtype):
-    data = random_code_blocks(301, 512, qtype, seed=7)
-    x = torch.randn(11, 512)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = linear(x, data, qtype)
-        torch.set_num_threads(2)
-        two = linear(x, data, qtype)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
 
 
 @needs_tiles

@@ -1,0 +1,24 @@
+"""Running a call under different torch thread counts, for tests that an op's result does not
+depend on how its work is split between threads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def with_threads(fn: Callable[[], T], counts: tuple[int, ...] = (1, 2)) -> list[T]:
+    """fn's results under each of ``counts`` threads, in that order (the process's count restored)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
