@@ -348,11 +348,14 @@ void experts_small(int64_t qtype, const at::Tensor& bank, const std::vector<int6
   });
 }
 
-// x's rows of each active expert packed for the register tiles (empty for the others)
+// x's rows of each active expert that takes the register tiles, packed for them (empty for the others)
 std::vector<TileX> pack_experts(const float* x, int64_t ldx, int64_t K, const std::vector<int64_t>& active,
                                 const std::vector<int64_t>& starts) {
   std::vector<TileX> xt(starts.size() - 1);
-  for (int64_t e : active) xt[e] = pack_tiles(x + starts[e] * ldx, ldx, starts[e + 1] - starts[e], K);
+  for (int64_t e : active) {
+    const int64_t rows = starts[e + 1] - starts[e];
+    if (rows >= gguf_a24_rows()) xt[e] = pack_tiles(x + starts[e] * ldx, ldx, rows, K);
+  }
   return xt;
 }
 
