@@ -340,7 +340,7 @@ void experts_small(int64_t qtype, const at::Tensor& bank, const std::vector<int6
   for_expert_row_groups<4>(bank.data_ptr<uint8_t>(), bank.size(1), bpr, active.data(),
                            static_cast<int64_t>(active.size()), [&](int64_t e, int64_t n, int64_t rows, const uint8_t* w) {
     float* o = out + starts[e] * ldo + col0 + n;
-    if (starts[e + 1] - starts[e] < a24_rows || fops == nullptr) {
+    if (starts[e + 1] - starts[e] < a24_rows) {
       tile_rows(tiles, w, bpr, rows, a, starts[e], starts[e + 1], o, ldo);
     } else {
       tile_rows_float(*fops, w, bpr, rows, xt[e], nullptr, o, ldo);
@@ -359,9 +359,12 @@ std::vector<TileX> pack_experts(const float* x, int64_t ldx, int64_t K, const st
   return xt;
 }
 
-// whether `bank` [E, rows, bytes] holds rows of `cols` weights of a type this CPU runs here
-bool bank_fits(const at::Tensor& bank, int64_t qtype, int64_t cols) {
+// whether `bank` [E, rows, bytes] holds rows of `cols` weights of a type this CPU runs here for
+// experts of up to `most` rows (past the 24-bit path's rows the register tiles, absent with
+// SRT_GGUF_TILES=0)
+bool bank_fits(const at::Tensor& bank, int64_t qtype, int64_t cols, int64_t most) {
   if (tiles_for(qtype) == nullptr || cols <= 0 || cols % kquant::kQK != 0) return false;
+  if (most >= gguf_a24_rows() && gguf_tile_ops(qtype) == nullptr) return false;
   return bank.scalar_type() == at::kByte && bank.dim() == 3 && bank.is_contiguous() && bank.size(2) == row_bytes(qtype, cols);
 }
 #endif
@@ -374,19 +377,15 @@ at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& sta
 #if SRT_CPU_X86
   const int64_t P = xs.size(0), H = xs.size(1), E = down.size(0);
   const int64_t I = gate_up.size() == 1 ? gate_up[0].size(1) / 2 : gate_up[0].size(1);
-  for (size_t b = 0; b < gate_up.size(); ++b)
-    if (!bank_fits(gate_up[b], gate_up_qtypes[b], H)) return {};
-  if (!bank_fits(down, down_qtype, I)) return {};
   std::vector<int64_t> active;
   int64_t most = 0;
   for (int64_t e = 0; e < E; ++e) {
     if (starts[e + 1] > starts[e]) active.push_back(e);
     most = std::max(most, starts[e + 1] - starts[e]);
   }
-  // an expert past the 24-bit path's rows needs the register tiles (absent with SRT_GGUF_TILES=0)
-  for (int64_t q : gate_up_qtypes)
-    if (most >= gguf_a24_rows() && gguf_tile_ops(q) == nullptr) return {};
-  if (most >= gguf_a24_rows() && gguf_tile_ops(down_qtype) == nullptr) return {};
+  for (size_t b = 0; b < gate_up.size(); ++b)
+    if (!bank_fits(gate_up[b], gate_up_qtypes[b], H, most)) return {};
+  if (!bank_fits(down, down_qtype, I, most)) return {};
   const at::Tensor xc = xs.contiguous();
   int64_t width = 0;
   for (const at::Tensor& b : gate_up) width += b.size(1);

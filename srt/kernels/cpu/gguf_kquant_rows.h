@@ -629,8 +629,6 @@ SRT_INLINE_AVX512 __m512 load_x(const float* p) {
   return v;
 }
 
-alignas(64) inline constexpr float kIota16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
 // the lines of block b of R rows from pf on (the rows a later tile reads)
 template <int R, int TS>
 SRT_INLINE_AVX512 void prefetch_blocks(const uint8_t* pf, int64_t ldw, int64_t b) {

@@ -30,6 +30,10 @@ constexpr int64_t kMaxDotRows = 4;
 using DequantRowFn = void (*)(const uint8_t* row, float* out, int64_t k);
 using DotRowsFn = void (*)(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* xsum16,
                            int64_t ldxs, int64_t m, float* out, int64_t ldo);
+// dot_tile(w, ldw, rows, k, xp, m, prefetch, sums): sums[i * rows + r] = dequant(w + r * ldw) . x[i]
+// over k columns, for rows <= kDotTileWeightRows weight rows and m <= kDotTileRows rows of x packed
+// as the tiles read them (gguf_linear.cpp's pack_tiles); the same rows from `prefetch` on are
+// prefetched as the tile goes (the rows a later tile reads)
 constexpr int64_t kDotTileWeightRows = 3, kDotTileRows = 8;
 using DotTileFn = void (*)(const uint8_t* w, int64_t ldw, int64_t rows, int64_t k, const float* xp, int64_t m,
                            const uint8_t* prefetch, float* sums);
