@@ -13,12 +13,17 @@ Protocol (fixed seeds, random GGUF blocks with finite scales):
     processes' time slices; the weight copies keep every call reading from DRAM);
   * bound (M = 1): quantized weight bytes / the read bandwidth measured in this run (``torch.sum``
     of a 1 GiB float32 tensor, best of 5); ``GB/s`` is the weight bytes over q's time;
+  * ``--packed``: also (e) ``f32 packed``: srt's own float32 kernel (``packed_linear`` on
+    ``pack_linear_weight`` of the dequantized weight: the float32 copies ``--gguf-float32-rows``
+    keeps), against ``q model``, the kernel the model runs on the blocks (``gguf_linear_x8`` on
+    the x8 layout for Q4_0 / Q4_1 / Q8_0, ``gguf_linear`` otherwise); ``q/packed`` above 1 means
+    the copy is faster (where it crosses 1 sets ``--gguf-float32-rows``);
   * ``--q8a``: also (d) ``q8a``: ``gguf_linear_q8a`` (activations quantized to int8 blocks, integer
     dot products) on the same weight copies, and ``q/q8a``, gguf_linear's time over q8a's
     (``--no-f32`` skips (b) and (c)).
 
     python benchmarks/bench_gguf_linear.py [--ms 1,4,8,16,32,64,300] [--shapes default,7b]
-        [--threads N] [--cycle-mib 96] [--q8a] [--no-f32]
+        [--threads N] [--cycle-mib 96] [--q8a] [--packed] [--no-f32]
 """
 
 from __future__ import annotations
@@ -38,7 +43,14 @@ if REPO_ROOT not in sys.path:  # run as a script: make `tests` importable
 
 from benchmarks.common import cpu_model, read_bandwidth_gbs  # noqa: E402
 from srt.kernels.cpu import kernel_status, load  # noqa: E402
-from srt.kernels.cpu.gguf import QTYPE_NAMES, dequantize, native_qtypes, q8a_qtypes  # noqa: E402
+from srt.kernels.cpu.gguf import (  # noqa: E402
+    QTYPE_NAMES,
+    dequantize,
+    native_qtypes,
+    pack_x8,
+    q8a_qtypes,
+    x8_qtypes,
+)
 from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noqa: E402
 
 DEFAULT_SHAPES = [("qkv", 960, 576, 3), ("o", 576, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3)]
@@ -75,6 +87,7 @@ def main() -> None:
     ap.add_argument("--cycle-mib", type=int, default=96)
     ap.add_argument("--q8a", action="store_true", help="also time gguf_linear_q8a (int8 activations)")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 baselines (b) and (c)")
+    ap.add_argument("--packed", action="store_true", help="also time srt's packed float32 kernel (e)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,7 +110,8 @@ def main() -> None:
     print(f"# read bandwidth (torch.sum of 1 GiB f32): {bw / 1e9:.1f} GB/s")
     hdr = f"{'shape':>8} {'N x K':>12} {'type':>5} {'M':>4} {'q ms':>8} {'f32 small':>9} {'f32 onednn':>10}"
     hdr += f" {'q/onednn':>8} {'GB/s':>6} {'bound ms':>8}"
-    print(hdr + (f" {'q8a ms':>8} {'q/q8a':>6} {'q8a GB/s':>8}" if args.q8a else ""))
+    hdr += f" {'q8a ms':>8} {'q/q8a':>6} {'q8a GB/s':>8}" if args.q8a else ""
+    print(hdr + (f" {'q model':>8} {'f32 packed':>10} {'q/packed':>8}" if args.packed else ""))
     for name, n, k, q in shapes:
         data = random_blocks(n, k, q)
         w = dequantize(data, q, k)
@@ -128,7 +142,26 @@ def main() -> None:
             if args.q8a:
                 t8 = timeit([partial(torch.ops.srt_cpu.gguf_linear_q8a, x, d, q, None) for d in qcopies])
                 line += f" {t8 * 1e3:8.3f} {tq / t8:6.2f} {data.numel() / t8 / 1e9:8.1f}"
+            if args.packed:
+                line += packed_columns(x, data, w, q, n, cycle)
             print(line)
+
+
+def packed_columns(x: torch.Tensor, data: torch.Tensor, w: torch.Tensor, q: int, n: int, cycle: int) -> str:
+    """(e): the model's kernel on the blocks, srt's packed float32 kernel on the float32 copy."""
+    if q in x8_qtypes():
+        x8 = pack_x8(data, q)
+        model = [partial(torch.ops.srt_cpu.gguf_linear_x8, x, c, q, n, None) for c in _clones(x8, cycle)]
+    else:
+        model = [partial(torch.ops.srt_cpu.gguf_linear, x, c, q, None) for c in _clones(data, cycle)]
+    panels = torch.ops.srt_cpu.pack_linear_weight(w, 0)
+    f32 = [partial(torch.ops.srt_cpu.packed_linear, x, c, n, None, "") for c in _clones(panels, cycle)]
+    tm, tp = timeit(model), timeit(f32)
+    return f" {tm * 1e3:8.3f} {tp * 1e3:10.3f} {tm / tp:8.2f}"
+
+
+def _clones(t: torch.Tensor, cycle: int) -> list[torch.Tensor]:
+    return [t.clone() for _ in range(copies(t.numel() * t.element_size(), cycle))]
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ keyed by the shape's JSON and the default model's file, and reused.
 The least work of one token, for bounds: ``weight_bytes_per_token`` (every decoder matrix, norm
 and the LM head read once: float32 for hf shapes, the stored blocks for gguf ones; of a MoE's
 experts only the ``experts_used`` a token is routed to) and ``flops_per_token`` (2 x the
-decoder's and LM head's matrix elements a token uses; attention left out).
+decoder's and LM head's matrix elements a decoded token uses; attention left out); for a whole run
+``matmul_flops`` (the LM head only for generated tokens).
 
     python -m benchmarks.model_shapes --list
     python -m benchmarks.model_shapes NAME          # materialize, print the path
@@ -203,14 +204,32 @@ def weight_bytes_per_token(shape: Shape) -> int:
     return decode_read_bytes(_gguf_plan(shape), (shape.gguf or {}).get("experts_used", 0))
 
 
-def flops_per_token(shape: Shape) -> float:
+def matrix_elements(shape: Shape) -> tuple[float, float]:
+    """(the decoder's matrix elements one token uses, the LM head's): of a MoE's expert tensors
+    only the ``experts_used`` experts' share."""
     if shape.kind == "hf":
         dec, head = _hf_matrices(shape.config or {})
-        return 2.0 * (dec + head)
+        return float(dec), float(head)
     from tests.helpers.gguf_models import decode_read_tensors
 
-    read = decode_read_tensors(_gguf_plan(shape))
-    return 2.0 * sum(math.prod(p.shape) * _active_share(p, shape) for p in read if len(p.shape) > 1)
+    read = [p for p in decode_read_tensors(_gguf_plan(shape)) if len(p.shape) > 1]
+    head = sum(math.prod(p.shape) for p in read if p.name == "output.weight")
+    dec = sum(math.prod(p.shape) * _active_share(p, shape) for p in read if p.name != "output.weight")
+    return float(dec), float(head)
+
+
+def flops_per_token(shape: Shape) -> float:
+    """FLOPs of one decoded token's matmuls: 2 x the decoder's and the LM head's matrix elements."""
+    dec, head = matrix_elements(shape)
+    return 2.0 * (dec + head)
+
+
+def matmul_flops(shape: Shape, input_tokens: int, output_tokens: int) -> float:
+    """The least matmul FLOPs of serving ``input_tokens`` of prompts and ``output_tokens`` of
+    outputs: every token passes the decoder, the LM head runs once per generated token (a prompt
+    token's logits are never needed, but its last one's give the first output token)."""
+    dec, head = matrix_elements(shape)
+    return 2.0 * (dec * (input_tokens + output_tokens) + head * output_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

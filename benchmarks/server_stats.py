@@ -8,9 +8,9 @@ machine's bounds, and each run as a fraction of its bound.
   ``torch.sum`` over 1 GiB at one thread and at all threads) and the float32 matmul rate
   (a 512 x 4096 x 4096 matmul at all threads, the best of torch's and oneDNN's).
 * ``fractions(run, shape, bounds)``: a single stream's TPOT p50 against the weights read per
-  token over the bandwidth (``tpot_bound_fraction`` = bound / measured); a batch's processed
-  tokens (prompt + output) per second times the FLOPs per token against the matmul rate
-  (``matmul_fraction``). Both are at most 1 for a server that does the least work.
+  token over the bandwidth (``tpot_bound_fraction`` = bound / measured); a batch's matmul FLOPs
+  per second (``model_shapes.matmul_flops``: every prompt and output token through the decoder,
+  the LM head once per output token) against the matmul rate (``matmul_fraction``). Both are at most 1 for a server that does the least work.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 
-from benchmarks.model_shapes import Shape, flops_per_token, weight_bytes_per_token
+from benchmarks.model_shapes import Shape, matmul_flops, weight_bytes_per_token
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -103,9 +103,9 @@ def fractions(run: dict, shape: Shape, bounds: dict) -> dict[str, float]:
         out["tpot_bound_fraction"] = round(bound_ms / tpot, 3)
     metrics = run.get("all_metrics", {})
     dur = metrics.get("duration_s")
-    tokens = (metrics.get("total_input") or 0) + (metrics.get("total_output") or 0)
-    if dur and tokens and bounds.get("matmul_gflops"):
-        achieved = flops_per_token(shape) * tokens / dur
+    n_in, n_out = metrics.get("total_input") or 0, metrics.get("total_output") or 0
+    if dur and n_in + n_out and bounds.get("matmul_gflops"):
+        achieved = matmul_flops(shape, n_in, n_out) / dur
         out["matmul_fraction"] = round(achieved / (bounds["matmul_gflops"] * 1e9), 3)
     return out
 

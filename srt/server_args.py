@@ -74,6 +74,12 @@ class ServerArgs:
         "CPUs, Q4_K / Q6_K matmuls of 16 rows or more (prefill). Faster decode and prefill; changes "
         "numerics (outputs are no longer those of the float32 model), so off by default.",
     )
+    gguf_float32_rows: int = _f(
+        16,
+        "With --quantization gguf on --linear-backend native: matmuls of at least this many rows use "
+        "float32 copies of the weights, made at load where they take <= 1/8 of the memory available "
+        "(see docs/configuration.md). 0 disables; no copies with --enable-int8-activations.",
+    )
     dtype: str = _f(
         "auto",
         "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
@@ -149,11 +155,8 @@ class ServerArgs:
     )
     disable_native_decode_layers: bool = _f(
         False,
-        "Run DECODE steps layer by layer in Python. By default a Llama-family model whose "
-        "projections are all GGUF blocks of a native type (--quantization gguf) or float32 weights "
-        "packed for srt's kernel (--linear-backend native) decodes through one native call for all "
-        "its layers (same kernels, same results, no per-op overhead); this flag is for comparison "
-        "and debugging.",
+        "Run DECODE steps layer by layer in Python, not as one native call for all layers (the "
+        "default where the weights allow; same results). For comparison and debugging.",
     )
     disable_cuda_graph: bool = _f(
         False,
@@ -164,13 +167,12 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = _f(
         None,
         "Largest decode batch captured as a CUDA graph (auto: 256, or --max-running-requests when "
-        "smaller). Captured sizes: 1, 2, 4, 8, then every multiple of 8 up to it, and it; larger "
-        "batches run eagerly.",
+        "smaller); captured: 1, 2, 4, 8, every multiple of 8 up to it, and it. Larger run eagerly.",
     )
     disable_overlap_schedule: bool = _f(
         False,
-        "Run each batch's forward and then its results in turn (the default on every device today: "
-        "overlap is on by default only where it was measured to help, and so far it was not).",
+        "Run each batch's forward and then its results in turn (the default: overlap was not "
+        "measured to help anywhere yet).",
     )
     enable_overlap_schedule: bool = _f(
         False,

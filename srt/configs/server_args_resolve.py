@@ -62,6 +62,7 @@ class ResolvableArgs(Protocol):
     load_format: str
     quantization: str
     enable_int8_activations: bool
+    gguf_float32_rows: int
     dtype: str
     kv_cache_dtype: str
     device: str
@@ -292,6 +293,8 @@ def _resolve_weights(a: ResolvableArgs) -> None:
             "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
             f"got --quantization {a.quantization}."
         )
+    if a.gguf_float32_rows < 0:
+        raise ConfigError(f"--gguf-float32-rows must be >= 0 (0 disables), got {a.gguf_float32_rows}.")
 
 
 def _resolve_quantization(a: ResolvableArgs) -> str:

