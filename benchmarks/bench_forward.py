@@ -260,6 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enable-int8-activations", action="store_true", help="GGUF: int8 activations (<= 8 rows)"
     )
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
+    ap.add_argument(
+        "--gguf-float32-rows", type=int, default=16, help="as the server flag (0: no float32 copies)"
+    )
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
@@ -291,6 +294,7 @@ def build_runner(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Mode
         random_seed=args.seed,
         disable_cuda_graph=args.disable_cuda_graph,
         enable_int8_activations=args.enable_int8_activations,
+        gguf_float32_rows=args.gguf_float32_rows,
     ).resolve()
     return ModelRunner(server_args), server_args
 

@@ -32,6 +32,17 @@ def _quantized(w: torch.Tensor, qtype: int = Q8_0) -> GGUFTensor:
     return GGUFTensor(qtype, w.shape[0], w.shape[1], torch.from_numpy(np.ascontiguousarray(data)))
 
 
+def _one_segment(
+    rows: int, cols: int, qtype: int, gen: torch.Generator
+) -> tuple[QuantizedWeight, GGUFTensor]:
+    """A finalized weight of random ``[rows, cols]`` values quantized to ``qtype``, and its blocks."""
+    part = _quantized(torch.randn(rows, cols, generator=gen), qtype)
+    qw = QuantizedWeight(rows, cols)
+    qw.add(0, part, "w")
+    qw.finalize()
+    return qw, part
+
+
 def _dequantized(t: GGUFTensor) -> torch.Tensor:
     return gguf_kernels.dequantize_ref(t.data, t.qtype, t.cols)
 
@@ -179,11 +190,7 @@ def test_without_kernels_a_model_too_big_for_float32_is_refused(tmp_path, monkey
 @pytest.mark.parametrize("qtype", [3, 8])
 def test_int8_activations_switch_small_batches_to_the_int8_kernel(qtype):
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(40, 96, generator=gen)
-    part = _quantized(w, qtype)
-    qw = QuantizedWeight(40, 96)
-    qw.add(0, part, "w")
-    qw.finalize()
+    qw, part = _one_segment(40, 96, qtype, gen)
     assert qw.x8_rows == 40  # decode layout for float32 activations
     x = torch.randn(12, 96, generator=gen)
     float_out = qw.linear(x)
@@ -254,11 +261,7 @@ def test_float32_copy_takes_matmuls_from_its_row_count(qtype):
     from ``min_rows`` rows on, exactly srt's packed kernel on the dequantized weight, which holds
     the blocks' values (so it agrees with the quantized kernels up to float32 summation order)."""
     gen = torch.Generator().manual_seed(2)
-    w = torch.randn(72, 96, generator=gen)
-    part = _quantized(w, qtype)
-    qw = QuantizedWeight(72, 96)
-    qw.add(0, part, "w")
-    qw.finalize()
+    qw, part = _one_segment(72, 96, qtype, gen)
     bias = torch.randn(72, generator=gen)
     x = torch.randn(20, 96, generator=gen)
     before = [qw.linear(x[:m], bias) for m in (1, 5, 11, 12, 20)]
