@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"])
     ap.add_argument(
-        "--gguf-float32-rows", type=int, default=16, help="as the server flag (0: no float32 copies)"
+        "--gguf-float32-rows", type=int, default=None, help="as the server flag (0: no float32 copies)"
     )
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=256)

@@ -74,11 +74,11 @@ class ServerArgs:
         "CPUs, Q4_K / Q6_K matmuls of 16 rows or more (prefill). Faster decode and prefill; changes "
         "numerics (outputs are no longer those of the float32 model), so off by default.",
     )
-    gguf_float32_rows: int = _f(
-        16,
+    gguf_float32_rows: int | None = _f(
+        None,
         "With --quantization gguf on --linear-backend native: matmuls of at least this many rows use "
         "float32 copies of the weights, made at load where they take <= 1/8 of the memory available "
-        "(see docs/configuration.md). 0 disables; no copies with --enable-int8-activations.",
+        "(auto: 16 where they can run, else 0; 0 disables; see docs/configuration.md).",
     )
     dtype: str = _f(
         "auto",

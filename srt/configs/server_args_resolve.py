@@ -62,7 +62,7 @@ class ResolvableArgs(Protocol):
     load_format: str
     quantization: str
     enable_int8_activations: bool
-    gguf_float32_rows: int
+    gguf_float32_rows: int | None
     dtype: str
     kv_cache_dtype: str
     device: str
@@ -293,8 +293,30 @@ def _resolve_weights(a: ResolvableArgs) -> None:
             "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
             f"got --quantization {a.quantization}."
         )
+    _resolve_float32_rows(a)
+
+
+# matmuls of at least this many rows run on float32 copies of GGUF blocks by default (where the
+# copies fit): bench_gguf_linear --packed puts the crossover at 12-16 rows (docs/benchmarks.md)
+GGUF_FLOAT32_ROWS = 16
+
+
+def _resolve_float32_rows(a: ResolvableArgs) -> None:
+    """--gguf-float32-rows: auto is 16 where the copies can run (GGUF blocks, float32 activations,
+    srt's packed float32 kernel), else 0; a value set by hand where they cannot is an error."""
+    usable = a.quantization == "gguf" and not a.enable_int8_activations and a.linear_backend == "native"
+    if a.gguf_float32_rows is None:
+        a.gguf_float32_rows = GGUF_FLOAT32_ROWS if usable else 0
+        return
     if a.gguf_float32_rows < 0:
         raise ConfigError(f"--gguf-float32-rows must be >= 0 (0 disables), got {a.gguf_float32_rows}.")
+    if a.gguf_float32_rows and not usable:
+        raise ConfigError(
+            "--gguf-float32-rows needs GGUF weights kept quantized (--quantization gguf), float32 "
+            "activations (not --enable-int8-activations) and --linear-backend native, got "
+            f"--quantization {a.quantization}, --linear-backend {a.linear_backend}"
+            f"{', --enable-int8-activations' if a.enable_int8_activations else ''}; use 0 or leave it unset."
+        )
 
 
 def _resolve_quantization(a: ResolvableArgs) -> str:

@@ -319,10 +319,19 @@ def test_default_model_keeps_float32_copies_within_the_budget():
 
 
 def test_gguf_float32_rows_flag():
-    assert ServerArgs(device="cpu").resolve().gguf_float32_rows == 16
-    assert ServerArgs(device="cpu", gguf_float32_rows=0).resolve().gguf_float32_rows == 0
+    """auto: 16 where float32 copies can run (GGUF blocks, float32 activations, the native linear
+    backend), else 0; a value set by hand where they cannot run is refused, not dropped."""
+    native = {"device": "cpu", "linear_backend": "native"}
+    assert ServerArgs(**native).resolve().gguf_float32_rows == 16
+    assert ServerArgs(**native, gguf_float32_rows=0).resolve().gguf_float32_rows == 0
+    assert ServerArgs(**native, gguf_float32_rows=24).resolve().gguf_float32_rows == 24
+    for other in ({"enable_int8_activations": True}, {"quantization": "none"}, {"linear_backend": "torch"}):
+        args = {**native, **other}
+        assert ServerArgs(**args).resolve().gguf_float32_rows == 0
+        with pytest.raises(ConfigError, match="--gguf-float32-rows needs GGUF weights kept quantized"):
+            ServerArgs(**args, gguf_float32_rows=16).resolve()
     with pytest.raises(ConfigError, match="--gguf-float32-rows must be >= 0"):
-        ServerArgs(device="cpu", gguf_float32_rows=-1).resolve()
+        ServerArgs(**native, gguf_float32_rows=-1).resolve()
 
 
 @needs_packed
