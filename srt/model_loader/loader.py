@@ -100,7 +100,8 @@ def get_model(
     the model of rank ``tp.rank``, reading only its shard (see the module docstring).
     ``float32_rows`` > 0 (with "gguf", without int8 activations, on the native linear backend):
     the matmul weights kept quantized also keep float32 copies for matmuls of that many rows or
-    more, when the copies take at most ``float32_budget`` bytes (``keep_float32_copies``)."""
+    more, when the model's quantized weights take at most ``float32_budget`` bytes in float32
+    (``keep_float32_copies``)."""
     fmt = _check_load_format(model_config, load_format, quantization)
     model_cls = get_model_class(model_config.architecture)
     t0 = time.perf_counter()

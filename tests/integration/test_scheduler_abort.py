@@ -242,6 +242,25 @@ def test_flush_refused_while_busy_and_internal_state():
     assert st["num_finished"] == 1 and st["num_generated_tokens"] == 5 and st["available_size"] == 2048
 
 
+def test_flush_right_after_an_abort_before_the_next_step():
+    """An aborted request gives back its KV at once; a flush that arrives before the step that
+    reports the abort is not refused (it once answered "0 running and 0 waiting" with a 400)."""
+    s = make_scheduler()
+    c = Collector()
+    s.handle_message(gen("a", prompt(13, 30), max_new=50))
+    for _ in range(4):
+        c.add(s.step())
+    assert s.get_internal_state()["num_running_reqs"] == 1
+    s.handle_message(AbortReq(rid="a"))
+    assert not s.is_idle()  # the abort is reported with the next step
+    (reply,) = s.handle_message(FlushCacheReq())
+    assert isinstance(reply, FlushCacheReqOutput) and reply.success, reply
+    assert s.allocator.available_size() == s.allocator.size
+    c.add(s.run_until_idle(max_steps=10))
+    assert c.finish["a"]["type"] == "abort"
+    finish_and_check_free(s, c)
+
+
 def test_event_loop_serves_over_zmq_and_blocks_when_idle():
     s = make_scheduler()
     d = tempfile.mkdtemp(prefix="srt-test-")

@@ -77,6 +77,7 @@ class Scheduler(Protocol):
     @property
     def req_to_token_pool(self) -> Any: ...
     def is_idle(self) -> bool: ...
+    def holds_requests(self) -> bool: ...
     def check_integrity(self) -> None: ...
     def token_usage(self) -> float: ...
     def flush_cache(self) -> FlushCacheReqOutput: ...
@@ -119,8 +120,9 @@ def message_handlers(s: Scheduler) -> dict[type, Callable[[Any], list[ControlRep
 
 
 def flush_cache(s: Scheduler) -> FlushCacheReqOutput:
-    """Drop the prefix cache (only when idle); afterwards every KV slot and request row is free."""
-    if not s.is_idle():
+    """Drop the prefix cache (only when no request is waiting or running; finished ones not yet
+    reported hold nothing); afterwards every KV slot and request row is free."""
+    if s.holds_requests():
         return FlushCacheReqOutput(
             success=False,
             message=f"Cache not flushed: {len(s.running) + (s.chunked_req is not None)} running and "

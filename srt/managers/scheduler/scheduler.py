@@ -196,13 +196,16 @@ class Scheduler:
 
     # ================================================================== one iteration
     def is_idle(self) -> bool:
-        return not (
+        return not (self.holds_requests() or self.requests.finished_outside or self._completed_outs)
+
+    def holds_requests(self) -> bool:
+        """A request is waiting, prefilling, decoding, compiling its grammar or in a batch in flight
+        (what may hold KV slots); finished requests waiting to be reported do not count."""
+        return bool(
             self.prefill.has_work()
             or self.decode.running
-            or self.requests.finished_outside
             or (self.grammars is not None and self.grammars.pending)
             or self._in_flight is not None
-            or self._completed_outs
         )
 
     def step(self) -> list[BatchTokenIDOut]:
