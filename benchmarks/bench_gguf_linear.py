@@ -121,6 +121,7 @@ def main() -> None:
             fcopies = [w.clone() for _ in range(copies(w.numel() * 4, cycle))]
             packed = [torch.ops.mkldnn._reorder_linear_weight(c, 32) for c in fcopies]
             del fcopies
+        versus = packed_weights(data, w, q, cycle) if args.packed else None
         for m in ms:
             x = torch.randn(m, k)
             tq = timeit([partial(torch.ops.srt_cpu.gguf_linear, x, d, q, None) for d in qcopies])
@@ -142,20 +143,29 @@ def main() -> None:
             if args.q8a:
                 t8 = timeit([partial(torch.ops.srt_cpu.gguf_linear_q8a, x, d, q, None) for d in qcopies])
                 line += f" {t8 * 1e3:8.3f} {tq / t8:6.2f} {data.numel() / t8 / 1e9:8.1f}"
-            if args.packed:
-                line += packed_columns(x, data, w, q, n, cycle)
+            if versus is not None:
+                line += packed_columns(x, q, n, *versus)
             print(line)
 
 
-def packed_columns(x: torch.Tensor, data: torch.Tensor, w: torch.Tensor, q: int, n: int, cycle: int) -> str:
+def packed_weights(
+    data: torch.Tensor, w: torch.Tensor, q: int, cycle: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(e)'s weight copies, made once per shape: the blocks in the layout the model runs them in
+    (x8 for Q4_0 / Q4_1 / Q8_0) and the float32 copy in the packed kernel's panels."""
+    blocks = pack_x8(data, q) if q in x8_qtypes() else data
+    return _clones(blocks, cycle), _clones(torch.ops.srt_cpu.pack_linear_weight(w, 0), cycle)
+
+
+def packed_columns(
+    x: torch.Tensor, q: int, n: int, blocks: list[torch.Tensor], panels: list[torch.Tensor]
+) -> str:
     """(e): the model's kernel on the blocks, srt's packed float32 kernel on the float32 copy."""
     if q in x8_qtypes():
-        x8 = pack_x8(data, q)
-        model = [partial(torch.ops.srt_cpu.gguf_linear_x8, x, c, q, n, None) for c in _clones(x8, cycle)]
+        model = [partial(torch.ops.srt_cpu.gguf_linear_x8, x, c, q, n, None) for c in blocks]
     else:
-        model = [partial(torch.ops.srt_cpu.gguf_linear, x, c, q, None) for c in _clones(data, cycle)]
-    panels = torch.ops.srt_cpu.pack_linear_weight(w, 0)
-    f32 = [partial(torch.ops.srt_cpu.packed_linear, x, c, n, None, "") for c in _clones(panels, cycle)]
+        model = [partial(torch.ops.srt_cpu.gguf_linear, x, c, q, None) for c in blocks]
+    f32 = [partial(torch.ops.srt_cpu.packed_linear, x, c, n, None, "") for c in panels]
     tm, tp = timeit(model), timeit(f32)
     return f" {tm * 1e3:8.3f} {tp * 1e3:10.3f} {tm / tp:8.2f}"
 

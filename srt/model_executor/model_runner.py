@@ -54,6 +54,7 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.activation_profile import profile_activation_peak
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_off_reason
 from srt.model_loader import get_model
+from srt.model_loader.loader import float32_copy_bytes
 from srt.model_loader.reload import replacement_config, shape_mismatch
 from srt.model_loader.weight_utils import weight_bytes
 from srt.server_args import ServerArgs
@@ -71,7 +72,8 @@ class ModelRunner:
     ``model_config``, ``req_to_token_pool``, ``token_to_kv_pool``, ``token_to_kv_pool_allocator``,
     ``max_total_num_tokens``, ``max_running_requests``, ``page_size``, ``device``, ``dtype``.
     Also: ``model``, ``attn_backend``, ``linear_backend``, ``sampler``, ``kv_cache_dtype``,
-    ``load_time_s``, ``weight_bytes``, ``activation_peak_bytes`` (0 when not profiled),
+    ``load_time_s``, ``weight_bytes``, ``float32_copy_bytes`` (of those, the float32 copies of GGUF
+    weights), ``activation_peak_bytes`` (0 when not profiled),
     ``cuda_graph_runner`` (None when decode runs eagerly), ``cuda_graph_reserve_bytes``,
     ``loaded_model_path`` (the checkpoint the weights came from), ``tp`` (``TPInfo``) and
     ``num_kv_heads`` (this rank's KV heads: what the KV pool holds)."""
@@ -90,6 +92,7 @@ class ModelRunner:
         self._init_memory_pools(server_args)
         self._finish_model(self.model)
         self.weight_bytes = weight_bytes(self.model)  # the rope tables cut
+        self.float32_copy_bytes = float32_copy_bytes(self.model)
         if self.cuda_graph_runner is not None:
             self.cuda_graph_runner.capture(self.max_running_requests)
 
@@ -245,6 +248,7 @@ class ModelRunner:
         if self.cuda_graph_runner is not None:  # the graphs read the old weights' memory
             self.cuda_graph_runner.capture(self.max_running_requests)
         self.weight_bytes = weight_bytes(model)
+        self.float32_copy_bytes = float32_copy_bytes(model)
         self.loaded_model_path = cfg.model_path
         seconds = time.perf_counter() - t0
         return True, f"Weights updated from {cfg.model_path} ({cfg.load_format}) in {seconds:.1f} s."

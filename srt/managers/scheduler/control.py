@@ -25,7 +25,6 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
 )
 from srt.mem_cache.pool_size import process_rss_bytes
-from srt.model_loader.loader import float32_copy_bytes
 
 if TYPE_CHECKING:
     from srt.managers.scheduler.cache import CacheManager
@@ -174,7 +173,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         # the loaded weights (quantized blocks as stored) and this process's resident memory
         "weight_bytes": getattr(s.model_runner, "weight_bytes", None),
         # of those, the quantized weights' float32 copies (--gguf-float32-rows), 0 without
-        "float32_copy_bytes": _float32_copy_bytes(s.model_runner),
+        "float32_copy_bytes": getattr(s.model_runner, "float32_copy_bytes", None),
         "kv_pool_bytes": _kv_pool_bytes(s.model_runner),
         "vocab_size": s.vocab_size,
         "profiling": s.profiler.active,
@@ -184,11 +183,6 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "num_queue_time_refusals": s.deadlines.num_queue_refusals,
         "step_histograms": s.step_timings.snapshot(),
     }
-
-
-def _float32_copy_bytes(runner) -> int | None:
-    model = getattr(runner, "model", None)
-    return None if model is None else float32_copy_bytes(model)
 
 
 def _kv_pool_bytes(runner) -> int | None:
