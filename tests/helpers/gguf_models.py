@@ -651,3 +651,26 @@ def random_code_blocks(n: int, k: int, qtype: int, seed: int = 0):
         s = rng.uniform(1e-3, 1e-1, size=(n, k // bs)) * rng.choice([-1.0, 1.0], size=(n, k // bs))
         raw[:, :, off : off + 2] = s.astype(np.float16)[..., None].view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
+
+
+def break_one_scale(
+    src: str | os.PathLike, dst: str | os.PathLike, tensor: str, block: int, factor: float
+) -> None:
+    """Copy the GGUF file ``src`` to ``dst`` with the fp16 scale ``d`` of one block of ``tensor``
+    (a Q4_0 / Q4_1 / Q8_0 tensor, whose blocks begin with ``d``) multiplied by ``factor``: the
+    defect a dequantization bug that reads one wrong scale gives, for checking that a tolerance
+    still catches it."""
+    import shutil
+
+    import gguf
+
+    info = next(t for t in gguf.GGUFReader(src).tensors if t.name == tensor)
+    if info.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ValueError(f"{tensor}: {info.tensor_type.name} blocks do not begin with one fp16 scale")
+    offset = int(info.data_offset) + block * gguf.GGML_QUANT_SIZES[info.tensor_type][1]
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as f:
+        f.seek(offset)
+        d = np.frombuffer(f.read(2), dtype=np.float16)[0]
+        f.seek(offset)
+        f.write(np.float16(float(d) * factor).tobytes())

@@ -17,8 +17,7 @@ from srt.layers.moe import MoEExperts, SparseMoeBlock
 from srt.model_loader import get_model
 from tests.helpers.tiny_models import extend_batch
 from tests.helpers.tiny_moe import save_tiny_moe, save_tiny_moe_gguf
-
-ATOL = 1e-4
+from tests.helpers.tolerance import assert_reordered_close, reduction_len
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -33,7 +32,7 @@ def _assert_logits_match(model, hf, n: int = 48) -> None:
     fb = extend_batch([ids])
     hidden = model.model(fb.input_ids, fb.positions, fb)
     head = model.lm_head.weight if not model.tie_word_embeddings else model.model.embed_tokens.weight
-    torch.testing.assert_close(F.linear(hidden, head).float(), ref, atol=ATOL, rtol=0)
+    assert_reordered_close(F.linear(hidden, head).float(), ref, reduction_len(hf.config))
 
 
 @pytest.mark.parametrize(

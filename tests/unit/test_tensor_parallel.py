@@ -27,9 +27,9 @@ from srt.models.registry import get_model_class
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError
 from tests.helpers.tiny_models import save_tiny_gguf, save_tiny_model, tiny_config
+from tests.helpers.tolerance import assert_reordered_close
 from tests.helpers.tp_worker import drive_runner, run_ranks, run_scenarios
 
-LOGITS_ATOL = 2e-4  # float32 sums in another order; observed <= 8e-5 on the default model
 PROMPTS = [[1, 5, 9, 200, 300, 17], [1, 40, 41, 42, 7, 8, 9, 10, 11]]
 DECODE_STEPS = 3
 
@@ -214,9 +214,10 @@ def test_tp2_logits_and_tokens_equal_tp1(tp_results, name):
         got = rank[name]
         assert got["tokens"] == ref[name]["tokens"]
         for step, (a, b) in enumerate(zip(got["logits"], ref[name]["logits"], strict=True)):
-            assert a.shape == b.shape
-            err = float(np.abs(a - b).max())
-            assert err <= LOGITS_ATOL, f"{name} step {step}: max |tp2 - tp1| = {err}"
+            # the row-parallel sums run in another order (all-reduce of two partial sums); the
+            # longest reduction: SmolLM2's MLP (1536), the tiny models' (160)
+            k = 1536 if name.startswith("default") else 160
+            assert_reordered_close(torch.from_numpy(a), torch.from_numpy(b), k, what=f"{name} step {step}")
 
 
 def test_unaligned_row_parallel_shard_is_dequantized_aligned_one_stays_blocks(tp_results):
