@@ -132,21 +132,28 @@ def workload_flops(
     return {"linear": linear, "lm_head": lm_head, "attention": attention}
 
 
-def _time_matmul(m: int, k: int, n: int, min_time_s: float) -> float:
-    """float32 FLOP/s of [m, k] @ [k, n]: the best of torch's matmul (MKL) and, when it works
-    here, oneDNN's linear (the matmul srt's ``--linear-backend onednn`` runs), each timed
-    repeatedly (best time)."""
+def _time_matmul(m: int, k: int, n: int, min_time_s: float, dtype=None) -> float:
+    """FLOP/s of [m, k] @ [k, n], each candidate timed repeatedly (best time). float32: the best of
+    torch's matmul (MKL) and, when it works here, oneDNN's linear (the matmul srt's
+    ``--linear-backend onednn`` runs). bf16 (``dtype=torch.bfloat16``): the best of torch's matmul
+    (oneDNN: AMX or AVX512-BF16 where the CPU has them) and srt's bf16 linear."""
     import torch
 
     from srt.configs.device import onednn_linear_available
+    from srt.kernels import cpu as cpu_kernels
 
+    dtype = dtype or torch.float32
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
     w = b.t().contiguous()  # [n, k]: F.linear's weight layout
-    out = torch.empty(m, n)
+    out = torch.empty(m, n, dtype=dtype)
     candidates = [lambda: torch.matmul(a, b, out=out)]
-    if onednn_linear_available():
+    if dtype == torch.bfloat16:
+        if cpu_kernels.load() and hasattr(torch.ops.srt_cpu, "bf16_linear"):
+            packed = torch.ops.srt_cpu.pack_bf16_weight(w)
+            candidates.append(lambda: torch.ops.srt_cpu.bf16_linear(a, packed, n, None, ""))
+    elif onednn_linear_available():
         candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
     best = float("inf")
     for fn in candidates:

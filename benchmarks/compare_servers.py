@@ -25,7 +25,8 @@ Commands, with ``N`` CPUs, ``P`` a free port and ``HF`` the exported folder::
               (M: the GGUF as shipped, srt's default, weights kept quantized; with
               ``--srt-model hf`` the float32 export vLLM serves)
     vLLM      VLLM_CPU_OMP_THREADS_BIND=0-<N-1> .venv-vllm/bin/python -m
-              vllm.entrypoints.openai.api_server --model HF --dtype float32
+              vllm.entrypoints.openai.api_server --model HF --dtype D (the checkpoint's: float32,
+              or bfloat16 for a bf16 shape)
               --gpu-memory-utilization U --max-model-len 2048 --max-num-seqs <max(32, max c)>
               --served-model-name smollm2 --host 127.0.0.1 --port P  [--vllm-args]
     llama.cpp .venv-llamacpp/bin/python -c <xllamacpp.Server: the Q4_1 GGUF as shipped,
@@ -216,10 +217,11 @@ def vllm_spec(
     name: str = "smollm2",
     dummy: bool = False,
     memory_utilization: float = VLLM_MEMORY_UTILIZATION,
+    dtype: str = "float32",
 ) -> ServerSpec:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir]
     util = str(memory_utilization)
-    argv += ["--dtype", "float32", "--gpu-memory-utilization", util, "--max-model-len", str(CONTEXT_PER_SEQ)]
+    argv += ["--dtype", dtype, "--gpu-memory-utilization", util, "--max-model-len", str(CONTEXT_PER_SEQ)]
     argv += ["--max-num-seqs", str(max_seqs), "--served-model-name", name]
     argv += ["--load-format", "dummy"] if dummy else []
     argv += ["--host", "127.0.0.1", "--port", str(port), *shlex.split(extra)]
@@ -560,6 +562,8 @@ def make_spec(name: str, args: argparse.Namespace, port: int, target: Target, py
             target.served_name,
             dummy,
             util,
+            # the checkpoint's dtype, as vLLM's auto gives a bf16 one (float32 for the float32 export)
+            "float32" if target.shape is None else model_shapes.checkpoint_dtype(target.shape),
         )
     assert target.gguf is not None
     return llamacpp_spec(pythons["llamacpp"], target.gguf, port, max_c)
@@ -570,7 +574,7 @@ def best_bounds(samples: list[dict]) -> dict:
     host's memory bandwidth drifts by up to 2x within minutes), with the samples themselves."""
     if not samples:
         return {}
-    best = {k: max(s[k] for s in samples) for k in ("read_gbs", "matmul_gflops")}
+    best = {k: max(s[k] for s in samples) for k in ("read_gbs", "matmul_gflops", "bf16_matmul_gflops")}
     return {**best, "threads": samples[0]["threads"], "samples": samples}
 
 

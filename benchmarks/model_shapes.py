@@ -2,7 +2,8 @@
 
 Each shape is a JSON file in ``benchmarks/shapes/`` (``--list`` shows them):
 
-    kind "hf"    a Hugging Face ``config`` (float32); ``materialize`` writes a folder with that
+    kind "hf"    a Hugging Face ``config`` (float32, or bfloat16 as the Hub ships checkpoints:
+                 ``torch_dtype``); ``materialize`` writes a folder with that
                  config.json and the default model's tokenizer, which srt (``--load-format
                  dummy``) and vLLM (``--load-format dummy``) both serve with random weights
     kind "gguf"  a Llama decoder (``gguf``: hidden, intermediate, layers, heads, kv_heads, ctx,
@@ -24,7 +25,7 @@ Materialized shapes are cached under ``~/.cache/srt/shapes/`` (``$XDG_CACHE_HOME
 keyed by the shape's JSON and the default model's file, and reused.
 
 The least work of one token, for bounds: ``weight_bytes_per_token`` (every decoder matrix, norm
-and the LM head read once: float32 for hf shapes, the stored blocks for gguf ones; of a MoE's
+and the LM head read once: in the checkpoint's dtype for hf shapes, the stored blocks for gguf ones; of a MoE's
 experts only the ``experts_used`` a token is routed to) and ``flops_per_token`` (2 x the
 decoder's and LM head's matrix elements a decoded token uses; attention left out); for a whole run
 ``matmul_flops`` (the LM head only for generated tokens).
@@ -193,12 +194,20 @@ def _active_share(p, shape: Shape) -> float:
     return (shape.gguf or {}).get("experts_used", 0) / p.shape[0] if len(p.shape) == 3 else 1.0
 
 
+def checkpoint_dtype(shape: Shape) -> str:
+    """The dtype an hf shape's checkpoint declares (``torch_dtype``): float32 or bfloat16; gguf shapes
+    have blocks, "gguf"."""
+    if shape.kind != "hf":
+        return "gguf"
+    return (shape.config or {}).get("torch_dtype", "float32")
+
+
 def weight_bytes_per_token(shape: Shape) -> int:
     if shape.kind == "hf":
         cfg = shape.config or {}
         dec, head = _hf_matrices(cfg)
         norms = (2 * cfg["num_hidden_layers"] + 1) * cfg["hidden_size"]
-        return 4 * (dec + head + norms)
+        return (2 if checkpoint_dtype(shape) in ("bfloat16", "float16") else 4) * (dec + head + norms)
     from tests.helpers.gguf_models import decode_read_bytes
 
     return decode_read_bytes(_gguf_plan(shape), (shape.gguf or {}).get("experts_used", 0))

@@ -5,12 +5,14 @@ machine's bounds, and each run as a fraction of its bound.
   three processes, vLLM's engine core, llama.cpp's one) every ``interval_s`` and keeps the
   peak; the group is the one ``start_new_session=True`` made.
 * ``machine_bounds()``: measured while no server runs: the memory read bandwidth (the best of
-  ``torch.sum`` over 1 GiB at one thread and at all threads) and the float32 matmul rate
-  (a 512 x 4096 x 4096 matmul at all threads, the best of torch's and oneDNN's).
+  ``torch.sum`` over 1 GiB at one thread and at all threads) and the float32 and bf16 matmul rates
+  (a 512 x 4096 x 4096 matmul at all threads: float32 the best of torch's and oneDNN's, bf16 the
+  best of oneDNN's and srt's bf16 linear).
 * ``fractions(run, shape, bounds)``: a single stream's TPOT p50 against the weights read per
   token over the bandwidth (``tpot_bound_fraction`` = bound / measured); a batch's matmul FLOPs
   per second (``model_shapes.matmul_flops``: every prompt and output token through the decoder,
-  the LM head once per output token) against the matmul rate (``matmul_fraction``). Both are at most 1 for a server that does the least work.
+  the LM head once per output token) against the matmul rate in the checkpoint's dtype
+  (``matmul_fraction``). Both are at most 1 for a server that does the least work.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 
-from benchmarks.model_shapes import Shape, matmul_flops, weight_bytes_per_token
+from benchmarks.model_shapes import Shape, checkpoint_dtype, matmul_flops, weight_bytes_per_token
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -79,16 +81,19 @@ class GroupRss:
 
 
 def machine_bounds() -> dict[str, float]:
-    """{"read_gbs": GB/s, "matmul_gflops": float32 GFLOP/s}, measured here and now."""
+    """{"read_gbs": GB/s, "matmul_gflops": float32 GFLOP/s, "bf16_matmul_gflops": bf16 GFLOP/s},
+    measured here and now."""
     import torch
 
     from benchmarks.common import _time_matmul, memory_read_bandwidth
 
     read = memory_read_bandwidth(1.0, repeats=5)["bandwidth_gbs"]
     rate = _time_matmul(512, 4096, 4096, 0.5)
+    bf16 = _time_matmul(512, 4096, 4096, 0.5, torch.bfloat16)
     return {
         "read_gbs": round(read, 2),
         "matmul_gflops": round(rate / 1e9, 1),
+        "bf16_matmul_gflops": round(bf16 / 1e9, 1),
         "threads": torch.get_num_threads(),
     }
 
@@ -104,9 +109,10 @@ def fractions(run: dict, shape: Shape, bounds: dict) -> dict[str, float]:
     metrics = run.get("all_metrics", {})
     dur = metrics.get("duration_s")
     n_in, n_out = metrics.get("total_input") or 0, metrics.get("total_output") or 0
-    if dur and n_in + n_out and bounds.get("matmul_gflops"):
+    rate = bounds.get("bf16_matmul_gflops" if checkpoint_dtype(shape) == "bfloat16" else "matmul_gflops")
+    if dur and n_in + n_out and rate:
         achieved = matmul_flops(shape, n_in, n_out) / dur
-        out["matmul_fraction"] = round(achieved / (bounds["matmul_gflops"] * 1e9), 3)
+        out["matmul_fraction"] = round(achieved / (rate * 1e9), 3)
     return out
 
 

@@ -26,6 +26,7 @@ from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server
 from srt.utils.errors import ConfigError
 
 __all__ = ["LOAD_BALANCE_METHODS", "ConfigError", "PortArgs", "ServerArgs"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def _f(default: Any, help: str, choices: list[str] | None = None):
@@ -82,11 +83,16 @@ class ServerArgs:
     )
     dtype: str = _f(
         "auto",
-        "Weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA).",
-        ["auto", "float32", "bfloat16", "float16"],
+        "Weight and activation dtype. auto: bfloat16 on CUDA; on CPU bfloat16 for a bf16 / fp16 checkpoint "
+        "where the CPU has AMX or AVX512-BF16, else float32 (GGUF: float32).",
+        DTYPES,
     )
-    kv_cache_dtype: str = _f(
-        "auto", "KV cache dtype (auto = the model dtype).", ["auto", "float32", "bfloat16", "float16"]
+    kv_cache_dtype: str = _f("auto", "KV cache dtype (auto = the model dtype).", DTYPES)
+    weight_dtype: str = _f(
+        "auto",
+        "Linear weights' storage dtype on CPU (native linear backend): bfloat16 with --dtype float32 widens "
+        "them in registers. auto = bfloat16 for a bf16 checkpoint --dtype auto serves in float32, else --dtype.",
+        DTYPES[:3],
     )
     device: str = _f("auto", "Device (auto = cuda if available, else cpu).", ["auto", "cpu", "cuda"])
     context_length: int | None = _f(None, "Maximum context length (default: the model's).")
@@ -170,9 +176,7 @@ class ServerArgs:
         "smaller); captured: 1, 2, 4, 8, every multiple of 8 up to it, and it. Larger run eagerly.",
     )
     disable_overlap_schedule: bool = _f(
-        False,
-        "Run each batch's forward and then its results in turn (the default: overlap was not "
-        "measured to help anywhere yet).",
+        False, "Run each batch's forward, then its results, in turn (the default: overlap is not faster yet)."
     )
     enable_overlap_schedule: bool = _f(
         False,
@@ -200,11 +204,9 @@ class ServerArgs:
     )
     linear_backend: str = _f(
         "auto",
-        "Matmul of the linear layers and LM head. auto = on CPU float32, native where the CPU has AVX2 "
-        "+ FMA (srt's packed kernel, AVX2 or AVX-512: 1.1-1.7x oneDNN at decode batches, batch-invariant), "
-        "else onednn when oneDNN passes a self-check (about 2x MKL on AMD CPUs); torch elsewhere. Logits of native "
-        "and onednn are within ~1e-4 of MKL's; torch = F.linear (bitwise equal to a plain PyTorch model "
-        "on the same machine).",
+        "Matmul of the linear layers and LM head. auto = on CPU native where the CPU has AVX2 + FMA (srt's "
+        "kernels: float32 panels, bf16 ones on AVX512-BF16 / AMX or widened), else onednn (float32) when "
+        "it passes a self-check; torch (F.linear, bitwise a plain PyTorch model's) elsewhere.",
         list(LINEAR_BACKENDS),
     )
 
@@ -267,9 +269,7 @@ class ServerArgs:
         "always stream deltas.",
     )
     enable_cache_report: bool = _f(
-        False,
-        "Report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
-        "cache) on the OpenAI routes; without it prompt_tokens_details is null.",
+        False, "Report usage.prompt_tokens_details.cached_tokens on the OpenAI routes (else it is null)."
     )
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     log_requests: bool = _f(False, "Log every request and its output.")

@@ -13,8 +13,8 @@ To add a backend: its module under ``srt/layers/attention/`` (a subclass of
 ``AttentionBackend`` constructed as ``Class(model_runner)``), one entry here, and its place in
 ``AUTO_ATTENTION_ORDER``.
 
-Linear backends (``--linear-backend``): ``auto`` is, on CPU float32, ``native`` (srt's packed
-kernel) where the CPU's best vector ISA is AVX2, else ``onednn`` when oneDNN's linear is present
+Linear backends (``--linear-backend``): ``auto`` is, on CPU float32 or bfloat16, ``native`` (srt's
+packed kernels) where the CPU has AVX2 + FMA, else ``onednn`` when oneDNN's linear is present
 and passes its self-check (``srt.configs.device.onednn_linear_available``); ``torch``
 (``F.linear``) everywhere else.
 """
@@ -106,8 +106,8 @@ def resolve_attention_backend(
 
 
 def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
-    """``auto`` -> on CPU float32: ``native`` where the CPU has AVX2 + FMA (srt's packed kernel,
-    AVX2 or AVX-512, measured faster than oneDNN there), else ``onednn`` when oneDNN passes its
+    """``auto`` -> on CPU float32 or bfloat16: ``native`` where the CPU has AVX2 + FMA (srt's packed
+    kernels, AVX2 or AVX-512, measured faster than oneDNN there; bf16 weights in VNNI pairs), else ``onednn`` when oneDNN passes its
     self-check; everywhere else ``torch``. An unknown name, or an explicit ``native`` / ``onednn`` that cannot
     run here, raises ``ValueError`` (``ServerArgs.resolve`` turns it into a ``ConfigError``)."""
     if requested not in LINEAR_BACKENDS:
@@ -117,11 +117,12 @@ def resolve_linear_backend(requested: str, device: str, dtype: str) -> str:
     from srt.configs.cpu_features import cpu_has_avx2_fma
 
     cpu_f32 = device == "cpu" and dtype == "float32"
+    cpu_native = device == "cpu" and dtype in ("float32", "bfloat16")
     if requested == "native":
-        if not cpu_f32:
-            raise ValueError("--linear-backend native needs --device cpu and --dtype float32")
+        if not cpu_native:
+            raise ValueError("--linear-backend native needs --device cpu and --dtype float32 or bfloat16")
         return requested
-    if requested == "auto" and cpu_f32 and cpu_has_avx2_fma():
+    if requested == "auto" and cpu_native and cpu_has_avx2_fma():
         return "native"
     from srt.configs.device import onednn_linear_available  # imports torch
 

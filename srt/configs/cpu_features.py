@@ -5,6 +5,7 @@ FMA flags, and whether an NVIDIA driver is present at all (without one torch can
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -27,22 +28,36 @@ def cpu_isa_cap() -> str | None:
     return value
 
 
-def cpu_has_avx2_fma() -> bool:
-    """This x86-64 CPU has AVX2 + FMA (``/proc/cpuinfo``'s flags; every AVX-512 CPU has them) and
-    ``SRT_CPU_ISA`` does not lower the native ops to scalar: where srt's native packed linear
-    kernel (AVX2 or AVX-512 tile) was measured faster than oneDNN (``auto`` picks it there).
-    False where the flags cannot be read."""
-    if cpu_isa_cap() == "scalar":
-        return False
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line); empty where unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_avx2_fma() -> bool:
+    """This x86-64 CPU has AVX2 + FMA (every AVX-512 CPU has them) and ``SRT_CPU_ISA`` does not
+    lower the native ops to scalar: where srt's native packed linear kernel (AVX2 or AVX-512 tile)
+    was measured faster than oneDNN (``auto`` picks it there). False where the flags cannot be read."""
+    return cpu_isa_cap() != "scalar" and {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_bf16_units() -> str | None:
+    """The CPU's bf16 arithmetic: ``"amx"`` (AMX-BF16 tiles, Intel Xeon from Sapphire Rapids on, which
+    also have AVX512-BF16), ``"avx512_bf16"`` (``vdpbf16ps``: AMD Zen 4/5, Intel Cooper Lake) or None
+    (AVX2-only CPUs, or ``SRT_CPU_ISA`` below avx512). Whether the units run without trapping is the
+    bf16 probe's to say (srt/configs/bf16_probe.py)."""
+    cap = cpu_isa_cap()
+    flags = cpu_flags()
+    if (cap is not None and cap != "avx512") or not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        return None
+    return "amx" if "amx_bf16" in flags else "avx512_bf16"
 
 
 def nvidia_driver_present() -> bool:

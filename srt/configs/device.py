@@ -22,37 +22,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from srt.configs.bf16_probe import cpu_bf16_usable
 from srt.utils.errors import DtypeError
 
 logger = logging.getLogger(__name__)
-
-# oneDNN ISA cap that keeps bf16 on AVX512-BF16 kernels (no AMX).
-SAFE_BF16_ISA = "AVX512_CORE_BF16"
-_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
-_PROBE_TIMEOUT_S = 120.0
-
-# Runs the op families a model forward uses in bf16 (linear, bmm, SDPA) and checks the
-# result against float32; exit status 0 means bf16 is usable.
-_PROBE_SCRIPT = """
-import torch
-torch.manual_seed(0)
-a = torch.randn(37, 256)
-w = torch.randn(384, 256)
-ref = a @ w.t()
-out = torch.nn.functional.linear(a.bfloat16(), w.bfloat16()).float()
-err = (out - ref).abs().max().item() / ref.abs().max().item()
-q = torch.randn(1, 4, 9, 32, dtype=torch.bfloat16)
-torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-torch.bmm(q[0], q[0].transpose(1, 2))
-raise SystemExit(0 if err < 0.05 else 3)
-"""
 
 _NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,32 +38,6 @@ _NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-def _run_probe(extra_env: dict[str, str] | None = None) -> bool:
-    """Run the bf16 probe in a fresh interpreter; True when it exits 0 (no trap, sane result)."""
-    env = dict(os.environ)
-    env.update(extra_env or {})
-    env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE_SCRIPT],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=_PROBE_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        logger.warning("bf16 probe could not run: %s", e)
-        return False
-    if proc.returncode != 0:
-        logger.info(
-            "bf16 probe (env %s) failed with status %d: %s",
-            extra_env or {},
-            proc.returncode,
-            proc.stderr.decode(errors="replace").strip()[-300:],
-        )
-    return proc.returncode == 0
 
 
 def probe_bf16(device: str | torch.device = "cpu") -> bool:
@@ -105,20 +56,7 @@ def _probe_bf16_cached(device_type: str) -> bool:
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device_type != "cpu":
         return True
-    if _run_probe():
-        return True
-    if os.environ.get(_ISA_ENV):
-        # The user already capped the ISA and bf16 still fails: nothing else to try.
-        return False
-    if _run_probe({_ISA_ENV: SAFE_BF16_ISA}):
-        logger.warning(
-            "bf16 kernels trap on this CPU at the advertised ISA; capping oneDNN with %s=%s.",
-            _ISA_ENV,
-            SAFE_BF16_ISA,
-        )
-        os.environ[_ISA_ENV] = SAFE_BF16_ISA
-        return True
-    return False
+    return cpu_bf16_usable()
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:

@@ -23,10 +23,12 @@ This module is configuration: it does not import srt.server_args (the object is 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Protocol
 
 from srt.configs.backends import resolve_attention_backend, resolve_grammar_backend, resolve_linear_backend
 from srt.configs.chat_templates import load_chat_template
+from srt.configs.cpu_dtype import resolve_cpu_dtype, resolve_weight_dtype
 from srt.configs.cpu_features import cpu_isa_cap, nvidia_driver_present
 from srt.configs.pooling_config import is_embedding_checkpoint
 from srt.configs.tls import check_tls_files
@@ -34,6 +36,8 @@ from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
 from srt.utils.model_path import is_hub_id, resolve_hub_snapshot
 from srt.utils.tp_layout import validate_parallelism
+
+logger = logging.getLogger(__name__)
 
 # the data-parallel controller's routing policies (srt/managers/data_parallel/policy.py)
 LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin", "prefix_aware")
@@ -65,6 +69,7 @@ class ResolvableArgs(Protocol):
     gguf_float32_rows: int | None
     dtype: str
     kv_cache_dtype: str
+    weight_dtype: str
     device: str
     json_model_override_args: str
     served_model_name: str | None
@@ -107,16 +112,20 @@ class ResolvableArgs(Protocol):
 
 def resolve_server_args(a: ResolvableArgs) -> None:
     """Resolve every ``auto`` of ``a`` and validate it, in place; raises ConfigError naming the flag."""
+    _resolve_model_location(a)
+    dtype_auto = a.dtype == "auto"
     _resolve_device_and_dtype(a)
     _resolve_memory(a)
     _resolve_chunk_and_page(a)
     _resolve_compute_backends(a)
+    a.weight_dtype = resolve_weight_dtype(
+        a.weight_dtype, a.dtype, dtype_auto, a.model_path, a.device, a.linear_backend
+    )
     _resolve_cuda_graph(a)
     _resolve_cpu_threads(a)
     _check_parallelism(a)
     _resolve_overlap(a)
     _resolve_speculative(a)
-    _resolve_model_location(a)
     a.is_embedding = a.is_embedding or is_embedding_checkpoint(a.model_path)
     _resolve_weights(a)
     _resolve_grammar(a)
@@ -139,8 +148,11 @@ def _resolve_device_and_dtype(a: ResolvableArgs) -> None:
             raise ConfigError("--device cuda was given but CUDA is not available; use --device cpu.")
     if a.device == "cpu":
         cpu_isa_cap()  # a bad SRT_CPU_ISA is a start-up error
-    if a.dtype == "auto":
-        a.dtype = "float32" if a.device == "cpu" else "bfloat16"
+    if a.dtype == "auto" and a.device == "cpu":
+        a.dtype, why = resolve_cpu_dtype(a.model_path, a.load_format)
+        logger.info("--dtype auto: %s (%s)", a.dtype, why)
+    elif a.dtype == "auto":
+        a.dtype = "bfloat16"
     if a.kv_cache_dtype == "auto":
         a.kv_cache_dtype = a.dtype
 

@@ -143,17 +143,31 @@ TORCH_LINEAR = TorchLinear()
 
 
 class NativeLinear(LinearBackend):
-    """srt's packed float32 kernel (``torch.ops.srt_cpu.packed_linear``, one kernel for every batch
-    size; see the module docstring) for every CPU input of a packed weight (other dtypes go
-    through float32), ``F.linear`` for weights it did not pack. The plain weight of a packed layer
-    is released (``packed_only``): autograd through it is refused. Needs the native kernels
-    loaded: ``create_linear_backend`` checks that."""
+    """srt's packed kernels for every CPU input of a packed weight, ``F.linear`` for weights it did
+    not pack: a float32 weight in float32 panels (``torch.ops.srt_cpu.packed_linear``, one kernel for
+    every batch size; other input dtypes go through float32), a bf16 weight in bf16 VNNI-pair panels
+    (``torch.ops.srt_cpu.bf16_linear``: bf16 activations on the CPU's bf16 dot products or oneDNN's
+    brgemm, float32 ones widening the weights in registers; the output in the input's dtype).
+    ``weight_dtype=torch.bfloat16`` packs float32 weights in bf16 too (a bf16 checkpoint served with
+    float32 activations on a CPU without bf16 arithmetic: half the bytes, the same values). The
+    plain weight of a packed layer is released (``packed_only``): autograd through it is refused.
+    Needs the native kernels loaded: ``create_linear_backend`` checks that."""
 
     name = "native"
     packed_only = True
 
+    def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
+        self.weight_dtype = weight_dtype
+
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        if weight.dtype == torch.bfloat16 or (
+            weight.dtype == torch.float32 and self.weight_dtype == torch.bfloat16
+        ):
+            # pairs of k: an odd in_features (no model has one) keeps its plain weight and F.linear
+            return torch.ops.srt_cpu.pack_bf16_weight(weight.detach()) if weight.shape[1] % 2 == 0 else None
+        if weight.dtype != torch.float32:
             return None
         return torch.ops.srt_cpu.pack_linear_weight(weight.detach())
 
@@ -168,17 +182,21 @@ class NativeLinear(LinearBackend):
                 f"weight was released); got a {x.device.type} input{' that requires grad' * x.requires_grad}. "
                 "Build the model with another linear backend for this."
             )
-        x32 = x.reshape(-1, x.shape[-1]).float()
-        b32 = None if bias is None else bias.float().contiguous()
-        out = torch.ops.srt_cpu.packed_linear(x32, packed, weight.shape[0], b32)
+        x2 = x.reshape(-1, x.shape[-1])
+        if packed.dtype == torch.bfloat16:
+            x2 = x2 if x2.dtype in (torch.bfloat16, torch.float32) else x2.float()
+            out = torch.ops.srt_cpu.bf16_linear(x2, packed, weight.shape[0], bias)
+        else:
+            b32 = None if bias is None else bias.float().contiguous()
+            out = torch.ops.srt_cpu.packed_linear(x2.float(), packed, weight.shape[0], b32)
         return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
-def _native_or_fallback() -> LinearBackend:
+def _native_or_fallback(weight_dtype: torch.dtype | None) -> LinearBackend:
     """``NativeLinear`` when the native kernels are loaded; else, with a warning naming why, the
     ``onednn`` backend (``torch`` when oneDNN is unusable)."""
-    if cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "packed_linear"):
-        return NativeLinear()
+    if cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_linear"):
+        return NativeLinear(weight_dtype)
     fallback = OneDNNLinear() if onednn_linear_available() else TORCH_LINEAR
     logger.warning(
         "linear backend native: the native kernels are unavailable (%s); using %s instead",
@@ -188,8 +206,9 @@ def _native_or_fallback() -> LinearBackend:
     return fallback
 
 
-def create_linear_backend(name: str) -> LinearBackend:
-    """The backend of a resolved ``--linear-backend`` (``torch``, ``onednn`` or ``native``).
+def create_linear_backend(name: str, weight_dtype: torch.dtype | None = None) -> LinearBackend:
+    """The backend of a resolved ``--linear-backend`` (``torch``, ``onednn`` or ``native``);
+    ``weight_dtype``: the native backend's storage dtype for float32 weights (see ``NativeLinear``).
 
     ``native`` without the native kernels gives the ``onednn`` (or ``torch``) backend, with a
     warning. Raises ``ValueError`` for any other name (``auto`` included: resolve it first) and for
@@ -197,7 +216,7 @@ def create_linear_backend(name: str) -> LinearBackend:
     if name == "torch":
         return TORCH_LINEAR
     if name == "native":
-        return _native_or_fallback()
+        return _native_or_fallback(weight_dtype)
     if name == "onednn":
         if not onednn_linear_available():
             raise ValueError(

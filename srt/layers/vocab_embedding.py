@@ -59,22 +59,30 @@ class VocabEmbedding(_VocabWeight):
         self.packed_rows: torch.Tensor | None
         self.register_buffer("packed_rows", None, persistent=False)
 
-    @staticmethod
-    def _panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (1-D) of the weight packed in ``panels``."""
+    def _panel_rows(self, panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) of the weight packed in ``panels``: float32 ``[P, K, nr]`` (row n at
+        ``panels[n // nr, :, n % nr]``) or bf16 VNNI pairs ``[P, K / 2, nr, 2]`` (row n at
+        ``panels[n // nr, :, n % nr, :]``, flattened)."""
         nr = panels.shape[2]
-        return panels[ids // nr, :, ids % nr]
+        if panels.dim() == 3:
+            return panels[ids // nr, :, ids % nr]
+        return panels[ids // nr, :, ids % nr, :].reshape(ids.numel(), self.embedding_dim)
 
     def read_rows_from(self, panels: torch.Tensor) -> None:
         """Look rows up in ``panels`` (the tied LM head's packed form) from now on: they must hold
         exactly the plain weight's rows (checked), which the caller may then release."""
         rows, nr = self.weight.shape[0], panels.shape[2]
-        same = panels.dim() == 3 and panels.shape[1] == self.embedding_dim and panels.shape[0] * nr >= rows
+        dim = self.embedding_dim
+        fits = (
+            panels.shape[1] == dim if panels.dim() == 3 else panels.dim() == 4 and 2 * panels.shape[1] == dim
+        )
+        same = fits and panels.shape[0] * nr >= rows
         for start in range(0, rows, 8192):  # in chunks: no second full copy at load
             if not same:
                 break
             ids = torch.arange(start, min(rows, start + 8192))
-            same = torch.equal(self._panel_rows(panels, ids), self.weight[start : start + ids.numel()])
+            got = self._panel_rows(panels, ids).to(self.weight.dtype)  # bf16 panels of float32 weights
+            same = torch.equal(got, self.weight[start : start + ids.numel()])
         if not same:
             raise ValueError("the packed LM head does not hold the embedding's rows")
         self.packed_rows = panels
@@ -83,7 +91,8 @@ class VocabEmbedding(_VocabWeight):
         if self.qweight is not None:
             return self.qweight.rows(ids)
         if self.packed_rows is not None:
-            return self._panel_rows(self.packed_rows, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+            rows = self._panel_rows(self.packed_rows, ids.reshape(-1)).to(self.weight.dtype)
+            return rows.view(*ids.shape, self.embedding_dim)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

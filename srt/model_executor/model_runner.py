@@ -102,7 +102,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_server_args(server_args)
         self.dtype: torch.dtype = self.model_config.dtype
         # resolved (and validated) by ServerArgs.resolve
-        self.linear_backend: LinearBackend = create_linear_backend(server_args.linear_backend)
+        weight_dtype = (
+            _DTYPES[server_args.weight_dtype] if server_args.weight_dtype not in (None, "auto") else None
+        )
+        self.linear_backend: LinearBackend = create_linear_backend(server_args.linear_backend, weight_dtype)
         kv_name = server_args.kv_cache_dtype
         self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
         self.model: nn.Module = self._load_model(self.model_config, server_args.load_format)

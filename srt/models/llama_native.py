@@ -10,7 +10,8 @@ the same kernels in the same order from C++: its output is bit for bit the Pytho
 It applies when every projection of every layer is either GGUF blocks of natively supported types
 (``--quantization gguf``, the default for GGUF models on CPU; a projection whose rows mix types,
 as a Q4_K_M file's q/k/v do, runs one kernel per type) or a float32 weight packed for
-srt's kernel (``--linear-backend native``, the default on AVX2 CPUs), activations are float32 on
+srt's kernel (``--linear-backend native``, the default on AVX2 CPUs; or a bf16 one with
+``--weight-dtype bfloat16``, widened in registers), activations are float32 on
 the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
 Python path. ``--disable-native-decode-layers`` turns it off.
@@ -41,14 +42,17 @@ if TYPE_CHECKING:
     from srt.layers.forward_batch import ForwardBatch
 
 
-# DecodeLayers' qtype for a float32 weight packed by pack_linear_weight (decode_layers.cpp)
+# DecodeLayers' qtypes for a float32 weight packed by pack_linear_weight and a bf16 one packed by
+# pack_bf16_weight (decode_layers.cpp)
 PACKED_F32 = -1
+PACKED_BF16 = -2
 
 
 def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, int, int]] | None:
     """The ``(data, qtype, rows)`` segments of a projection as DecodeLayers.add_layer takes them:
     GGUF blocks of native types (one segment per type, in row order), or the native backend's
-    packed float32 weight (``PACKED_F32``, rows = N); None when the projection has neither.
+    packed weight of a float32 layer (float32 panels, ``PACKED_F32``, or bf16 ones with
+    ``--weight-dtype bfloat16``, ``PACKED_BF16``; rows = N); None when the projection has neither.
     ``float32``: a quantized weight's float32 copy instead of its blocks (None without one)."""
     if linear.qweight is not None:
         if float32:
@@ -60,7 +64,7 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
         return None
     if linear.bias is not None and (linear.bias.dtype != torch.float32 or not linear.bias.is_contiguous()):
         return None
-    return [(packed, PACKED_F32, linear.out_features)]
+    return [(packed, PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32, linear.out_features)]
 
 
 def _int8_rows(linear: Linear) -> int:

@@ -24,6 +24,7 @@ KERNEL_TESTS = [
     f"tests/unit/{name}.py"
     for name in (
         "test_cpu_isa",
+        "test_bf16_linear",
         "test_cpu_decode_attention",
         "test_cpu_extend_attention",
         "test_cpu_elementwise",

@@ -284,14 +284,18 @@ def test_resolve_linear_backend(monkeypatch):
         monkeypatch.setattr(cpu_features, "cpu_has_avx2_fma", lambda v=avx2: v)
         want = "native" if avx2 else ("onednn" if ok else "torch")
         assert resolve_linear_backend("auto", "cpu", "float32") == want
-        assert resolve_linear_backend("auto", "cpu", "bfloat16") == "torch"
+        assert resolve_linear_backend("auto", "cpu", "bfloat16") == ("native" if avx2 else "torch")
+        assert resolve_linear_backend("auto", "cpu", "float16") == "torch"
         assert resolve_linear_backend("auto", "cuda", "float32") == "torch"
         assert resolve_linear_backend("native", "cpu", "float32") == "native"
+        assert resolve_linear_backend("native", "cpu", "bfloat16") == "native"
     assert resolve_linear_backend("torch", "cpu", "float32") == "torch"
     with pytest.raises(ValueError, match="--linear-backend"):
         resolve_linear_backend("onednn", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="--linear-backend onednn"):
+        resolve_linear_backend("onednn", "cpu", "bfloat16")
     with pytest.raises(ValueError, match="--linear-backend native"):
-        resolve_linear_backend("native", "cpu", "bfloat16")
+        resolve_linear_backend("native", "cpu", "float16")
     with pytest.raises(ValueError, match="unknown linear backend"):
         resolve_linear_backend("mkl", "cpu", "float32")
     with pytest.raises(ValueError):

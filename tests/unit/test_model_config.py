@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from srt.configs import bf16_probe as probe_mod
 from srt.configs import device as device_mod
 from srt.configs.device import DtypeError, resolve_dtype
 from srt.configs.model_config import ModelConfig, ModelNotFoundError, resolve_model_path
@@ -189,9 +190,11 @@ def test_resolve_dtype_names():
 @pytest.fixture
 def fresh_probe(monkeypatch):
     device_mod._probe_bf16_cached.cache_clear()
+    probe_mod.cpu_bf16_usable.cache_clear()
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     yield
     device_mod._probe_bf16_cached.cache_clear()
+    probe_mod.cpu_bf16_usable.cache_clear()
 
 
 def test_bf16_isa_cap_when_native_probe_traps(monkeypatch, fresh_probe):
@@ -201,14 +204,14 @@ def test_bf16_isa_cap_when_native_probe_traps(monkeypatch, fresh_probe):
         envs.append(extra_env)
         return bool(extra_env)  # native run "traps", the capped one works
 
-    monkeypatch.setattr(device_mod, "_run_probe", fake_probe)
+    monkeypatch.setattr(probe_mod, "run_probe", fake_probe)
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert envs == [None, {"ONEDNN_MAX_CPU_ISA": device_mod.SAFE_BF16_ISA}]
-    assert os.environ["ONEDNN_MAX_CPU_ISA"] == device_mod.SAFE_BF16_ISA
+    assert envs == [None, {"ONEDNN_MAX_CPU_ISA": probe_mod.SAFE_BF16_ISA}]
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == probe_mod.SAFE_BF16_ISA
 
 
 def test_bf16_falls_back_to_float32_with_warning(monkeypatch, fresh_probe, caplog):
-    monkeypatch.setattr(device_mod, "_run_probe", lambda extra_env=None: False)
+    monkeypatch.setattr(probe_mod, "run_probe", lambda extra_env=None: False)
     with caplog.at_level(logging.WARNING, logger="srt.configs.device"):
         assert resolve_dtype("bfloat16", "cpu") == torch.float32
     assert "falling back to float32" in caplog.text
@@ -217,5 +220,5 @@ def test_bf16_falls_back_to_float32_with_warning(monkeypatch, fresh_probe, caplo
 
 def test_real_bf16_probe_survives_a_trapping_child(monkeypatch, fresh_probe):
     """The probe runs in a child: a child killed by a signal is a False, not our crash."""
-    monkeypatch.setattr(device_mod, "_PROBE_SCRIPT", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
-    assert device_mod._run_probe() is False
+    monkeypatch.setattr(probe_mod, "PROBE_SCRIPT", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert probe_mod.run_probe() is False

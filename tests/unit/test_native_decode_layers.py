@@ -19,7 +19,7 @@ from srt.layers.quantized_weight import GGUFTensor
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from tests.helpers.gguf_models import quantize
-from tests.helpers.tiny_models import TINY_KINDS, save_tiny_model
+from tests.helpers.tiny_models import TINY_KINDS, build_tiny_hf_model, save_hf_dir, save_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not native_available() or not {2, 3, 8} <= gguf_kernels.native_qtypes(),
@@ -114,6 +114,19 @@ def test_tiny_models_native_equals_python(tmp_path, kind, kv_dtype):
     assert line.startswith("native decode layers on"), line
     _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
     _decode_both_ways(runner, [64], seed=4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_stored_weights_native_equals_python(tmp_path, kind):
+    """A bf16 checkpoint with float32 activations (``--weight-dtype bfloat16``, what ``--dtype auto``
+    gives it on a CPU without bf16 arithmetic): bf16 panels widened in registers, in the stack too."""
+    path = save_hf_dir(build_tiny_hf_model(kind, seed=1).to(torch.bfloat16), tmp_path / kind)
+    runner = _runner(path, linear_backend="native", weight_dtype="bfloat16")
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.packed_weight.dtype == torch.bfloat16 and runner.dtype == torch.float32
+    assert runner.model.model.native_decode is not None
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
+    _decode_both_ways(runner, [40] * 8, seed=4)  # a full 8-row tile
 
 
 def test_not_used_where_it_does_not_apply(tmp_path):

@@ -35,6 +35,7 @@ import torch
 NAME = "srt_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = (
+    "bf16_linear.cpp",
     "decode_attention.cpp",
     "decode_layers.cpp",
     "elementwise.cpp",

@@ -34,6 +34,13 @@ inline CpuIsa requested_isa(const char* op, c10::string_view requested) {
   return want;
 }
 
+// bf16_linear.cpp: bf16 weights packed in VNNI pairs ([P, K/2, 32, 2]); x bf16 or float32
+at::Tensor pack_bf16_weight(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                       c10::string_view isa);
+// bf16_linear.cpp: from how many rows a bf16 x goes through brgemm (SRT_BF16_BRGEMM_M, default 16)
+int64_t bf16_brgemm_rows();
+
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,

@@ -3,8 +3,8 @@
 // overhead on each of the dozen ops of every layer (about 5 ms of a 15 ms step for the default
 // model, 30 layers).
 //
-// The object holds the layers' weights (GGUF blocks kept as loaded, or float32 weights packed by
-// pack_linear_weight; norms, biases) once; each step passes the activations and the attention
+// The object holds the layers' weights (GGUF blocks kept as loaded, float32 weights packed by
+// pack_linear_weight, or bf16 ones by pack_bf16_weight; norms, biases) once; each step passes the activations and the attention
 // metadata:
 //
 //   forward(hidden [B, h] f32, positions [B] i64, k_buffers, v_buffers (one [S, H_kv, D] per
@@ -41,13 +41,15 @@
 namespace srt_cpu {
 namespace {
 
-// qtype of a float32 weight packed by pack_linear_weight (not a ggml type)
+// qtypes of a float32 weight packed by pack_linear_weight, and of a bf16 one packed by
+// pack_bf16_weight (VNNI pairs; the float32 activations widen it in registers) (not ggml types)
 constexpr int64_t kPackedF32 = -1;
+constexpr int64_t kPackedBF16 = -2;
 
 // One row range of a projection's weight, of one type.
 struct Segment {
-  at::Tensor data;  // uint8 [rows, bytes per row], x8 groups (gguf_x8.h) when x8_rows > 0, or float32
-                    // panels [P, K, nr] (qtype kPackedF32)
+  at::Tensor data;  // uint8 [rows, bytes per row], x8 groups (gguf_x8.h) when x8_rows > 0, float32
+                    // panels [P, K, nr] (qtype kPackedF32) or bf16 ones [P, K/2, 32, 2] (kPackedBF16)
   int64_t qtype;
   int64_t x8_rows;  // rows of an x8-packed weight or N of a packed float32 one, 0 for GGUF rows
 
@@ -56,6 +58,7 @@ struct Segment {
   // does; never for float32 weights)
   at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows, const c10::optional<at::Tensor>& bias) const {
     if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
+    if (qtype == kPackedBF16) return bf16_linear(x, data, x8_rows, bias, "");
     if (q8a_takes(qtype, x.size(0), int8_max_rows)) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }

@@ -1,0 +1,109 @@
+"""What ``--dtype auto`` means on CPU, decided without torch (the main process stays free of it).
+
+The dtype follows the checkpoint, as far as the CPU computes it fast:
+
+    checkpoint (config.json's ``torch_dtype`` / ``dtype``)   CPU                                  served in
+    bfloat16 or float16                                       AMX-BF16 or AVX512-BF16, probe ok    bfloat16
+    bfloat16 or float16                                       AVX2 only (or the bf16 probe failed)  float32
+    float32, or none written                                  any                                  float32
+    a GGUF file (the default model included)                  any                                  float32
+
+bfloat16 halves the weights' memory and the bytes each decoded token reads, and runs batched
+matmuls on the CPU's bf16 units (srt's bf16 linear: ``vdpbf16ps`` for a few rows, oneDNN's brgemm,
+which takes AMX tiles where the CPU has them, for more). A float16 checkpoint is served in bf16
+(its values rounded to bf16's 8-bit mantissa: what vLLM's CPU backend does too). On a CPU without
+bf16 arithmetic float32 is faster to compute with, so activations stay float32. The bf16 probe
+(srt/configs/bf16_probe.py) runs in a child, so a CPU that advertises AMX and traps falls back with
+a logged reason, never a crash. ``--dtype float32`` / ``bfloat16`` are taken as given.
+
+Where bf16 arithmetic is missing, a bf16 checkpoint's linear weights are still stored in bf16
+(``--weight-dtype auto``, ``resolve_weight_dtype``): srt's bf16 linear widens them to float32 in
+registers (a 16-bit shift), so the arithmetic is float32's on the checkpoint's own values, with half
+the memory and half the bytes each decoded token reads. ``--dtype float32`` keeps float32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from srt.configs.cpu_features import cpu_bf16_units
+from srt.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_HALF = ("bfloat16", "float16")
+
+
+def checkpoint_dtype(model_path: str | None) -> str | None:
+    """The dtype a HF checkpoint directory declares (``torch_dtype``, or ``dtype`` as transformers 5
+    writes it; a multimodal config's ``text_config`` too), normalized to ``float32`` /
+    ``bfloat16`` / ``float16``; None for a GGUF file, no path, or no such field."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}):
+        value = c.get("torch_dtype") or c.get("dtype")
+        if isinstance(value, str):
+            value = value.removeprefix("torch.")
+            return {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(value, value)
+    return None
+
+
+def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None) -> tuple[str, str]:
+    """``--dtype auto`` on CPU -> (dtype, why): see the module docstring. ``bf16_usable`` (a callable,
+    default: the child-process probe) is asked only where the checkpoint and the CPU call for bf16."""
+    if load_format == "gguf" or (model_path or "").endswith(".gguf") or not model_path:
+        return "float32", "GGUF weights run on their own kernels with float32 activations"
+    declared = checkpoint_dtype(model_path)
+    if declared not in _HALF:
+        return "float32", f"the checkpoint is {declared or 'float32 (no dtype declared)'}"
+    units = cpu_bf16_units()
+    if units is None:
+        return "float32", f"the checkpoint is {declared} but this CPU has no bf16 arithmetic (AVX2 only)"
+    if bf16_usable is None:
+        from srt.configs.bf16_probe import cpu_bf16_usable as bf16_usable
+    if not bf16_usable():
+        return "float32", f"the checkpoint is {declared} but the bf16 probe failed on this CPU ({units})"
+    return "bfloat16", f"the checkpoint is {declared} and this CPU computes in bf16 ({units})"
+
+
+def resolve_weight_dtype(
+    requested: str, dtype: str, dtype_auto: bool, model_path: str | None, device: str, linear_backend: str
+) -> str:
+    """``--weight-dtype``: auto is bfloat16 where ``--dtype auto`` served a bf16 checkpoint in float32
+    on the native linear backend (a CPU without bf16 arithmetic: the checkpoint's values stored in
+    bf16, widened to float32 in registers), else the model dtype; bfloat16 given by hand needs float32
+    activations on CPU, that backend and a bf16 checkpoint. ``ConfigError`` otherwise."""
+    if requested == "auto":
+        storage = dtype_auto and checkpoint_dtype(model_path) == "bfloat16" and device == "cpu"
+        if storage and dtype == "float32" and linear_backend == "native":
+            logger.info(
+                "--weight-dtype auto: bfloat16 (the checkpoint's values, widened to float32 in registers)"
+            )
+            return "bfloat16"
+        return dtype
+    if requested == "bfloat16" and dtype == "float32":
+        if device != "cpu" or linear_backend != "native":
+            raise ConfigError(
+                "--weight-dtype bfloat16 with float32 activations needs --device cpu and --linear-backend "
+                f"native, got --device {device} --linear-backend {linear_backend}."
+            )
+        declared = checkpoint_dtype(model_path)
+        if declared != "bfloat16":  # rounding a checkpoint's weights would serve other weights
+            raise ConfigError(
+                f"--weight-dtype bfloat16 stores a bf16 checkpoint's weights as they are; this checkpoint is "
+                f"{declared or 'not a bf16 one'}: use --weight-dtype auto."
+            )
+        return requested
+    if requested != dtype:
+        raise ConfigError(
+            f"--weight-dtype {requested} does not go with --dtype {dtype}: use auto, or bfloat16 with "
+            "--dtype float32 (bf16 storage for float32 activations)."
+        )
+    return requested

@@ -1,0 +1,407 @@
+// bf16 linear layers on weights packed once at load: out [M, N] = x [M, K] @ w[N, K]^T (+ bias),
+// float32 accumulation.
+//
+//   pack_bf16_weight(w [N, K] bf16 or float32, K even) -> packed [P, K/2, 32, 2] bf16
+//       P = ceil(N / 32): panel p holds output columns 32p .. 32p+31, one row of 32 (k, k+1) pairs
+//       per pair of k (VNNI pairs: the layout vdpbf16ps, AMX tiles and oneDNN's brgemm read), zeros
+//       past N. A float32 weight is rounded to bf16 (exact for a bf16 checkpoint). An odd K (no
+//       model has one) is refused: x's K must then equal the weight's exactly.
+//   bf16_linear(x [M, K] bf16 or float32, packed, N, bias [N]?, isa = "") -> out [M, N], x's dtype
+//
+// The paths (`isa`: "" picks, or one named to test it):
+//   "brgemm"       x bf16, at least bf16_brgemm_rows() rows, a CPU with AVX512-BF16 or AMX:
+//                  ATen's CPUBlas brgemm on each panel (oneDNN's ukernel picks AMX tiles or
+//                  AVX512-BF16 itself).
+//   "avx512_bf16"  x bf16: vdpbf16ps, 8 rows x 32 columns a register tile, the weights streamed
+//                  once per tile (at 1-8 rows a matrix-vector product, bound by read bandwidth).
+//   "avx512", "avx2", "scalar"   any x (CPUs without bf16 arithmetic, float32 activations): each
+//                  weight pair widened to float32 in registers (a 16-bit shift) and two FMAs.
+// Every path sums each output over k in pair order in float32; the products of bf16 values are
+// exact in float32, so the paths differ only by float32 rounding of the sums (and by how the
+// brgemm's ukernel orders them). A float32 x is never rounded to bf16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "cpu_ops.h"
+#include "vec.h"
+
+namespace srt_cpu {
+namespace {
+
+constexpr int64_t kNR = 32;     // output columns a panel
+constexpr int kMR512 = 8;       // rows a tile, AVX-512 paths
+constexpr int kMR2 = 4;         // rows a tile, AVX2 and scalar
+constexpr int64_t kBrgemmMB = 64;  // rows a brgemm call
+
+enum class Bf16Path { kScalar, kAvx2, kAvx512, kAvx512Bf16, kBrgemm };
+
+const char* path_name(Bf16Path p) {
+  switch (p) {
+    case Bf16Path::kBrgemm: return "brgemm";
+    case Bf16Path::kAvx512Bf16: return "avx512_bf16";
+    case Bf16Path::kAvx512: return "avx512";
+    case Bf16Path::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+bool cpu_has_avx512_bf16() {
+#if SRT_CPU_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has && detect_isa() == CpuIsa::kAvx512;
+#else
+  return false;
+#endif
+}
+
+inline float bf16_to_float(uint16_t b) { return bf16_bits_to_float(b); }
+
+// One tile: c[i][0..32) = bias + sum over pairs kh of x[i] . w-pair, i < R; the result in float32.
+// `xa` points at row 0 of x (bf16 or float32 elements, row stride lda), `w` at the panel.
+template <typename XT>
+void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias, float* c) {
+  const int64_t Kh = K / 2;
+  for (int i = 0; i < R; ++i) {
+    float acc[kNR];
+    for (int64_t j = 0; j < kNR; ++j) acc[j] = bias ? bias[j] : 0.f;
+    const XT* x = xa + i * lda;
+    for (int64_t kh = 0; kh < Kh; ++kh) {
+      const float x0 = static_cast<float>(x[2 * kh]), x1 = static_cast<float>(x[2 * kh + 1]);
+      const uint16_t* wp = w + kh * kNR * 2;
+      for (int64_t j = 0; j < kNR; ++j) {
+        acc[j] = std::fma(x0, bf16_to_float(wp[2 * j]), acc[j]);
+        acc[j] = std::fma(x1, bf16_to_float(wp[2 * j + 1]), acc[j]);
+      }
+    }
+    std::memcpy(c + i * kNR, acc, sizeof acc);
+  }
+}
+
+// x[i][2kh], x[i][2kh+1] as float32
+template <typename XT>
+inline void x_pair(const XT* x, int64_t kh, float* x0, float* x1) {
+  *x0 = static_cast<float>(x[2 * kh]);
+  *x1 = static_cast<float>(x[2 * kh + 1]);
+}
+
+#if SRT_CPU_X86
+// AVX2: the panel in two halves of 16 columns; per half and pair of k, 2 loads of 8 pairs, each
+// widened into the even (k) and odd (k+1) weights, 2 FMAs each.
+template <typename XT, int R>
+SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
+                                 float* c) {
+  const int64_t Kh = K / 2;
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v)
+        acc[i][v] = bias ? _mm256_loadu_ps(bias + half * 16 + v * 8) : _mm256_setzero_ps();
+    for (int64_t kh = 0; kh < Kh; ++kh) {
+      const uint16_t* wp = w + (kh * kNR + half * 16) * 2;
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, hi));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, hi));
+      for (int i = 0; i < R; ++i) {
+        float f0, f1;
+        x_pair(xa + i * lda, kh, &f0, &f1);
+        const __m256 x0 = _mm256_set1_ps(f0), x1 = _mm256_set1_ps(f1);
+        acc[i][0] = _mm256_fmadd_ps(x1, o0, _mm256_fmadd_ps(x0, e0, acc[i][0]));
+        acc[i][1] = _mm256_fmadd_ps(x1, o1, _mm256_fmadd_ps(x0, e1, acc[i][1]));
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + i * kNR + half * 16 + v * 8, acc[i][v]);
+  }
+}
+
+// AVX-512 without bf16 arithmetic: the same widening, 16 pairs a load, the whole panel at once.
+template <typename XT, int R>
+SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
+                                     float* c) {
+  const int64_t Kh = K / 2;
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 2; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
+  for (int64_t kh = 0; kh < Kh; ++kh) {
+    const uint16_t* wp = w + kh * kNR * 2;
+    const __m512i p0 = _mm512_loadu_si512(wp);
+    const __m512i p1 = _mm512_loadu_si512(wp + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, hi));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, hi));
+    for (int i = 0; i < R; ++i) {
+      float f0, f1;
+      x_pair(xa + i * lda, kh, &f0, &f1);
+      const __m512 x0 = _mm512_set1_ps(f0), x1 = _mm512_set1_ps(f1);
+      acc[i][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[i][0]));
+      acc[i][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[i][1]));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * kNR + v * 16, acc[i][v]);
+}
+
+#define SRT_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+// AVX512-BF16: x's (k, k+1) pair broadcast as one 32-bit lane, vdpbf16ps against 16 columns' pairs.
+template <int R>
+SRT_TARGET_AVX512_BF16 void tile_bf16dot_r(const uint16_t* xa, int64_t lda, int64_t K, const uint16_t* w,
+                                           const float* bias, float* c) {
+  const int64_t Kh = K / 2;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 2; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
+  for (int64_t kh = 0; kh < Kh; ++kh) {
+    const uint16_t* wp = w + kh * kNR * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xa + i * lda + 2 * kh, sizeof pair);
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xp, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xp, w1);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * kNR + v * 16, acc[i][v]);
+}
+#endif  // SRT_CPU_X86
+
+// f(std::integral_constant<int, R>) for R in 1 .. MAXR: the tiles' row counts are template arguments
+template <int MAXR, typename F>
+void with_rows(int R, F&& f) {
+  switch (R) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: break;
+  }
+  if constexpr (MAXR <= 4) {
+    return f(std::integral_constant<int, 4>{});
+  } else {
+    switch (R) {
+      case 4: return f(std::integral_constant<int, 4>{});
+      case 5: return f(std::integral_constant<int, 5>{});
+      case 6: return f(std::integral_constant<int, 6>{});
+      case 7: return f(std::integral_constant<int, 7>{});
+      default: return f(std::integral_constant<int, 8>{});
+    }
+  }
+}
+
+template <typename XT>
+void run_tile(Bf16Path path, int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
+              float* c) {
+#if SRT_CPU_X86
+  if constexpr (std::is_same_v<XT, c10::BFloat16>) {
+    if (path == Bf16Path::kAvx512Bf16) {
+      const uint16_t* xu = reinterpret_cast<const uint16_t*>(xa);
+      return with_rows<kMR512>(R, [&](auto r) { tile_bf16dot_r<decltype(r)::value>(xu, lda, K, w, bias, c); });
+    }
+  }
+  if (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) {
+    return with_rows<kMR512>(R, [&](auto r) { tile_avx512_r<XT, decltype(r)::value>(xa, lda, K, w, bias, c); });
+  }
+  if (path == Bf16Path::kAvx2) {
+    return with_rows<kMR2>(R, [&](auto r) { tile_avx2_r<XT, decltype(r)::value>(xa, lda, K, w, bias, c); });
+  }
+#endif
+  tile_scalar<XT>(R, xa, lda, K, w, bias, c);
+}
+
+int tile_rows(Bf16Path path) {
+  return (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) ? kMR512 : kMR2;
+}
+
+int64_t brgemm_rows_from_env() {
+  const char* env = std::getenv("SRT_BF16_BRGEMM_M");
+  if (env == nullptr || env[0] == '\0') return 16;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && v >= 1, "SRT_BF16_BRGEMM_M must be a positive integer, got '", env, "'");
+  return v;
+}
+
+Bf16Path pick_path(c10::string_view requested, bool x_bf16, int64_t M, int64_t K) {
+  const CpuIsa isa = detect_isa();
+  const bool dot = cpu_has_avx512_bf16();
+  if (requested.empty()) {
+    if (x_bf16 && dot && M >= bf16_brgemm_rows()) return Bf16Path::kBrgemm;
+    if (x_bf16 && dot) return Bf16Path::kAvx512Bf16;
+    return isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512 : isa == CpuIsa::kAvx2 ? Bf16Path::kAvx2 : Bf16Path::kScalar;
+  }
+  const std::string name(requested);
+  for (Bf16Path p : {Bf16Path::kScalar, Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAvx512Bf16,
+                     Bf16Path::kBrgemm}) {
+    if (name != path_name(p)) continue;
+    const bool ok = p == Bf16Path::kScalar || (p == Bf16Path::kAvx2 && isa >= CpuIsa::kAvx2) ||
+                    (p == Bf16Path::kAvx512 && isa == CpuIsa::kAvx512) || (p >= Bf16Path::kAvx512Bf16 && dot);
+    TORCH_CHECK(ok, "bf16_linear: isa '", name, "' is not available on this CPU (it runs up to '",
+                path_name(dot ? Bf16Path::kBrgemm : isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512
+                                                     : isa == CpuIsa::kAvx2  ? Bf16Path::kAvx2
+                                                                             : Bf16Path::kScalar),
+                "')");
+    TORCH_CHECK(p < Bf16Path::kAvx512Bf16 || x_bf16, "bf16_linear: isa '", name, "' takes a bf16 x");
+    return p;
+  }
+  TORCH_CHECK(false, "bf16_linear: isa must be '', 'scalar', 'avx2', 'avx512', 'avx512_bf16' or 'brgemm', got '",
+              name, "'");
+}
+
+// c [R, 32] float32 -> out rows (columns < cols), in out's dtype
+template <typename OT>
+inline void store_tile(int R, const float* c, int64_t cols, OT* out, int64_t ldo) {
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<OT>(c[i * kNR + j]);
+}
+
+template <typename XT>
+void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kh = packed.size(1);
+  const XT* xa = x.data_ptr<XT>();
+  const int64_t lda = x.stride(0);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  XT* o = out.data_ptr<XT>();
+  const int MR = tile_rows(path);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float c[kMR512 * kNR];
+    alignas(64) float bias_edge[kNR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kNR, N - p * kNR);
+      const float* pb = bias ? bias + p * kNR : nullptr;
+      if (pb && cols < kNR) {
+        std::fill(bias_edge, bias_edge + kNR, 0.f);
+        std::copy(pb, pb + cols, bias_edge);
+        pb = bias_edge;
+      }
+      const uint16_t* wp = w + p * Kh * kNR * 2;
+      for (int64_t m = 0; m < M; m += MR) {
+        const int R = static_cast<int>(std::min<int64_t>(MR, M - m));
+        run_tile<XT>(path, R, xa + m * lda, lda, K, wp, pb, c);
+        store_tile<XT>(R, c, cols, o + m * N + p * kNR, N);
+      }
+    }
+  });
+}
+
+// x bf16, K even: one brgemm per (panel, block of kBrgemmMB rows), float32 into a buffer, then bias
+// and the rounding to bf16.
+void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kh = packed.size(1);
+  const at::BFloat16* xa = x.data_ptr<at::BFloat16>();
+  const int64_t lda = x.stride(0);
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const int64_t MB = (M + kBrgemmMB - 1) / kBrgemmMB;
+  at::parallel_for(0, P * MB, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float c[kBrgemmMB * kNR];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / MB, m0 = (t % MB) * kBrgemmMB;
+      const int64_t rows = std::min(kBrgemmMB, M - m0), cols = std::min(kNR, N - p * kNR);
+      at::native::cpublas::brgemm(rows, kNR, K, lda, kNR, kNR, false, xa + m0 * lda, w + p * Kh * kNR * 2, c,
+                                  true);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+          o[(m0 + i) * N + p * kNR + j] = static_cast<at::BFloat16>(c[i * kNR + j] + (bias ? bias[p * kNR + j] : 0.f));
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+}  // namespace
+
+int64_t bf16_brgemm_rows() {
+  static const int64_t rows = brgemm_rows_from_env();
+  return rows;
+}
+
+at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "pack_bf16_weight: weight must be a bf16 or float32 CPU tensor [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 2 == 0, "pack_bf16_weight: K must be even (pairs of k), got ", K);
+  const int64_t P = (N + kNR - 1) / kNR, Kh = K / 2;
+  // [P*32, K] zero-padded, then (p, j, kh, t) -> (p, kh, j, t)
+  at::Tensor padded = at::zeros({P * kNR, K}, weight.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, kNR, Kh, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                       c10::string_view isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "bf16_linear: x must be a bf16 or float32 CPU tensor [M, K]");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == kNR && packed.size(3) == 2 && packed.is_contiguous(),
+              "bf16_linear: packed must come from pack_bf16_weight ([P, K/2, 32, 2] bf16), got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(K == 2 * packed.size(1), "bf16_linear: x has ", K, " columns, the packed weight ", 2 * packed.size(1));
+  TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "bf16_linear: N = ", N, " does not match ", P, " panels of ", kNR);
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bf16_linear: bias must have ", N, " elements, got ", bias->numel());
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  const Bf16Path path = pick_path(isa, x_bf16, M, K);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return b32.defined() ? out.copy_(b32.view({1, N}).expand({M, N})) : out.zero_();
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  if (path == Bf16Path::kBrgemm) {
+    run_brgemm(xc, packed, N, bp, out);
+  } else if (x_bf16) {
+    run_panels<at::BFloat16>(path, xc, packed, N, bp, out);
+  } else {
+    run_panels<float>(path, xc, packed, N, bp, out);
+  }
+  return out;
+}
+
+std::string bf16_linear_path(int64_t M, int64_t K, bool x_bf16) {
+  return path_name(pick_path("", x_bf16, M, K));
+}
+
+namespace {
+at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, const c10::optional<at::Tensor>&,
+                            c10::string_view) {
+  return at::empty({x.size(0), N}, x.options());
+}
+}  // namespace
+}  // namespace srt_cpu
+
+TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
+  m.def("pack_bf16_weight(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, str isa=\"\") -> Tensor");
+  m.def("bf16_linear_path(int m, int k, bool x_bf16) -> str", &srt_cpu::bf16_linear_path);
+  m.def("bf16_brgemm_rows() -> int", &srt_cpu::bf16_brgemm_rows);
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("pack_bf16_weight", &srt_cpu::pack_bf16_weight);
+  m.impl("bf16_linear", &srt_cpu::bf16_linear);
+}
+
+TORCH_LIBRARY_IMPL(srt_cpu, Meta, m) { m.impl("bf16_linear", &srt_cpu::bf16_linear_meta); }

@@ -1,0 +1,193 @@
+"""srt's bf16 linear (srt/kernels/cpu/bf16_linear.cpp) and the native backend's bf16 weights.
+
+Every path the CPU runs (``scalar``, ``avx2``, ``avx512`` widening the weights in registers;
+``avx512_bf16`` on ``vdpbf16ps``; ``brgemm`` through ATen's CPUBlas) against a float64 reference,
+at tails of rows (1-70, past the 8-row tile and the 64-row brgemm block), columns (not multiples of
+the 32-column panel) and k (2 to 1024, and 0); bf16 and float32 activations; with and without bias. The paths a
+CPU lacks are skipped with the kernel's own reason (tests/unit/test_isa_lowering.py runs this file
+again under ``SRT_CPU_ISA=avx2`` and ``scalar``).
+
+Bounds. Products of bf16 values are exact in float32, so the only error of a float32 result is the
+float32 summation: ``|y - ref| <= 1e-5 * (|x| |w|^T + |bias|)`` per output. A bf16 result is
+that sum rounded to bf16 (half an ulp, 2^-9 relative), so ``|y - ref| <= 2^-8 |ref|`` plus the same
+summation term.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.kernels import cpu as cpu_kernels
+from srt.layers.linear import Linear
+from srt.layers.linear_backend import NativeLinear, create_linear_backend
+from srt.layers.vocab_embedding import VocabEmbedding
+
+PATHS = ("scalar", "avx2", "avx512", "avx512_bf16", "brgemm")
+SHAPES = [
+    (1, 64, 32),
+    (3, 62, 70),
+    (8, 128, 33),
+    (9, 256, 100),
+    (17, 576, 96),
+    (70, 1024, 65),
+    (2, 2, 5),
+    (4, 0, 3),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native():
+    if not (cpu_kernels.load(build_if_missing=True) and hasattr(torch.ops.srt_cpu, "bf16_linear")):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+
+
+def _run(x, packed, n, bias, path):
+    """bf16_linear on ``path``, or a skip with the kernel's reason when this CPU lacks it."""
+    try:
+        return torch.ops.srt_cpu.bf16_linear(x, packed, n, bias, path)
+    except RuntimeError as e:
+        if "is not available on this CPU" in str(e):
+            pytest.skip(str(e).splitlines()[0])
+        raise
+
+
+def _data(m: int, k: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g).bfloat16(),
+        torch.randn(n, generator=g),
+    )
+
+
+def _assert_within_bound(y, x, w, bias) -> None:
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    tol = 1e-5 * mag + 1e-30
+    if y.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.3g}"
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_matches_a_float64_reference(path, m, k, n, x_dtype, with_bias):
+    if path in ("avx512_bf16", "brgemm") and x_dtype == torch.float32:
+        pytest.skip("bf16 dot products take bf16 activations (float32 ones widen the weights instead)")
+    x, w, bias = _data(m, k, n, seed=m * 1000 + k + n)
+    x = x.to(x_dtype)
+    bias = bias if with_bias else None
+    y = _run(x, torch.ops.srt_cpu.pack_bf16_weight(w), n, bias, path)
+    assert y.shape == (m, n) and y.dtype == x_dtype
+    _assert_within_bound(y, x, w, bias)
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512", "avx512_bf16"])
+def test_a_row_does_not_depend_on_its_batch_on_the_tile_paths(path):
+    """Every output is one float32 chain over k in pair order: the same bits for a row alone, in
+    any batch, at any position of its register tile."""
+    x, w, bias = _data(19, 256, 70, seed=3)
+    x = x.bfloat16()
+    packed = torch.ops.srt_cpu.pack_bf16_weight(w)
+    full = _run(x, packed, 70, bias, path)
+    for lo, hi in [(0, 1), (5, 6), (3, 11), (8, 19)]:
+        assert torch.equal(_run(x[lo:hi], packed, 70, bias, path), full[lo:hi]), (lo, hi)
+
+
+def test_pack_layout_is_vnni_pairs_of_32_columns():
+    w = torch.randn(33, 8).bfloat16()
+    packed = torch.ops.srt_cpu.pack_bf16_weight(w)
+    assert packed.shape == (2, 4, 32, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    for n, k in [(0, 0), (5, 3), (31, 6), (32, 1), (32, 7)]:
+        assert packed[n // 32, k // 2, n % 32, k % 2] == w[n, k]
+    assert packed[1, :, 1:].eq(0).all()  # n padding
+    with pytest.raises(RuntimeError, match="K must be even"):
+        torch.ops.srt_cpu.pack_bf16_weight(torch.randn(4, 7))
+    w32 = torch.randn(5, 8)
+    assert torch.equal(
+        torch.ops.srt_cpu.pack_bf16_weight(w32), torch.ops.srt_cpu.pack_bf16_weight(w32.bfloat16())
+    )
+
+
+def test_path_choice():
+    ops = torch.ops.srt_cpu
+    rows = ops.bf16_brgemm_rows()
+    assert rows >= 1
+    bf16_units = ops.bf16_linear_path(1, 64, True) == "avx512_bf16"
+    assert ops.bf16_linear_path(rows, 64, True) == (
+        "brgemm" if bf16_units else ops.bf16_linear_path(1, 64, False)
+    )
+    assert ops.bf16_linear_path(rows, 64, False) in ("avx512", "avx2", "scalar")  # float32 x: widened weights
+
+
+def test_errors():
+    ops = torch.ops.srt_cpu
+    w = torch.randn(40, 16).bfloat16()
+    packed = ops.pack_bf16_weight(w)
+    x = torch.randn(3, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="isa must be"):
+        ops.bf16_linear(x, packed, 40, None, "sse")
+    with pytest.raises(RuntimeError, match="takes a bf16 x"):
+        _run(x.float(), packed, 40, None, "avx512_bf16")
+    with pytest.raises(RuntimeError, match="x has 15 columns"):
+        ops.bf16_linear(torch.randn(3, 15).bfloat16(), packed, 40, None, "")
+    with pytest.raises(RuntimeError, match="x has 18 columns"):
+        ops.bf16_linear(torch.randn(3, 18).bfloat16(), packed, 40, None, "")
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.bf16_linear(x, packed, 70, None, "")
+    with pytest.raises(RuntimeError, match="must come from pack_bf16_weight"):
+        ops.bf16_linear(x, packed.float(), 40, None, "")
+    with pytest.raises(RuntimeError, match="bias must have 40"):
+        ops.bf16_linear(x, packed, 40, torch.zeros(39), "")
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        ops.pack_bf16_weight(torch.randn(4, 4).half())
+    assert ops.bf16_linear(torch.randn(0, 16).bfloat16(), packed, 40, None, "").shape == (0, 40)
+
+
+# ---------------------------------------------------------------- the native backend
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_native_backend_packs_bf16_weights_and_releases_the_plain_ones(weight_dtype):
+    """A bf16 model's weights (or float32 ones with ``weight_dtype=bf16``: a bf16 checkpoint served
+    with float32 activations) go into bf16 panels; the layer keeps those alone and computes in its
+    input's dtype."""
+    backend = create_linear_backend(
+        "native", weight_dtype=torch.bfloat16 if weight_dtype == torch.float32 else None
+    )
+    assert isinstance(backend, NativeLinear)
+    layer = Linear(48, 40, bias=True, dtype=weight_dtype, linear_backend=backend)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 48, generator=g).bfloat16())
+        layer.bias.copy_(torch.randn(40, generator=g))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    assert layer.packed_weight.dtype == torch.bfloat16 and layer.weight.is_meta
+    with torch.inference_mode():
+        for m in (1, 5, 40):
+            x = torch.randn(m, 48, generator=g).to(weight_dtype)
+            y = layer(x)
+            assert y.dtype == weight_dtype
+            _assert_within_bound(y, x, plain, layer.bias)
+    assert create_linear_backend("native").pack_weight(torch.randn(4, 4).half()) is None
+    assert (
+        create_linear_backend("native").pack_weight(torch.randn(4, 5).bfloat16()) is None
+    )  # odd k: F.linear
+
+
+def test_tied_embedding_reads_its_rows_from_the_bf16_head():
+    emb = VocabEmbedding(70, 34, dtype=torch.bfloat16)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(70, 34))
+    plain = emb.weight.detach().clone()
+    emb.read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))
+    ids = torch.tensor([[0, 31, 32, 69], [5, 5, 64, 1]])
+    assert torch.equal(emb._lookup(ids), F.embedding(ids, plain))
+    with pytest.raises(ValueError, match="does not hold"):
+        VocabEmbedding(70, 34, dtype=torch.bfloat16).read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))
