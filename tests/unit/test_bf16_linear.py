@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from srt.configs import cpu_features
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import NativeLinear, create_linear_backend
@@ -117,14 +118,19 @@ def test_pack_layout_is_vnni_pairs_of_32_columns():
 
 
 def test_path_choice():
+    """brgemm from bf16_brgemm_rows() rows where the CPU has AMX (never without: the vdpbf16ps tiles
+    beat it there), the vdpbf16ps tiles below that or without AMX, widened weights without bf16 units
+    and for float32 activations."""
     ops = torch.ops.srt_cpu
     rows = ops.bf16_brgemm_rows()
-    assert rows >= 1
     bf16_units = ops.bf16_linear_path(1, 64, True) == "avx512_bf16"
-    assert ops.bf16_linear_path(rows, 64, True) == (
-        "brgemm" if bf16_units else ops.bf16_linear_path(1, 64, False)
-    )
-    assert ops.bf16_linear_path(rows, 64, False) in ("avx512", "avx2", "scalar")  # float32 x: widened weights
+    widened = ops.bf16_linear_path(1, 64, False)
+    assert widened in ("avx512", "avx2", "scalar")
+    assert rows >= 1 and (rows < 2**62) == ("amx_bf16" in cpu_features.cpu_flags())
+    for m in (1, 8, 64, 512):
+        want = ("brgemm" if m >= rows else "avx512_bf16") if bf16_units else widened
+        assert ops.bf16_linear_path(m, 64, True) == want, m
+        assert ops.bf16_linear_path(m, 64, False) == widened
 
 
 def test_errors():

@@ -9,11 +9,13 @@
 //   bf16_linear(x [M, K] bf16 or float32, packed, N, bias [N]?, isa = "") -> out [M, N], x's dtype
 //
 // The paths (`isa`: "" picks, or one named to test it):
-//   "brgemm"       x bf16, at least bf16_brgemm_rows() rows, a CPU with AVX512-BF16 or AMX:
-//                  ATen's CPUBlas brgemm on each panel (oneDNN's ukernel picks AMX tiles or
-//                  AVX512-BF16 itself).
-//   "avx512_bf16"  x bf16: vdpbf16ps, 8 rows x 32 columns a register tile, the weights streamed
-//                  once per tile (at 1-8 rows a matrix-vector product, bound by read bandwidth).
+//   "brgemm"       x bf16, at least bf16_brgemm_rows() rows, a CPU with AMX-BF16 (16 rows; never
+//                  without AMX, where the tiles below beat it; SRT_BF16_BRGEMM_M overrides): ATen's
+//                  CPUBlas brgemm on each panel (oneDNN's ukernel takes AMX tiles).
+//   "avx512_bf16"  x bf16: vdpbf16ps, register tiles of up to 8 rows x 32 columns (1-2 rows: 4
+//                  panels at once, 3-4 rows: 2, so enough chains hide the loads' latency), the
+//                  weights streamed once per tile and prefetched (at 1-8 rows a matrix-vector
+//                  product, bound by read bandwidth).
 //   "avx512", "avx2", "scalar"   any x (CPUs without bf16 arithmetic, float32 activations): each
 //                  weight pair widened to float32 in registers (a 16-bit shift) and two FMAs.
 // Every path sums each output over k in pair order in float32; the products of bf16 values are
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -33,6 +36,10 @@
 
 #include "cpu_ops.h"
 #include "vec.h"
+
+#if SRT_CPU_X86
+#include <cpuid.h>
+#endif
 
 namespace srt_cpu {
 namespace {
@@ -68,10 +75,12 @@ bool cpu_has_avx512_bf16() {
 
 inline float bf16_to_float(uint16_t b) { return bf16_bits_to_float(b); }
 
-// One tile: c[i][0..32) = bias + sum over pairs kh of x[i] . w-pair, i < R; the result in float32.
-// `xa` points at row 0 of x (bf16 or float32 elements, row stride lda), `w` at the panel.
+// One tile: c[i][0..32) = bias + sum over pairs kh of x[i] . w-pair, i < R; the result in float32,
+// rows ldc apart. `xa` points at row 0 of x (bf16 or float32 elements, row stride lda), `w` at the
+// panel. Every path sums each output over kh in order, one chain, whatever R and the panels beside.
 template <typename XT>
-void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias, float* c) {
+void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias, float* c,
+                 int64_t ldc) {
   const int64_t Kh = K / 2;
   for (int i = 0; i < R; ++i) {
     float acc[kNR];
@@ -85,7 +94,7 @@ void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w,
         acc[j] = std::fma(x1, bf16_to_float(wp[2 * j + 1]), acc[j]);
       }
     }
-    std::memcpy(c + i * kNR, acc, sizeof acc);
+    std::memcpy(c + i * ldc, acc, sizeof acc);
   }
 }
 
@@ -101,7 +110,7 @@ inline void x_pair(const XT* x, int64_t kh, float* x0, float* x1) {
 // widened into the even (k) and odd (k+1) weights, 2 FMAs each.
 template <typename XT, int R>
 SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
-                                 float* c) {
+                                 float* c, int64_t ldc) {
   const int64_t Kh = K / 2;
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int half = 0; half < 2; ++half) {
@@ -126,63 +135,81 @@ SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uin
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + i * kNR + half * 16 + v * 8, acc[i][v]);
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + i * ldc + half * 16 + v * 8, acc[i][v]);
   }
 }
 
-// AVX-512 without bf16 arithmetic: the same widening, 16 pairs a load, the whole panel at once.
-template <typename XT, int R>
-SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
-                                     float* c) {
+// AVX-512 without bf16 arithmetic: the same widening, 16 pairs a load, NP panels at once (NP
+// independent streams and 2 NP chains a row: a few rows are bound by the loads' latency otherwise).
+template <typename XT, int R, int NP>
+SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
+                                     const float* bias, float* c, int64_t ldc) {
   const int64_t Kh = K / 2;
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 acc[R][2];
+  __m512 acc[R][NP][2];
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 2; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) acc[i][p][v] = bias ? _mm512_loadu_ps(bias + p * kNR + v * 16) : _mm512_setzero_ps();
   for (int64_t kh = 0; kh < Kh; ++kh) {
-    const uint16_t* wp = w + kh * kNR * 2;
-    const __m512i p0 = _mm512_loadu_si512(wp);
-    const __m512i p1 = _mm512_loadu_si512(wp + 32);
-    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
-    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, hi));
-    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
-    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, hi));
-    for (int i = 0; i < R; ++i) {
-      float f0, f1;
-      x_pair(xa + i * lda, kh, &f0, &f1);
-      const __m512 x0 = _mm512_set1_ps(f0), x1 = _mm512_set1_ps(f1);
-      acc[i][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[i][0]));
-      acc[i][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[i][1]));
+    float f0[R], f1[R];
+    for (int i = 0; i < R; ++i) x_pair(xa + i * lda, kh, &f0[i], &f1[i]);
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* wp = w + p * pstride + kh * kNR * 2;
+      const __m512i p0 = _mm512_loadu_si512(wp);
+      const __m512i p1 = _mm512_loadu_si512(wp + 32);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+      const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, hi));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+      const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, hi));
+      for (int i = 0; i < R; ++i) {
+        const __m512 x0 = _mm512_set1_ps(f0[i]), x1 = _mm512_set1_ps(f1[i]);
+        acc[i][p][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[i][p][0]));
+        acc[i][p][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[i][p][1]));
+      }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * kNR + v * 16, acc[i][v]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * ldc + p * kNR + v * 16, acc[i][p][v]);
 }
 
 #define SRT_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 
-// AVX512-BF16: x's (k, k+1) pair broadcast as one 32-bit lane, vdpbf16ps against 16 columns' pairs.
-template <int R>
+// AVX512-BF16: x's (k, k+1) pair broadcast as one 32-bit lane, vdpbf16ps against 16 columns' pairs;
+// NP panels at once (see tile_avx512_r), each stream prefetched kPrefetch pairs of k ahead.
+constexpr int64_t kPrefetch = 16;
+template <int R, int NP>
 SRT_TARGET_AVX512_BF16 void tile_bf16dot_r(const uint16_t* xa, int64_t lda, int64_t K, const uint16_t* w,
-                                           const float* bias, float* c) {
+                                           int64_t pstride, const float* bias, float* c, int64_t ldc) {
   const int64_t Kh = K / 2;
-  __m512 acc[R][2];
+  __m512 acc[R][NP][2];
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 2; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) acc[i][p][v] = bias ? _mm512_loadu_ps(bias + p * kNR + v * 16) : _mm512_setzero_ps();
   for (int64_t kh = 0; kh < Kh; ++kh) {
-    const uint16_t* wp = w + kh * kNR * 2;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    __m512bh xp[R];
     for (int i = 0; i < R; ++i) {
       int32_t pair;
       std::memcpy(&pair, xa + i * lda + 2 * kh, sizeof pair);
-      const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xp, w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xp, w1);
+      xp[i] = (__m512bh)_mm512_set1_epi32(pair);
+    }
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* wp = w + p * pstride + kh * kNR * 2;
+      if (kh + kPrefetch < Kh) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * kNR * 2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * kNR * 2 + 32), _MM_HINT_T0);
+      }
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+      for (int i = 0; i < R; ++i) {
+        acc[i][p][0] = _mm512_dpbf16_ps(acc[i][p][0], xp[i], w0);
+        acc[i][p][1] = _mm512_dpbf16_ps(acc[i][p][1], xp[i], w1);
+      }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * kNR + v * 16, acc[i][v]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * ldc + p * kNR + v * 16, acc[i][p][v]);
 }
 #endif  // SRT_CPU_X86
 
@@ -208,37 +235,90 @@ void with_rows(int R, F&& f) {
   }
 }
 
+// f(std::integral_constant<int, NP>) for NP in {1, 2, 4}
+template <typename F>
+void with_panels(int np, F&& f) {
+  switch (np) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// Panels a tile of R rows takes at once on the AVX-512 paths: enough chains to hide the loads'
+// latency at a few rows, within the 32 vector registers.
+inline int panels_at_once(Bf16Path path, int R) {
+  if (path != Bf16Path::kAvx512 && path != Bf16Path::kAvx512Bf16) return 1;
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+}
+
+// R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart
 template <typename XT>
-void run_tile(Bf16Path path, int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
-              float* c) {
+void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
+              const float* bias, float* c, int64_t ldc) {
 #if SRT_CPU_X86
   if constexpr (std::is_same_v<XT, c10::BFloat16>) {
     if (path == Bf16Path::kAvx512Bf16) {
       const uint16_t* xu = reinterpret_cast<const uint16_t*>(xa);
-      return with_rows<kMR512>(R, [&](auto r) { tile_bf16dot_r<decltype(r)::value>(xu, lda, K, w, bias, c); });
+      return with_rows<kMR512>(R, [&](auto r) {
+        with_panels(np, [&](auto n) {
+          tile_bf16dot_r<decltype(r)::value, decltype(n)::value>(xu, lda, K, w, pstride, bias, c, ldc);
+        });
+      });
     }
   }
   if (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) {
-    return with_rows<kMR512>(R, [&](auto r) { tile_avx512_r<XT, decltype(r)::value>(xa, lda, K, w, bias, c); });
-  }
-  if (path == Bf16Path::kAvx2) {
-    return with_rows<kMR2>(R, [&](auto r) { tile_avx2_r<XT, decltype(r)::value>(xa, lda, K, w, bias, c); });
+    return with_rows<kMR512>(R, [&](auto r) {
+      with_panels(np, [&](auto n) {
+        tile_avx512_r<XT, decltype(r)::value, decltype(n)::value>(xa, lda, K, w, pstride, bias, c, ldc);
+      });
+    });
   }
 #endif
-  tile_scalar<XT>(R, xa, lda, K, w, bias, c);
+  for (int p = 0; p < np; ++p) {
+    const uint16_t* wp = w + p * pstride;
+    const float* bp = bias ? bias + p * kNR : nullptr;
+#if SRT_CPU_X86
+    if (path == Bf16Path::kAvx2) {
+      with_rows<kMR2>(R, [&](auto r) { tile_avx2_r<XT, decltype(r)::value>(xa, lda, K, wp, bp, c + p * kNR, ldc); });
+      continue;
+    }
+#endif
+    tile_scalar<XT>(R, xa, lda, K, wp, bp, c + p * kNR, ldc);
+  }
 }
 
 int tile_rows(Bf16Path path) {
   return (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) ? kMR512 : kMR2;
 }
 
+// AMX-BF16 tiles (CPUID leaf 7, EDX bit 22): oneDNN's brgemm runs on them (it asks the kernel for
+// the tile state itself, and falls back to AVX512-BF16 where it may not use them)
+bool cpu_has_amx_bf16() {
+#if SRT_CPU_X86
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u);
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Without AMX, srt's vdpbf16ps tiles beat the brgemm at every row count measured (1-256 rows, 1.5x
+// from 16 rows on an AMD Zen 5): brgemm only where the CPU has AMX, from kAmxBrgemmRows rows, unless
+// SRT_BF16_BRGEMM_M says otherwise (0: never).
+constexpr int64_t kAmxBrgemmRows = 16;
+constexpr int64_t kNever = INT64_MAX;
+
 int64_t brgemm_rows_from_env() {
   const char* env = std::getenv("SRT_BF16_BRGEMM_M");
-  if (env == nullptr || env[0] == '\0') return 16;
+  if (env == nullptr || env[0] == '\0') return cpu_has_amx_bf16() ? kAmxBrgemmRows : kNever;
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
-  TORCH_CHECK(end != env && *end == '\0' && v >= 1, "SRT_BF16_BRGEMM_M must be a positive integer, got '", env, "'");
-  return v;
+  TORCH_CHECK(end != env && *end == '\0' && v >= 0, "SRT_BF16_BRGEMM_M must be an integer >= 0, got '", env, "'");
+  return v == 0 ? kNever : v;
 }
 
 Bf16Path pick_path(c10::string_view requested, bool x_bf16, int64_t M, int64_t K) {
@@ -267,12 +347,14 @@ Bf16Path pick_path(c10::string_view requested, bool x_bf16, int64_t M, int64_t K
               name, "'");
 }
 
-// c [R, 32] float32 -> out rows (columns < cols), in out's dtype
+// c [R, ldc] float32 -> out rows (columns < cols), in out's dtype
 template <typename OT>
-inline void store_tile(int R, const float* c, int64_t cols, OT* out, int64_t ldo) {
+inline void store_tile(int R, const float* c, int64_t cols, int64_t ldc, OT* out, int64_t ldo) {
   for (int i = 0; i < R; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<OT>(c[i * kNR + j]);
+    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<OT>(c[i * ldc + j]);
 }
+
+constexpr int kMaxNP = 4;
 
 template <typename XT>
 void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
@@ -281,24 +363,30 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
   const XT* xa = x.data_ptr<XT>();
   const int64_t lda = x.stride(0);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t pstride = Kh * kNR * 2;
   XT* o = out.data_ptr<XT>();
   const int MR = tile_rows(path);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float c[kMR512 * kNR];
-    alignas(64) float bias_edge[kNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kNR, N - p * kNR);
-      const float* pb = bias ? bias + p * kNR : nullptr;
-      if (pb && cols < kNR) {
-        std::fill(bias_edge, bias_edge + kNR, 0.f);
-        std::copy(pb, pb + cols, bias_edge);
-        pb = bias_edge;
+  // threads take groups of kMaxNP panels
+  at::parallel_for(0, (P + kMaxNP - 1) / kMaxNP, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float c[kMR512 * kMaxNP * kNR];
+    alignas(64) float bias_group[kMaxNP * kNR];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kMaxNP, np = std::min<int64_t>(kMaxNP, P - p0);
+      const int64_t cols = std::min(np * kNR, N - p0 * kNR);
+      if (bias) {
+        std::fill(bias_group, bias_group + kMaxNP * kNR, 0.f);
+        std::copy(bias + p0 * kNR, bias + p0 * kNR + cols, bias_group);
       }
-      const uint16_t* wp = w + p * Kh * kNR * 2;
       for (int64_t m = 0; m < M; m += MR) {
         const int R = static_cast<int>(std::min<int64_t>(MR, M - m));
-        run_tile<XT>(path, R, xa + m * lda, lda, K, wp, pb, c);
-        store_tile<XT>(R, c, cols, o + m * N + p * kNR, N);
+        const int at_once = panels_at_once(path, R);
+        for (int64_t p = 0; p < np;) {  // sub-groups of at_once panels, single ones at the tail
+          const int n = p + at_once <= np ? at_once : 1;
+          run_tile<XT>(path, R, n, xa + m * lda, lda, K, w + (p0 + p) * pstride, pstride,
+                       bias ? bias_group + p * kNR : nullptr, c + p * kNR, kMaxNP * kNR);
+          p += n;
+        }
+        store_tile<XT>(R, c, cols, kMaxNP * kNR, o + m * N + p0 * kNR, N);
       }
     }
   });
