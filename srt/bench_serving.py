@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -163,14 +164,26 @@ def _input_factory(
     return make_input
 
 
+def _unshared(row: DatasetRow, i: int) -> DatasetRow:
+    """``row`` with a different first token (token ids) or a prefix (text): no shared prefix."""
+    if row.prompt_ids:
+        first = row.prompt_ids[0]
+        ids = [first + 1 if first < max(row.prompt_ids) or first == 0 else first - 1, *row.prompt_ids[1:]]
+        return dataclasses.replace(row, prompt_ids=ids)
+    return dataclasses.replace(row, prompt=f"Warm-up {i}. {row.prompt}")
+
+
 async def _warmup(
     send: _Send, make_input: Callable[..., RequestInput], rows: Sequence[DatasetRow], n: int
 ) -> None:
-    """``n`` uncounted requests (outputs capped at WARMUP_OUTPUT_LEN); any failure aborts the run."""
+    """``n`` uncounted requests (outputs capped at WARMUP_OUTPUT_LEN); any failure aborts the run.
+    Each is a measured prompt with its first token changed: the same shape of work, but nothing a
+    prefix cache could serve to the measured request later (a warm-up on the measured prompt itself
+    made one of them a cache hit, on every server alike)."""
     if n <= 0 or not rows:
         return
     warm = [
-        make_input(rows[i % len(rows)], min(WARMUP_OUTPUT_LEN, rows[i % len(rows)].output_len))
+        make_input(_unshared(rows[i % len(rows)], i), min(WARMUP_OUTPUT_LEN, rows[i % len(rows)].output_len))
         for i in range(n)
     ]
     results = await asyncio.gather(*(send(w) for w in warm))

@@ -248,9 +248,13 @@ async def request_openai_completions(session: aiohttp.ClientSession, req: Reques
     payload = _openai_payload(req, "prompt", req.prompt_ids if req.prompt_ids is not None else req.prompt)
 
     def on_chunk(obj: dict[str, Any], st: _StreamState, now: float) -> None:
+        # a chunk carries a token even when its text is empty (a token the tokenizer decodes to
+        # nothing yet: half a UTF-8 character, or an id past the tokenizer's vocabulary, as random
+        # weights of a shape with a bigger vocabulary give); only a bare finish chunk does not
         for choice in obj.get("choices") or []:
-            if choice.get("text"):
-                st.add_content(choice["text"], now)
+            text = choice.get("text")
+            if isinstance(text, str) and (text or choice.get("finish_reason") is None):
+                st.add_content(text, now)
         _apply_usage(obj, st)
 
     return await _post_stream(session, req, payload, on_chunk)

@@ -3,7 +3,8 @@
 It generates ``max_tokens`` words ``"w0 w1 ..."`` per request, one SSE chunk per token, after
 ``ttft_s`` seconds and then ``itl_s`` seconds per further token, so that a client's measured
 TTFT/ITL/throughput can be checked against known values. Every ``fail_every``-th request (1-based)
-answers HTTP 500. ``/generate`` streams incremental text and ids (srt and SGLang with
+answers HTTP 500; ``empty_tokens`` makes the first token chunks of /v1/completions carry empty text
+(tokens that decode to nothing yet). ``/generate`` streams incremental text and ids (srt and SGLang with
 --incremental-streaming-output), or with ``cumulative_native_text=True`` the output so far (their
 default). Runs an aiohttp app on a free loopback port in a daemon thread::
 
@@ -36,7 +37,9 @@ class FakeOpenAIServer:
         fail_every: int = 0,
         cumulative_native_text: bool = False,
         model: str = "fake-model",
+        empty_tokens: int = 0,
     ) -> None:
+        self.empty_tokens = empty_tokens  # /v1/completions: the first N token chunks carry text ""
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.fail_every = fail_every
@@ -152,7 +155,8 @@ class FakeOpenAIServer:
             if i is None:
                 usage = {"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}
                 return {"object": "text_completion", "choices": [], "usage": usage}
-            return {"object": "text_completion", "choices": [{"index": 0, "text": f"w{i} "}]}
+            text = "" if i < self.empty_tokens else f"w{i} "
+            return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
 
         return await self._stream(request, n, chunk)
 

@@ -87,6 +87,18 @@ def test_concurrency_cap_and_native_stream_text(backend, cumulative):
     assert m.concurrency <= 2.0 + 1e-6
 
 
+def test_ttft_is_the_first_token_even_when_its_text_is_empty():
+    """A token that decodes to nothing yet (half a UTF-8 character; an id past the tokenizer's
+    vocabulary, as random weights give) is still the first token: TTFT does not wait for text."""
+    ttft, itl = 0.05, 0.04
+    with FakeOpenAIServer(ttft_s=ttft, itl_s=itl, empty_tokens=3) as srv:
+        res = _run(benchmark(_rows(2, 6), backend="vllm", base_url=srv.base_url, warmup_requests=0))
+    m = res.metrics
+    assert m.completed == 2 and m.total_output == 12
+    assert ttft * 1000 <= m.median_ttft_ms < (ttft + itl) * 1000  # not after the 3 empty chunks
+    assert all(o.generated_text == "w3 w4 w5 " for o in res.outputs)
+
+
 def test_poisson_rate_spreads_arrivals():
     with FakeOpenAIServer(ttft_s=0.0, itl_s=0.0) as srv:
         res = _run(

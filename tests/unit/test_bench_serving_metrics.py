@@ -356,3 +356,18 @@ def test_sharegpt_rows_filter_and_fixed_output_len(tmp_path):
     assert sorted((r.prompt_len, r.output_len) for r in fixed) == [(4, 3), (5, 3)]
     with pytest.raises(ValueError):
         sample_sharegpt_requests(tok, np.random.default_rng(0), str(path), 2)
+
+
+def test_warmup_prompts_share_no_prefix_with_the_measured_ones():
+    """The warm-up runs a measured prompt's shape of work, but a prefix cache cannot serve the
+    measured request from it: its first token (ids) or its first words (text) differ."""
+    from srt.bench_serving import _unshared
+    from srt.benchmark.datasets import DatasetRow
+
+    for ids in ([5, 9, 2], [9, 5, 2], [0, 0], [7]):
+        row = DatasetRow(prompt="", prompt_len=len(ids), output_len=4, prompt_ids=ids)
+        warm = _unshared(row, 0)
+        assert warm.prompt_ids[0] != ids[0] and warm.prompt_ids[1:] == ids[1:] and warm.prompt_ids[0] >= 0
+        assert len(warm.prompt_ids) == len(ids) and warm.output_len == 4
+    text = _unshared(DatasetRow(prompt="The capital", prompt_len=2, output_len=4), 1)
+    assert text.prompt.endswith("The capital") and not text.prompt.startswith("The capital")
