@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     if bounds:
         print(
             f"bounds (best of {len(samples)}, no server up): read {bounds['read_gbs']} GB/s, "
-            f"float32 matmul {bounds['matmul_gflops']} GFLOP/s"
+            f"float32 matmul {bounds['matmul_gflops']} GFLOP/s, bf16 matmul {bounds.get('bf16_matmul_gflops')} GFLOP/s"
         )
         for i, r in enumerate(rounds):
             print(f"round {i + 1}: fractions of the bounds and memory")
