@@ -574,7 +574,8 @@ def best_bounds(samples: list[dict]) -> dict:
     host's memory bandwidth drifts by up to 2x within minutes), with the samples themselves."""
     if not samples:
         return {}
-    best = {k: max(s[k] for s in samples) for k in ("read_gbs", "matmul_gflops", "bf16_matmul_gflops")}
+    keys = [k for k in ("read_gbs", "matmul_gflops", "bf16_matmul_gflops") if all(k in s for s in samples)]
+    best = {k: max(s[k] for s in samples) for k in keys}
     return {**best, "threads": samples[0]["threads"], "samples": samples}
 
 

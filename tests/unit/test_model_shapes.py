@@ -111,6 +111,13 @@ def test_fractions_of_the_bounds():
     assert fractions(batch, shape, bounds) == {"matmul_fraction": pytest.approx(want, abs=1e-3)}
     # counting the head for every prompt token too would overstate the work by about 13% here
     assert want < 0.9 * flops * 4000 / 400e9
+    # the bf16 checkpoint of the same shape: half the bytes per token, the bf16 matmul rate
+    bf16 = model_shapes.load("qwen2.5-1.5b-bf16")
+    assert model_shapes.checkpoint_dtype(bf16) == "bfloat16" and model_shapes.checkpoint_dtype(shape) == "float32"
+    assert model_shapes.weight_bytes_per_token(bf16) * 2 == nbytes
+    assert model_shapes.flops_per_token(bf16) == flops
+    bounds["bf16_matmul_gflops"] = 800.0
+    assert fractions(batch, bf16, bounds) == {"matmul_fraction": pytest.approx(want / 2, abs=1e-3)}
 
 
 def test_compare_servers_pairs_a_shape_with_its_peer():
@@ -129,11 +136,14 @@ def test_bounds_are_the_best_of_the_samples():
     from benchmarks.compare_servers import best_bounds
 
     samples = [
-        {"read_gbs": 40.0, "matmul_gflops": 450.0, "threads": 2},
-        {"read_gbs": 70.0, "matmul_gflops": 440.0, "threads": 2},
+        {"read_gbs": 40.0, "matmul_gflops": 450.0, "bf16_matmul_gflops": 900.0, "threads": 2},
+        {"read_gbs": 70.0, "matmul_gflops": 440.0, "bf16_matmul_gflops": 950.0, "threads": 2},
     ]
     got = best_bounds(samples)
-    assert (got["read_gbs"], got["matmul_gflops"], got["samples"]) == (70.0, 450.0, samples)
+    assert (got["read_gbs"], got["matmul_gflops"], got["bf16_matmul_gflops"]) == (70.0, 450.0, 950.0)
+    assert got["samples"] == samples
+    old = [{"read_gbs": 40.0, "matmul_gflops": 450.0, "threads": 2}]  # a summary from before the bf16 bound
+    assert "bf16_matmul_gflops" not in best_bounds(old) and best_bounds(old)["read_gbs"] == 40.0
     assert best_bounds([]) == {}
 
 
