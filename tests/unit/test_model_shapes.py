@@ -113,7 +113,10 @@ def test_fractions_of_the_bounds():
     assert want < 0.9 * flops * 4000 / 400e9
     # the bf16 checkpoint of the same shape: half the bytes per token, the bf16 matmul rate
     bf16 = model_shapes.load("qwen2.5-1.5b-bf16")
-    assert model_shapes.checkpoint_dtype(bf16) == "bfloat16" and model_shapes.checkpoint_dtype(shape) == "float32"
+    assert (
+        model_shapes.checkpoint_dtype(bf16) == "bfloat16"
+        and model_shapes.checkpoint_dtype(shape) == "float32"
+    )
     assert model_shapes.weight_bytes_per_token(bf16) * 2 == nbytes
     assert model_shapes.flops_per_token(bf16) == flops
     bounds["bf16_matmul_gflops"] = 800.0
