@@ -123,14 +123,14 @@ def test_path_choice():
     and for float32 activations."""
     ops = torch.ops.srt_cpu
     rows = ops.bf16_brgemm_rows()
-    bf16_units = ops.bf16_linear_path(1, 64, True) == "avx512_bf16"
-    widened = ops.bf16_linear_path(1, 64, False)
+    bf16_units = ops.bf16_linear_path(1, True) == "avx512_bf16"
+    widened = ops.bf16_linear_path(1, False)
     assert widened in ("avx512", "avx2", "scalar")
     assert rows >= 1 and (rows < 2**62) == ("amx_bf16" in cpu_features.cpu_flags())
     for m in (1, 8, 64, 512):
         want = ("brgemm" if m >= rows else "avx512_bf16") if bf16_units else widened
-        assert ops.bf16_linear_path(m, 64, True) == want, m
-        assert ops.bf16_linear_path(m, 64, False) == widened
+        assert ops.bf16_linear_path(m, True) == want, m
+        assert ops.bf16_linear_path(m, False) == widened
 
 
 def test_errors():

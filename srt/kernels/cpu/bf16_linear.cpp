@@ -73,8 +73,6 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
-inline float bf16_to_float(uint16_t b) { return bf16_bits_to_float(b); }
-
 // One tile: c[i][0..32) = bias + sum over pairs kh of x[i] . w-pair, i < R; the result in float32,
 // rows ldc apart. `xa` points at row 0 of x (bf16 or float32 elements, row stride lda), `w` at the
 // panel. Every path sums each output over kh in order, one chain, whatever R and the panels beside.
@@ -90,8 +88,8 @@ void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w,
       const float x0 = static_cast<float>(x[2 * kh]), x1 = static_cast<float>(x[2 * kh + 1]);
       const uint16_t* wp = w + kh * kNR * 2;
       for (int64_t j = 0; j < kNR; ++j) {
-        acc[j] = std::fma(x0, bf16_to_float(wp[2 * j]), acc[j]);
-        acc[j] = std::fma(x1, bf16_to_float(wp[2 * j + 1]), acc[j]);
+        acc[j] = std::fma(x0, bf16_bits_to_float(wp[2 * j]), acc[j]);
+        acc[j] = std::fma(x1, bf16_bits_to_float(wp[2 * j + 1]), acc[j]);
       }
     }
     std::memcpy(c + i * ldc, acc, sizeof acc);
@@ -321,25 +319,22 @@ int64_t brgemm_rows_from_env() {
   return v == 0 ? kNever : v;
 }
 
-Bf16Path pick_path(c10::string_view requested, bool x_bf16, int64_t M, int64_t K) {
+Bf16Path pick_path(c10::string_view requested, bool x_bf16, int64_t M) {
   const CpuIsa isa = detect_isa();
   const bool dot = cpu_has_avx512_bf16();
+  const Bf16Path widened =
+      isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512 : isa == CpuIsa::kAvx2 ? Bf16Path::kAvx2 : Bf16Path::kScalar;
   if (requested.empty()) {
-    if (x_bf16 && dot && M >= bf16_brgemm_rows()) return Bf16Path::kBrgemm;
-    if (x_bf16 && dot) return Bf16Path::kAvx512Bf16;
-    return isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512 : isa == CpuIsa::kAvx2 ? Bf16Path::kAvx2 : Bf16Path::kScalar;
+    if (x_bf16 && dot) return M >= bf16_brgemm_rows() ? Bf16Path::kBrgemm : Bf16Path::kAvx512Bf16;
+    return widened;
   }
   const std::string name(requested);
   for (Bf16Path p : {Bf16Path::kScalar, Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAvx512Bf16,
                      Bf16Path::kBrgemm}) {
     if (name != path_name(p)) continue;
-    const bool ok = p == Bf16Path::kScalar || (p == Bf16Path::kAvx2 && isa >= CpuIsa::kAvx2) ||
-                    (p == Bf16Path::kAvx512 && isa == CpuIsa::kAvx512) || (p >= Bf16Path::kAvx512Bf16 && dot);
-    TORCH_CHECK(ok, "bf16_linear: isa '", name, "' is not available on this CPU (it runs up to '",
-                path_name(dot ? Bf16Path::kBrgemm : isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512
-                                                     : isa == CpuIsa::kAvx2  ? Bf16Path::kAvx2
-                                                                             : Bf16Path::kScalar),
-                "')");
+    const Bf16Path best = dot ? Bf16Path::kBrgemm : widened;  // the paths run in this enum's order
+    TORCH_CHECK(p <= best, "bf16_linear: isa '", name, "' is not available on this CPU (it runs up to '",
+                path_name(best), "')");
     TORCH_CHECK(p < Bf16Path::kAvx512Bf16 || x_bf16, "bf16_linear: isa '", name, "' takes a bf16 x");
     return p;
   }
@@ -452,7 +447,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     b32 = bias->to(at::kFloat).contiguous();
   }
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  const Bf16Path path = pick_path(isa, x_bf16, M, K);
+  const Bf16Path path = pick_path(isa, x_bf16, M);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -468,8 +463,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
-std::string bf16_linear_path(int64_t M, int64_t K, bool x_bf16) {
-  return path_name(pick_path("", x_bf16, M, K));
+std::string bf16_linear_path(int64_t M, bool x_bf16) {
+  return path_name(pick_path("", x_bf16, M));
 }
 
 namespace {
@@ -483,7 +478,7 @@ at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, c
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("pack_bf16_weight(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, str isa=\"\") -> Tensor");
-  m.def("bf16_linear_path(int m, int k, bool x_bf16) -> str", &srt_cpu::bf16_linear_path);
+  m.def("bf16_linear_path(int m, bool x_bf16) -> str", &srt_cpu::bf16_linear_path);
   m.def("bf16_brgemm_rows() -> int", &srt_cpu::bf16_brgemm_rows);
 }
 
