@@ -63,10 +63,10 @@ class ServerArgs:
     load_format: str = _f("auto", "How to load weights.", ["auto", "safetensors", "gguf", "dummy"])
     quantization: str = _f(
         "auto",
-        "Weight quantization. gguf: keep a GGUF file's weights in their quantized blocks (Q4_0, Q4_1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K; other types are dequantized); none: dequantize every weight to "
-        "--dtype at load. auto = gguf for a GGUF model on CPU in float32, else none.",
-        ["auto", "gguf", "none"],
+        "Weight quantization. gguf: keep a GGUF file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others "
+        "dequantized); compressed-tensors: an int8 / int4 checkpoint's layers as GGUF blocks; none: "
+        "dequantize to --dtype at load. auto: the model's own on CPU in float32, else none.",
+        ["auto", "gguf", "compressed-tensors", "none"],
     )
     enable_int8_activations: bool = _f(
         False,

@@ -29,6 +29,7 @@ import logging
 import os
 
 from srt.configs.cpu_features import cpu_bf16_units
+from srt.configs.quant_config import read_quantization_config
 from srt.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None
     default: the child-process probe) is asked only where the checkpoint and the CPU call for bf16."""
     if load_format == "gguf" or (model_path or "").endswith(".gguf") or not model_path:
         return "float32", "GGUF weights run on their own kernels with float32 activations"
+    if read_quantization_config(model_path) is not None:
+        return (
+            "float32",
+            "the checkpoint's quantized layers run on srt's GGUF-block kernels with float32 activations",
+        )
     declared = checkpoint_dtype(model_path)
     if declared not in _HALF:
         return "float32", f"the checkpoint is {declared or 'float32 (no dtype declared)'}"

@@ -31,6 +31,7 @@ from srt.configs.chat_templates import load_chat_template
 from srt.configs.cpu_dtype import resolve_cpu_dtype, resolve_weight_dtype
 from srt.configs.cpu_features import cpu_isa_cap, nvidia_driver_present
 from srt.configs.pooling_config import is_embedding_checkpoint
+from srt.configs.quant_config import keeps_blocks, resolve_quantization
 from srt.configs.tls import check_tls_files
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
@@ -299,11 +300,11 @@ def _resolve_model_location(a: ResolvableArgs) -> None:
 def _resolve_weights(a: ResolvableArgs) -> None:
     if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
         a.load_format = "gguf"
-    a.quantization = _resolve_quantization(a)
-    if a.enable_int8_activations and a.quantization != "gguf":
+    a.quantization = resolve_quantization(a.quantization, a.model_path, a.load_format, a.device, a.dtype)
+    if a.enable_int8_activations and not keeps_blocks(a.quantization):
         raise ConfigError(
-            "--enable-int8-activations needs GGUF weights kept quantized (--quantization gguf), "
-            f"got --quantization {a.quantization}."
+            "--enable-int8-activations needs weights kept quantized (--quantization gguf or "
+            f"compressed-tensors), got --quantization {a.quantization}."
         )
     _resolve_float32_rows(a)
 
@@ -316,7 +317,7 @@ GGUF_FLOAT32_ROWS = 16
 def _resolve_float32_rows(a: ResolvableArgs) -> None:
     """--gguf-float32-rows: auto is 16 where the copies can run (GGUF blocks, float32 activations,
     srt's packed float32 kernel), else 0; a value set by hand where they cannot is an error."""
-    usable = a.quantization == "gguf" and not a.enable_int8_activations and a.linear_backend == "native"
+    usable = keeps_blocks(a.quantization) and not a.enable_int8_activations and a.linear_backend == "native"
     if a.gguf_float32_rows is None:
         a.gguf_float32_rows = GGUF_FLOAT32_ROWS if usable else 0
         return
@@ -329,24 +330,6 @@ def _resolve_float32_rows(a: ResolvableArgs) -> None:
             f"--quantization {a.quantization}, --linear-backend {a.linear_backend}"
             f"{', --enable-int8-activations' if a.enable_int8_activations else ''}; use 0 or leave it unset."
         )
-
-
-def _resolve_quantization(a: ResolvableArgs) -> str:
-    # the embedded default model (no --model-path) is a GGUF file
-    gguf_model = a.load_format == "gguf" or (a.load_format == "auto" and not a.model_path)
-    if a.quantization == "auto":
-        return "gguf" if gguf_model and a.device == "cpu" and a.dtype == "float32" else "none"
-    if a.quantization == "gguf":
-        if not gguf_model:
-            raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
-        if a.device != "cpu" or a.dtype != "float32":
-            raise ConfigError(
-                "--quantization gguf runs on CPU with float32 activations (--device cpu --dtype float32); "
-                "use --quantization none to dequantize the weights instead."
-            )
-    elif a.quantization != "none":
-        raise ConfigError(f"--quantization must be auto, gguf or none, got {a.quantization!r}.")
-    return a.quantization
 
 
 def _resolve_grammar(a: ResolvableArgs) -> None:

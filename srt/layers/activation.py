@@ -13,7 +13,7 @@ class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for x ``[..., 2d]`` (the fused gate/up output) -> ``[..., d]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if elementwise.supports(x):  # one pass, native (float32 CPU)
+        if elementwise.supports(x):  # one pass, native (float32 or bf16 CPU)
             return elementwise.silu_and_mul(x)
         d = x.shape[-1] // 2
         out = F.silu(x[..., :d])

@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (in place; the caller owns ``residual``), then
-        ``(norm(residual), residual)``; one native pass for float32 CPU rows."""
+        ``(norm(residual), residual)``; one native pass for float32 or bf16 CPU rows."""
         if elementwise.supports(x, residual):  # add_rms_norm_ checks the weight itself
             return elementwise.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual.add_(x)

@@ -40,6 +40,16 @@ from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
 from srt.utils.errors import WeightLoadError
 
 
+def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic symmetric int8 quantization of each row (token), as a W8A8 checkpoint's scheme
+    says and compressed-tensors computes it: scale = max|row| / 127.5 (a row of zeros: the dtype's
+    eps), codes = clamp(round(x / scale), -128, 127); returns codes * scale in x's dtype (the values
+    an int8 GEMM with per-token scales multiplies)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    return torch.round(x / scale).clamp_(-128, 127) * scale
+
+
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; x ``[..., in_features]`` -> ``[..., out_features]``."""
 
@@ -61,8 +71,12 @@ class Linear(nn.Module):
         self.register_buffer("packed_weight", None, persistent=False)
         self.qweight: QuantizedWeight | None = None  # set when the loader gives GGUF blocks
         self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float32 so far
+        # a W8A8 checkpoint's layer: its inputs quantized to int8 per token first (fake_quant_int8_rows)
+        self.int8_token_inputs = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_token_inputs:
+            x = fake_quant_int8_rows(x)
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)

@@ -10,8 +10,8 @@ call gathers the rows of ``positions`` and rotates every head of q and k:
 
 ``rotary_dim < head_dim`` is partial rotary (``partial_rotary_factor``, e.g. Phi-4-mini's 0.75).
 
-Paths: full rotary on 2-D float32 CPU inputs rotates in place with the native op
-(``elementwise.rotary_neox_``); everything else (partial rotary, other dtypes, 3-D inputs) takes
+Paths: full rotary on 2-D float32 CPU inputs, or bf16 ones with a bf16 table (a bf16 model's),
+rotates in place with the native op (``elementwise.rotary_neox_``); everything else (partial rotary, other dtypes, 3-D inputs) takes
 the torch path, which is also the reference.
 """
 
@@ -112,17 +112,30 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64; q ``[T, H*D]`` (or ``[T, H, D]``), k ``[T, H_kv*D]`` ->
-        rotated (q, k) of the input shapes and dtype: for full rotary on 2-D float32 CPU inputs
+        rotated (q, k) of the input shapes and dtype: for full rotary on 2-D float32 or bf16 CPU inputs
         the inputs themselves, rotated in place by the native op; otherwise new contiguous tensors."""
         full = self.rotary_dim == self.head_dim
-        if full and q.dim() == 2 and elementwise.supports(q, k, self.cos_sin_cache):
-            elementwise.rotary_neox_(q, k, positions, self.cos_sin_cache, self.head_dim)
+        if full and q.dim() == 2 and elementwise.supports(q, k):
+            table = self.table(q.dtype)
+            elementwise.rotary_neox_(q, k, positions, table, self.head_dim)
             return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         if cos_sin.dtype != q.dtype:
             cos_sin = cos_sin.to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return self._rotate_heads(q, cos, sin), self._rotate_heads(k, cos, sin)
+
+    def table(self, dtype: torch.dtype) -> torch.Tensor:
+        """``cos_sin_cache`` in ``dtype`` (what the torch path casts the gathered rows to): a bf16
+        model's native rope takes a bf16 copy, made once per table."""
+        cache = self.cos_sin_cache
+        if cache.dtype == dtype:
+            return cache
+        held = getattr(self, "_table_copy", None)
+        if held is None or held[0] is not cache or held[1].dtype != dtype:
+            held = (cache, cache.to(dtype))
+            self._table_copy = held
+        return held[1]
 
     def extra_repr(self) -> str:
         partial = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""

@@ -27,6 +27,12 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
+from srt.configs.quant_config import (
+    COMPRESSED_TENSORS,
+    keeps_blocks,
+    parse_quantization,
+    read_quantization_config,
+)
 from srt.distributed.communication import TPInfo
 from srt.kernels import cpu as cpu_kernels
 from srt.kernels.cpu import gguf as gguf_kernels
@@ -37,6 +43,7 @@ from srt.layers.moe import MoEExperts
 from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
+from srt.model_loader.compressed_tensors import convert_weights, quantize_inputs_of
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
@@ -113,14 +120,14 @@ def get_model(
     model.requires_grad_(False)
     prepare_weights(model)
     if int8_activations:
-        if quantization != "gguf":
+        if not keeps_blocks(quantization):
             raise ConfigError("int8 activations need GGUF weights kept quantized (quantization gguf)")
         for module in model.modules():
             if isinstance(module, QuantizedWeight):
                 module.use_int8_activations()
             elif isinstance(module, MoEExperts):
                 module.use_int8_activations(INT8_MAX_ROWS)
-    elif float32_rows > 0 and quantization == "gguf":
+    elif float32_rows > 0 and keeps_blocks(quantization):
         logger.info(keep_float32_copies(model, float32_rows, float32_budget, linear_backend))
     release_free_memory()
     logger.info(
@@ -193,8 +200,14 @@ def _check_load_format(model_config: ModelConfig, load_format: str | None, quant
         raise ConfigError(f"load format gguf needs a .gguf model, got {model_config.model_path}")
     if fmt == "safetensors" and model_config.gguf_file is not None:
         raise ConfigError("load format safetensors was requested for a .gguf model")
-    if quantization not in ("none", "gguf"):
-        raise ConfigError(f"unknown quantization {quantization!r} (expected gguf or none)")
+    if quantization not in ("none", "gguf", COMPRESSED_TENSORS):
+        raise ConfigError(
+            f"unknown quantization {quantization!r} (expected gguf, {COMPRESSED_TENSORS} or none)"
+        )
+    if quantization == COMPRESSED_TENSORS and fmt != "safetensors":
+        raise ConfigError(
+            f"--quantization {COMPRESSED_TENSORS} needs a safetensors checkpoint (load format {fmt})"
+        )
     if quantization == "gguf" and fmt != "gguf":
         raise ConfigError(f"--quantization gguf needs a .gguf model (load format {fmt})")
     return fmt
@@ -226,9 +239,21 @@ def _load_weights(
         else:
             model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
     elif plan is not None:
+        if read_quantization_config(model_config.model_path) is not None:
+            raise ConfigError("quantized HF checkpoints are not served with tensor parallelism yet")
         model.load_weights(sharded_safetensors_iterator(model_config.model_path, plan))
     else:
-        model.load_weights(safetensors_weights_iterator(model_config.model_path))
+        weights = safetensors_weights_iterator(model_config.model_path)
+        qc = read_quantization_config(model_config.model_path)
+        scheme = None if qc is None else parse_quantization(qc)
+        quantized: set[str] = set()
+        if scheme is not None:  # kept as GGUF blocks, or dequantized (quantization none)
+            keep = quantization == COMPRESSED_TENSORS
+            weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
+        model.load_weights(weights)
+        if scheme is not None and scheme.int8_activations:
+            n = quantize_inputs_of(model, quantized)
+            logger.info("%s: %d linear layers quantize their inputs to int8 per token", scheme.name, n)
 
 
 def _check_float32_fits(gguf_file: str) -> None:

@@ -14,7 +14,6 @@ Checkpoint names are HF's; ``load_weights`` routes q/k/v and gate/up into the fu
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from srt.layers.forward_batch import ForwardBatch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +246,10 @@ class CheckpointLoader:
         ``load_shard``. Subclasses route tensors of their own (``load_special``) and add what
         they check (``missing_weights``).
 
-        Raises ``WeightLoadError`` on a shape mismatch or when a parameter (or a shard of a
-        fused one) received no weight; unknown names are logged and skipped."""
+        Raises ``WeightLoadError`` on a shape mismatch, on a tensor no parameter takes (serving
+        without it could serve the checkpoint wrong; only ``_SKIPPED_SUFFIXES``, rotary caches,
+        are known to be unused) or when a parameter (or a shard of a fused one) received no
+        weight."""
         params = dict(self.named_parameters())
         loaded: dict[str, set[str | int | None]] = {}  # param name -> shards received
         unexpected: list[str] = []
@@ -261,8 +260,9 @@ class CheckpointLoader:
                 unexpected.append(name)
             del tensor
         if unexpected:
-            logger.warning(
-                "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:8]
+            raise WeightLoadError(
+                f"the checkpoint has {len(unexpected)} tensors that no parameter of "
+                f"{type(self).__name__} takes: {unexpected[:8]}"
             )
         missing = self.missing_weights(params, loaded)
         if missing:

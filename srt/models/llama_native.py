@@ -13,6 +13,9 @@ as a Q4_K_M file's q/k/v do, runs one kernel per type) or a float32 weight packe
 srt's kernel (``--linear-backend native``, the default on AVX2 CPUs; or a bf16 one with
 ``--weight-dtype bfloat16``, widened in registers), activations are float32 on
 the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
+A bf16 model (``--dtype bfloat16``, what a bf16 checkpoint gets on a CPU with bf16 arithmetic)
+takes it too, with bf16 activations: its projections bf16 panels, its norms and rope table bf16,
+the very kernels of the Python path on bf16 rows (elementwise.py), so again the same bits.
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
 Python path. ``--disable-native-decode-layers`` turns it off.
 
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 # pack_bf16_weight (decode_layers.cpp)
 PACKED_F32 = -1
 PACKED_BF16 = -2
+# activation dtypes of the native stack (a float32 model, a bf16 one)
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, int, int]] | None:
@@ -60,9 +65,11 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
             return None if copy is None else [(copy, PACKED_F32, linear.out_features)]
         return linear.qweight.native_segments
     packed = linear.packed_weight
-    if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype != torch.float32:
+    if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype not in _DTYPES:
         return None
-    if linear.bias is not None and (linear.bias.dtype != torch.float32 or not linear.bias.is_contiguous()):
+    if linear.bias is not None and (
+        linear.bias.dtype != linear.weight.dtype or not linear.bias.is_contiguous()
+    ):
         return None
     return [(packed, PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32, linear.out_features)]
 
@@ -99,6 +106,19 @@ def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock, float32: bool) ->
     return None
 
 
+def _model_refusal(layers: list[nn.Module]) -> str | None:
+    """Why the model as a whole cannot take the native stack (its dtype, its rope), or None."""
+    dtype = layers[0].input_layernorm.weight.dtype  # the activations'
+    rope = layers[0].self_attn.rotary_emb
+    if dtype not in _DTYPES:
+        return f"the model's dtype is {dtype}, neither float32 nor bfloat16"
+    if rope.cos_sin_cache.device.type != "cpu":
+        return "the rotary cache is not on the CPU"
+    if rope.rotary_dim != rope.head_dim:
+        return "the rotary embedding is partial"
+    return None
+
+
 class NativeDecodeLayers:
     """See the module docstring. ``build(model)`` returns ``(instance or None, why)``."""
 
@@ -108,9 +128,11 @@ class NativeDecodeLayers:
         num_layers: int,
         float32_stack: torch.ScriptObject | None = None,
         float32_rows: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.stack = stack
         self.num_layers = num_layers
+        self.dtype = dtype  # the activations' (the hidden states a step passes)
         # batches of at least float32_rows sequences: the stack on the weights' float32 copies,
         # as QuantizedWeight.linear takes them from that many rows on
         self.float32_stack = float32_stack
@@ -129,7 +151,7 @@ class NativeDecodeLayers:
             return None, why
         rows = {m.float32_rows for layer in layers for m in layer.modules() if isinstance(m, QuantizedWeight)}
         if len(rows) != 1 or not min(rows):
-            return cls(stack, len(layers)), why
+            return cls(stack, len(layers), dtype=layers[0].input_layernorm.weight.dtype), why
         float32_stack, why32 = cls._build_stack(layers, float32=True)
         if float32_stack is None:
             return cls(stack, len(layers)), f"{why}; the float32 copies not: {why32}"
@@ -140,10 +162,12 @@ class NativeDecodeLayers:
     def _build_stack(layers: list[nn.Module], float32: bool) -> tuple[torch.ScriptObject | None, str]:
         """The DecodeLayers of ``layers`` on their quantized blocks / packed float32 weights, or
         (``float32``) on the float32 copies of the quantized ones; (None, why) when it cannot."""
+        why = _model_refusal(layers)
+        if why:
+            return None, why
         first = layers[0].self_attn
         rope = first.rotary_emb
-        if rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.device.type != "cpu":
-            return None, "the rotary cache is not float32 on the CPU"
+        dtype = layers[0].input_layernorm.weight.dtype  # the activations'
         norm_eps = layers[0].input_layernorm.eps
         int8_max_rows = _int8_rows(first.qkv_proj)  # one choice for the whole model
         stack = torch.classes.srt_cpu.DecodeLayers(
@@ -152,7 +176,7 @@ class NativeDecodeLayers:
             first.head_dim,
             norm_eps,
             first.attn.scaling,
-            rope.cos_sin_cache,
+            rope.table(dtype),
             int8_max_rows,
         )
         for i, layer in enumerate(layers):
@@ -161,15 +185,19 @@ class NativeDecodeLayers:
             dense = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
             projections = (attn.qkv_proj, attn.o_proj, *dense)
             blocks = [_blocks(p, float32) for p in projections]
+            if dtype == torch.bfloat16 and not all(s[1] == PACKED_BF16 for b in blocks if b for s in b):
+                return None, f"layer {i} has a projection that is not bf16 panels in a bf16 model"
             if any(b is None for b in blocks):
                 return None, (
                     f"layer {i} has a projection that is neither natively supported GGUF types "
                     "nor a float32 weight packed for --linear-backend native"
                 )
+            if any(p.int8_token_inputs for p in projections):
+                return None, f"layer {i} quantizes its inputs per token (W8A8), which the Python path does"
             if any(_int8_rows(p) != int8_max_rows for p in projections):
                 return None, f"layer {i}'s projections differ in their int8-activation choice"
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.eps != norm_eps or n.weight.dtype != torch.float32 for n in norms):
+            if any(n.eps != norm_eps or n.weight.dtype != dtype for n in norms):
                 return None, f"layer {i}'s norms differ from layer 0's (eps or dtype)"
             if attn.rotary_emb is not rope:
                 return None, f"layer {i} has its own rotary embedding"
@@ -197,7 +225,7 @@ class NativeDecodeLayers:
         """``(mlp output, residual)`` after the last layer for a DECODE batch (the caller adds them
         in the final norm), or None when this batch cannot take the native path."""
         backend = forward_batch.attn_backend
-        if backend is None or hidden_states.dtype != torch.float32:
+        if backend is None or hidden_states.dtype != self.dtype:
             return None
         args = backend.native_decode_args()
         pool = forward_batch.token_to_kv_pool

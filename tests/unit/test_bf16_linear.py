@@ -3,7 +3,8 @@
 Every path the CPU runs (``scalar``, ``avx2``, ``avx512`` widening the weights in registers;
 ``avx512_bf16`` on ``vdpbf16ps``; ``brgemm`` through ATen's CPUBlas) against a float64 reference,
 at tails of rows (1-70, past the 8-row tile and the 64-row brgemm block), columns (not multiples of
-the 32-column panel) and k (2 to 1024, and 0); bf16 and float32 activations; with and without bias. The paths a
+the 32-column panel) and k (2 to 2500, past the 1024-k blocks that several tiles of rows share, and
+0); bf16 and float32 activations; with and without bias. The paths a
 CPU lacks are skipped with the kernel's own reason (tests/unit/test_isa_lowering.py runs this file
 again under ``SRT_CPU_ISA=avx2`` and ``scalar``).
 
@@ -33,6 +34,7 @@ SHAPES = [
     (9, 256, 100),
     (17, 576, 96),
     (70, 1024, 65),
+    (20, 2500, 70),
     (2, 2, 5),
     (4, 0, 3),
 ]
@@ -93,8 +95,8 @@ def test_every_path_matches_a_float64_reference(path, m, k, n, x_dtype, with_bia
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512", "avx512_bf16"])
 def test_a_row_does_not_depend_on_its_batch_on_the_tile_paths(path):
     """Every output is one float32 chain over k in pair order: the same bits for a row alone, in
-    any batch, at any position of its register tile."""
-    x, w, bias = _data(19, 256, 70, seed=3)
+    any batch, at any position of its register tile, whether the batch takes k in blocks or not."""
+    x, w, bias = _data(19, 2100, 70, seed=3)
     x = x.bfloat16()
     packed = torch.ops.srt_cpu.pack_bf16_weight(w)
     full = _run(x, packed, 70, bias, path)
@@ -195,5 +197,8 @@ def test_tied_embedding_reads_its_rows_from_the_bf16_head():
     emb.read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))
     ids = torch.tensor([[0, 31, 32, 69], [5, 5, 64, 1]])
     assert torch.equal(emb._lookup(ids), F.embedding(ids, plain))
+    other = VocabEmbedding(70, 34, dtype=torch.bfloat16)
+    with torch.no_grad():  # not left uninitialized: freed memory may hold plain's very rows
+        other.weight.copy_(plain.roll(1, 0))
     with pytest.raises(ValueError, match="does not hold"):
-        VocabEmbedding(70, 34, dtype=torch.bfloat16).read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))
+        other.read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))

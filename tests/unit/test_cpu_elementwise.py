@@ -105,6 +105,89 @@ def test_layers_native_and_fallback_agree(native, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+BF16_EPS = 2.0**-7  # bf16's machine epsilon: one ulp of x is at most this times |x|
+
+
+def _assert_bf16_like_torch(got: torch.Tensor, want: torch.Tensor, ref64: torch.Tensor, rounds: int) -> None:
+    """A bf16 op against torch's separate bf16 ops (``want``: the rounding points srt copies) and a
+    float64 reference of the exact math (``ref64``). The native op computes in float32 where torch's
+    vectorized kernels do too, so a float32 reassociation may flip a rounding: a few elements at
+    most, by 2 bf16 ulps at most (a flipped rounding before a product), the rest bit for bit. Against float64, ``rounds`` roundings of half an
+    ulp each (counted as whole ones), relative to the magnitudes involved."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    if got.numel() == 0:
+        return
+    g, w = got.double(), want.double()
+    ulp = BF16_EPS * torch.maximum(w.abs(), g.abs())
+    assert bool(((g - w).abs() <= 2 * ulp).all()), float(((g - w).abs() / ulp.clamp_min(1e-30)).max())
+    assert float((got != want).float().mean()) <= 0.02, float((got != want).float().mean())
+    tol = rounds * BF16_EPS * ref64.abs().clamp_min(1e-30) + 1e-6
+    assert bool(((g - ref64).abs() <= tol).all()), float(((g - ref64).abs() / tol).max())
+
+
+@pytest.mark.parametrize("rows,d", [(1, 8), (3, 37), (33, 1536), (0, 16)])
+def test_bf16_silu_and_mul(native, rows, d):
+    wide = (torch.randn(rows, 2 * d + 24, generator=_gen(rows + d)) * 4).bfloat16()
+    x = wide[:, 7 : 7 + 2 * d]
+    got = torch.ops.srt_cpu.silu_and_mul(x)
+    want = F.silu(x[:, :d]) * x[:, d:]  # silu rounded, then the product: transformers' bf16 MLP
+    g, u = x[:, :d].double(), x[:, d:].double()
+    _assert_bf16_like_torch(got, want, g * torch.sigmoid(g) * u, rounds=3)
+    assert elementwise.supports(x) and torch.equal(SiluAndMul()(x), got)
+
+
+@pytest.mark.parametrize("rows,h", [(1, 576), (5, 33), (64, 1536), (0, 8)])
+def test_bf16_add_rms_norm(native, rows, h):
+    gen = _gen(h + 1)
+    x = torch.randn(rows, h + 3, generator=gen).bfloat16()[:, 1 : h + 1]
+    residual = torch.randn(rows, h, generator=gen).bfloat16()
+    weight = (torch.rand(h, generator=gen) + 0.5).bfloat16()
+    res_ref = residual.clone()
+    want = elementwise.add_rms_norm_ref(x, res_ref, weight, 1e-5)
+    s64 = residual.double() + x.double()
+    ref64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    got = torch.ops.srt_cpu.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(residual, res_ref)  # the residual sum rounded once, as residual.add_(x)
+    _assert_bf16_like_torch(got, want, ref64, rounds=4)
+    norm = RMSNorm(h, 1e-5, dtype=torch.bfloat16)
+    norm.weight.data.copy_(weight)
+    r2 = res_ref.clone()
+    normed, _ = norm.forward_with_residual(torch.zeros_like(x), r2)
+    _assert_bf16_like_torch(normed, norm.forward(res_ref), ref64, rounds=4)  # the layer: native too
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (2, 1, 6)])
+def test_bf16_rotary_in_place(native, heads, kv_heads, head_dim):
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, dtype=torch.bfloat16)
+    gen = _gen(heads * head_dim + 1)
+    T = 21
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = q.clone(), k.clone()
+    elementwise.rotary_neox_ref(q_ref, k_ref, positions, rope.cos_sin_cache, head_dim)
+    q64, k64 = q.double(), k.double()
+    elementwise.rotary_neox_ref(q64, k64, positions, rope.cos_sin_cache.double(), head_dim)
+    before_v = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    torch.ops.srt_cpu.rotary_neox_(q, k, positions, rope.cos_sin_cache, head_dim)
+    # each product rounded, then the sum: bit for bit wherever the sum does not cancel
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    # against float64: 3 roundings of products of magnitude |x| (cancellation makes it absolute)
+    for got, ref, x in ((q, q64, q_ref), (k, k64, k_ref)):
+        assert bool(((got.double() - ref).abs() <= 3 * BF16_EPS * (x.double().abs().max() + 1)).all())
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], before_v)
+    with pytest.raises(RuntimeError, match="of q's dtype"):
+        torch.ops.srt_cpu.rotary_neox_(q, k, positions, rope.cos_sin_cache.float(), head_dim)
+
+
+def test_bf16_and_float32_do_not_mix(native):
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="as the other inputs"):
+        torch.ops.srt_cpu.add_rms_norm_(x, torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    assert not elementwise.supports(x, x.bfloat16())
+    assert not elementwise.supports(x.half())
+
+
 @pytest.mark.parametrize("vocab,width", [(70, 3), (64, 2), (100, 2), (49152, 1536)])
 def test_apply_token_bitmask_matches_reference(native, vocab, width):
     """Every kind of word (all allowed, none, mixed), rows in any order, a mask narrower than

@@ -107,13 +107,17 @@ def test_rotary_accepts_strided_views_and_keeps_dtype():
     rope = RotaryEmbedding(16, 64, 10000.0)
     qkv = torch.randn(5, 16 * 4, dtype=torch.bfloat16)
     q, k, _ = qkv.split([32, 16, 16], dim=-1)
+    q0 = q.clone()
     positions = torch.arange(5)
-    q_out, k_out = rope(positions, q, k)
-    assert q_out.dtype == torch.bfloat16 and q_out.is_contiguous()
-    q_ref, k_ref = rope(positions, q.contiguous(), k.contiguous())
+    q_ref, k_ref = rope(positions, q.clone(), k.clone())
+    # the torch path (3-D heads) rounds where the native one does: the same bits
+    q3, k3 = rope(positions, q.view(5, 2, 16), k.view(5, 1, 16))
+    assert torch.equal(q3.view(5, 32), q_ref) and torch.equal(k3.view(5, 16), k_ref)
+    q_out, k_out = rope(positions, q, k)  # 2-D bf16 rows: rotated in place, views and all
+    assert q_out.dtype == torch.bfloat16 and q_out.data_ptr() == q.data_ptr()
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
     # position 0 is the identity rotation
-    assert torch.equal(q_out[0], q[0])
+    assert torch.equal(q_out[0], q0[0])
 
 
 # ---------------------------------------------------------------- norm / activation / linear

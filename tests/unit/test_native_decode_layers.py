@@ -129,6 +129,20 @@ def test_bf16_stored_weights_native_equals_python(tmp_path, kind):
     _decode_both_ways(runner, [40] * 8, seed=4)  # a full 8-row tile
 
 
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_bf16_model_native_equals_python(tmp_path, kind):
+    """A bf16 model (``--dtype bfloat16``, what ``--dtype auto`` gives a bf16 checkpoint on a CPU
+    with bf16 arithmetic): bf16 activations, panels, norms, rope table and KV, in the stack too;
+    Qwen2's bf16 qkv bias and Qwen3's q/k norms included."""
+    path = save_hf_dir(build_tiny_hf_model(kind, seed=1).to(torch.bfloat16), tmp_path / kind)
+    runner = _runner(path, dtype="bfloat16", linear_backend="native", max_running_requests=24)
+    assert runner.dtype == torch.bfloat16 and runner.token_to_kv_pool.dtype == torch.bfloat16
+    assert runner.model.model.native_decode is not None
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=3)
+    _decode_both_ways(runner, [40] * 8, seed=4)
+    _decode_both_ways(runner, [20] * 19, seed=5)  # rows past one tile: the weights taken in blocks of k
+
+
 def test_not_used_where_it_does_not_apply(tmp_path):
     path = save_tiny_model("llama", tmp_path / "m", seed=1)
     for backend in ("onednn", "torch"):  # float32 weights the native kernel does not hold

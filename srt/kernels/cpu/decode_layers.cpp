@@ -7,7 +7,7 @@
 // pack_linear_weight, or bf16 ones by pack_bf16_weight; norms, biases) once; each step passes the activations and the attention
 // metadata:
 //
-//   forward(hidden [B, h] f32, positions [B] i64, k_buffers, v_buffers (one [S, H_kv, D] per
+//   forward(hidden [B, h] f32 or bf16, positions [B] i64, k_buffers, v_buffers (one [S, H_kv, D] per
 //           layer), out_cache_loc [B] i64, req_to_token, req_pool_indices [B], seq_lens [B])
 //       -> (mlp output of the last layer [B, h], residual stream [B, h])
 //
@@ -25,6 +25,11 @@
 // expert) [+ sigmoid(shared gate) * the shared expert] -- srt/layers/moe.py's SparseMoeBlock.
 //
 // The first layer's input norm has no residual to add (residual = the embedding output).
+//
+// Activations are float32, or bf16 for a bf16 model (its norms' weights and rope table bf16, its
+// projections bf16 panels): the same kernels on bf16 rows (float32 math, rounded to bf16 where the
+// Python path's bf16 ops round), its norms without a residual through the Python path's very ATen
+// ops, attention on float32 queries as the Python path's fused_cpu backend takes them.
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
@@ -126,23 +131,43 @@ struct Layer {
   std::shared_ptr<MoE> moe;  // set: the MLP is this sparse block (gate_up / down are empty)
 };
 
-template <class T>
-void store_rows(const float* src, int64_t src_stride, int64_t B, const int64_t* loc, int64_t heads, int64_t D,
-                T* dst, int64_t s0, int64_t s1) {
+template <class S, class T>
+void store_rows(const S* src, int64_t src_stride, int64_t B, const int64_t* loc, int64_t heads, int64_t D, T* dst,
+                int64_t s0, int64_t s1) {
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* in = src + b * src_stride + h * D;
+      const S* in = src + b * src_stride + h * D;
       T* out = dst + loc[b] * s0 + h * s1;
-      if constexpr (std::is_same_v<T, float>) {
-        std::memcpy(out, in, D * sizeof(float));
-      } else {
-        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(in[d]);  // round to nearest even, as .to()
+      if constexpr (std::is_same_v<T, S>) {
+        std::memcpy(out, in, D * sizeof(T));
+      } else {  // round to nearest even, as .to()
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(static_cast<float>(in[d]));
       }
     }
   }
 }
 
-// buffer[loc[b]] = rows[b] (rows [B, heads * D] float32, any row stride; buffer [S, heads, D])
+template <class S>
+void store_rows_as(const S* src, int64_t ss, int64_t B, const int64_t* lp, int64_t heads, int64_t D,
+                   const at::Tensor& buffer) {
+  const int64_t s0 = buffer.stride(0), s1 = buffer.stride(1);
+  switch (buffer.scalar_type()) {
+    case at::kFloat: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<float>(), s0, s1); break;
+    case at::kHalf: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::Half>(), s0, s1); break;
+    case at::kBFloat16: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::BFloat16>(), s0, s1); break;
+    default: TORCH_CHECK(false, "DecodeLayers: KV buffers must be float32, float16 or bfloat16, got ", buffer.scalar_type());
+  }
+}
+
+// RMSNorm.forward of a bf16 model (srt/layers/layernorm.py) in the same ATen ops, so the same bits:
+// normalised in float32, rounded, times the weight
+at::Tensor rms_norm_like_python(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return weight * xf.to(x.scalar_type());
+}
+
+// buffer[loc[b]] = rows[b] (rows [B, heads * D] float32 or bf16, any row stride; buffer [S, heads, D])
 void store_kv(const at::Tensor& rows, const at::Tensor& buffer, const at::Tensor& loc) {
   const int64_t B = rows.size(0), heads = buffer.size(1), D = buffer.size(2), S = buffer.size(0);
   TORCH_CHECK(rows.size(1) == heads * D, "DecodeLayers: k/v rows of ", rows.size(1), " values for a pool of ", heads,
@@ -152,13 +177,10 @@ void store_kv(const at::Tensor& rows, const at::Tensor& buffer, const at::Tensor
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] < S, "DecodeLayers: out_cache_loc[", b, "] = ", lp[b], " outside [0, ", S, ")");
   }
-  const float* src = rows.data_ptr<float>();
-  const int64_t ss = rows.stride(0), s0 = buffer.stride(0), s1 = buffer.stride(1);
-  switch (buffer.scalar_type()) {
-    case at::kFloat: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<float>(), s0, s1); break;
-    case at::kHalf: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::Half>(), s0, s1); break;
-    case at::kBFloat16: store_rows(src, ss, B, lp, heads, D, buffer.data_ptr<at::BFloat16>(), s0, s1); break;
-    default: TORCH_CHECK(false, "DecodeLayers: KV buffers must be float32, float16 or bfloat16, got ", buffer.scalar_type());
+  if (rows.scalar_type() == at::kBFloat16) {
+    store_rows_as(rows.data_ptr<at::BFloat16>(), rows.stride(0), B, lp, heads, D, buffer);
+  } else {
+    store_rows_as(rows.data_ptr<float>(), rows.stride(0), B, lp, heads, D, buffer);
   }
 }
 
@@ -251,9 +273,12 @@ class DecodeLayers : public torch::CustomClassHolder {
                                              const at::Tensor& seq_lens) const {
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0, "DecodeLayers: no layers");
-    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
+    const at::ScalarType act = layers_[0].input_norm.scalar_type();
+    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == act && hidden.dim() == 2 &&
                     hidden.is_contiguous(),
-                "DecodeLayers: hidden must be a contiguous float32 CPU tensor [B, hidden]");
+                "DecodeLayers: hidden must be a contiguous CPU tensor [B, hidden] of the norms' dtype (", act,
+                "), got ", hidden.scalar_type());
+    const bool bf16 = act == at::kBFloat16;
     TORCH_CHECK(static_cast<int64_t>(k_buffers.size()) == L && static_cast<int64_t>(v_buffers.size()) == L,
                 "DecodeLayers: one K and one V buffer per layer (", L, "), got ", k_buffers.size(), " and ",
                 v_buffers.size());
@@ -263,7 +288,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
 
     at::Tensor residual = hidden;
-    at::Tensor x = at::rms_norm(hidden, {h}, layers_[0].input_norm, eps_);
+    at::Tensor x = bf16 ? rms_norm_like_python(hidden, layers_[0].input_norm, eps_)
+                        : at::rms_norm(hidden, {h}, layers_[0].input_norm, eps_);
     at::Tensor mlp_out;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers_[i];
@@ -271,16 +297,20 @@ class DecodeLayers : public torch::CustomClassHolder {
       const at::Tensor qkv = layer.qkv.apply(x, int8_max_rows_);
       at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-      if (layer.q_norm.has_value()) {
+      if (layer.q_norm.has_value() && bf16) {
+        q = rms_norm_like_python(q.view({B, H_, D_}), *layer.q_norm, eps_).view({B, q_size});
+        k = rms_norm_like_python(k.view({B, Hkv_, D_}), *layer.k_norm, eps_).view({B, kv_size});
+      } else if (layer.q_norm.has_value()) {
         q = at::rms_norm(q.view({B, H_, D_}), {D_}, *layer.q_norm, eps_).view({B, q_size});
         k = at::rms_norm(k.view({B, Hkv_, D_}), {D_}, *layer.k_norm, eps_).view({B, kv_size});
       }
       rotary_neox_(q, k, positions, cos_sin_, D_);
       store_kv(k, k_buffers[i], out_cache_loc);
       store_kv(v, v_buffers[i], out_cache_loc);
-      const at::Tensor attn = paged_decode_attention(q.view({B, H_, D_}), k_buffers[i], v_buffers[i], req_to_token,
-                                                     req_pool_indices, seq_lens, scaling_, 0, "", layer.window_left,
-                                                     layer.logit_cap);
+      at::Tensor attn = paged_decode_attention(q.view({B, H_, D_}).to(at::kFloat), k_buffers[i], v_buffers[i],
+                                               req_to_token, req_pool_indices, seq_lens, scaling_, 0, "",
+                                               layer.window_left, layer.logit_cap);
+      if (bf16) attn = attn.to(act);
       x = add_rms_norm_(layer.o.apply(attn.view({B, q_size}), int8_max_rows_), residual, layer.post_attention_norm,
                         eps_);
       if (layer.moe) {

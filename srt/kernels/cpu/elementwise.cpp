@@ -1,4 +1,4 @@
-// Fused element-wise ops of a decoder layer, float32, one pass over memory each:
+// Fused element-wise ops of a decoder layer, float32 or bf16, one pass over memory each:
 //
 //   silu_and_mul(x [T, 2d]) -> [T, d]             silu(x[:, :d]) * x[:, d:]
 //   add_rms_norm_(x [T, h], residual [T, h], w [h], eps) -> [T, h]
@@ -8,6 +8,10 @@
 //   apply_token_bitmask_(logits [B, V], rows [n], bitmask [n, W] int32) (in place)
 //       logits[rows[i], t] = -inf where bit t % 32 of bitmask[i][t / 32] is 0, and for t >= 32 W
 //       (constrained decoding; whole words of 0 / of 1 bits are filled / skipped at once)
+//
+// bf16 tensors (all of a call's, weights and cos_sin included) compute in float32 and round to
+// bf16 where torch's separate bf16 ops would (elementwise_rows.h): what a bf16 model's Python
+// layers compute, and transformers' bf16 modules.
 //
 // Rows may have any stride (views of a fused projection's output); the last dim must be
 // contiguous. Work is split over rows (at::parallel_for, a grain of about 16k elements so small
@@ -38,23 +42,42 @@ struct RowFns {
   decltype(&scalar::silu_and_mul_rows) silu_and_mul;
   decltype(&scalar::add_rms_norm_rows) add_rms_norm;
   decltype(&scalar::rotary_rows) rotary;
+  decltype(&scalar::silu_and_mul_rows_bf16) silu_and_mul_bf16;
+  decltype(&scalar::add_rms_norm_rows_bf16) add_rms_norm_bf16;
+  decltype(&scalar::rotary_rows_bf16) rotary_bf16;
 };
+
+#define SRT_ROW_FNS(ns)                                                                                     \
+  RowFns {                                                                                                  \
+    &ns::silu_and_mul_rows, &ns::add_rms_norm_rows, &ns::rotary_rows, &ns::silu_and_mul_rows_bf16,        \
+        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16                                                  \
+  }
 
 const RowFns& row_fns() {
   static const RowFns fns = [] {
 #if SRT_CPU_X86
-    if (detect_isa() == CpuIsa::kAvx512) return RowFns{&avx512::silu_and_mul_rows, &avx512::add_rms_norm_rows, &avx512::rotary_rows};
-    if (detect_isa() == CpuIsa::kAvx2) return RowFns{&avx2::silu_and_mul_rows, &avx2::add_rms_norm_rows, &avx2::rotary_rows};
+    if (detect_isa() == CpuIsa::kAvx512) return SRT_ROW_FNS(avx512);
+    if (detect_isa() == CpuIsa::kAvx2) return SRT_ROW_FNS(avx2);
 #endif
-    return RowFns{&scalar::silu_and_mul_rows, &scalar::add_rms_norm_rows, &scalar::rotary_rows};
+    return SRT_ROW_FNS(scalar);
   }();
   return fns;
 }
 
-void check_rows(const at::Tensor& t, const char* name, const char* op) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name, " must be a float32 CPU tensor");
+// a float32 or bf16 CPU tensor [T, n] with a contiguous last dim, of `dtype` when one is given
+void check_rows(const at::Tensor& t, const char* name, const char* op,
+                c10::optional<at::ScalarType> dtype = c10::nullopt) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op, ": ",
+              name, " must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(!dtype.has_value() || t.scalar_type() == *dtype, op, ": ", name, " is ", t.scalar_type(), ", not ",
+              *dtype, " as the other inputs");
   TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D [T, n], got ", t.dim(), "-D");
   TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, "'s last dim must be contiguous");
+}
+
+template <typename T>
+T* raw(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
 }
 
 }  // namespace
@@ -65,29 +88,47 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({T, d}, x.options());
   if (T == 0 || d == 0) return out;
+  const int64_t grain = row_grain(2 * d);
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* xp = raw<const uint16_t>(x);
+    uint16_t* op = raw<uint16_t>(out);
+    const auto fn = row_fns().silu_and_mul_bf16;
+    at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(xp, x.stride(0), op, d, b, e); });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
   const auto fn = row_fns().silu_and_mul;
-  at::parallel_for(0, T, row_grain(2 * d), [&](int64_t b, int64_t e) { fn(xp, xs, op, d, b, e); });
+  at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(xp, xs, op, d, b, e); });
   return out;
 }
 
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x", "add_rms_norm_");
-  check_rows(residual, "residual", "add_rms_norm_");
+  check_rows(residual, "residual", "add_rms_norm_", x.scalar_type());
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_: residual ", residual.sizes(), " != x ", x.sizes());
   const int64_t T = x.size(0), h = x.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == at::kFloat &&
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
-              "add_rms_norm_: weight must be float32 contiguous [", h, "]");
+              "add_rms_norm_: weight must be contiguous [", h, "] of x's dtype (", x.scalar_type(), ")");
   at::Tensor out = at::empty({T, h}, x.options());
   if (T == 0 || h == 0) return out;
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* xp = raw<const uint16_t>(x);
+    uint16_t* rp = raw<uint16_t>(residual);
+    const uint16_t* wp = raw<const uint16_t>(weight);
+    uint16_t* op = raw<uint16_t>(out);
+    const int64_t xs = x.stride(0), rs = residual.stride(0);
+    const auto fn = row_fns().add_rms_norm_bf16;
+    at::parallel_for(0, T, row_grain(h), [&](int64_t b, int64_t end) { fn(xp, xs, rp, rs, wp, op, h, e, b, end); });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
   const int64_t xs = x.stride(0), rs = residual.stride(0);
   const auto fn = row_fns().add_rms_norm;
   at::parallel_for(0, T, row_grain(h), [&](int64_t b, int64_t end) { fn(xp, xs, rp, rs, wp, op, h, e, b, end); });
@@ -96,7 +137,7 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Ten
 
 void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin, int64_t head_dim) {
   check_rows(q, "q", "rotary_neox_");
-  check_rows(k, "k", "rotary_neox_");
+  check_rows(k, "k", "rotary_neox_", q.scalar_type());
   const int64_t T = q.size(0), D = head_dim;
   TORCH_CHECK(D > 0 && D % 2 == 0, "rotary_neox_: head_dim must be even and positive, got ", D);
   TORCH_CHECK(k.size(0) == T && q.size(1) % D == 0 && k.size(1) % D == 0,
@@ -104,23 +145,31 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(),
               "rotary_neox_: positions must be int64 contiguous [T]");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.scalar_type() == at::kFloat &&
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.scalar_type() == q.scalar_type() &&
                   cos_sin.stride(1) == 1,
-              "rotary_neox_: cos_sin must be float32 [max_position, head_dim]");
+              "rotary_neox_: cos_sin must be [max_position, head_dim] of q's dtype (", q.scalar_type(), ")");
   if (T == 0) return;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t P = cos_sin.size(0);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "rotary_neox_: position ", pos[t], " outside [0, ", P, ")");
   }
+  const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
+  const int64_t qs = q.stride(0), ks = k.stride(0), css = cos_sin.stride(0);
+  const int64_t grain = row_grain((hq + hk) * D);
+  if (q.scalar_type() == at::kBFloat16) {
+    uint16_t* qp = raw<uint16_t>(q);
+    uint16_t* kp = raw<uint16_t>(k);
+    const uint16_t* cs = raw<const uint16_t>(cos_sin);
+    const auto fn = row_fns().rotary_bf16;
+    at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
+    return;
+  }
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const float* cs = cos_sin.data_ptr<float>();
-  const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
-  const int64_t qs = q.stride(0), ks = k.stride(0), css = cos_sin.stride(0);
   const auto fn = row_fns().rotary;
-  at::parallel_for(0, T, row_grain((hq + hk) * D),
-                   [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
+  at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
 }
 
 void apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {

@@ -11,9 +11,13 @@ extension is loaded, their pure-torch references otherwise (same contracts).
         constrained decoding: -inf at every token a row's bitmask disallows (in place; the
         reference is srt.constrained.bitmask.apply_bitmask_, the same results bit for bit)
 
-Inputs are float32 CPU tensors whose rows may be strided (views of a fused projection's
-output) with a contiguous last dim; ``supports(*tensors)`` says whether a call qualifies for the
-native path. The native results differ from the references by float32 reassociation only.
+Inputs are float32 CPU tensors, or bf16 ones (all of a call's, the norm's weight and the rope
+table included: a bf16 model's), whose rows may be strided (views of a fused projection's output)
+with a contiguous last dim; ``supports(*tensors)`` says whether a call qualifies for the native
+path. bf16 computes in float32 and rounds to bf16 where the references' separate bf16 ops do
+(transformers' bf16 modules: silu rounded before the product; the residual sum, the normalised
+rows and each rope product rounded). The native results differ from the references by float32
+reassociation only (and, in bf16, where that flips a rounding).
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from srt.kernels.cpu import native_available
 __all__ = ["add_rms_norm_", "apply_token_bitmask_", "rotary_neox_", "silu_and_mul", "supports"]
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    """The native path can take these: the extension is loaded and each is a 2-D float32 CPU
-    tensor with a contiguous last dim."""
-    if not native_available():
+    """The native path can take these: the extension is loaded and each is a 2-D CPU tensor with
+    a contiguous last dim, all float32 or all bf16."""
+    if not native_available() or tensors[0].dtype not in _NATIVE_DTYPES:
         return False
+    dtype = tensors[0].dtype
     for t in tensors:  # a plain loop: this runs several times per layer
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.stride(-1) != 1:
+        if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 2 or t.stride(-1) != 1:
             return False
     return True
 
@@ -47,7 +55,11 @@ def add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     residual.add_(x)
-    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+    if residual.dtype == torch.float32:
+        return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+    xf = residual.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(residual.dtype)
 
 
 def rotary_neox_ref(
@@ -68,7 +80,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if supports(x, residual) and weight.dtype == torch.float32 and weight.is_contiguous():
+    if supports(x, residual) and weight.dtype == x.dtype and weight.is_contiguous():
         return torch.ops.srt_cpu.add_rms_norm_(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 
@@ -83,7 +95,12 @@ def rotary_neox_(
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    if supports(logits) and rows.dtype == torch.int64 and bitmask.dtype == torch.int32:
+    if (
+        supports(logits)
+        and logits.dtype == torch.float32
+        and rows.dtype == torch.int64
+        and bitmask.dtype == torch.int32
+    ):
         torch.ops.srt_cpu.apply_token_bitmask_(logits, rows.contiguous(), bitmask.contiguous())
         return
     apply_bitmask_(logits, rows, bitmask)

@@ -85,5 +85,100 @@ SRT_ISA_TARGET void rotary_rows(float* q, int64_t qs, int64_t hq, float* k, int6
   }
 }
 
+// bf16 rows (raw bits), float32 math rounded to bf16 where torch's separate bf16 ops round, so a
+// bf16 model computes what transformers' bf16 modules do (HF's numerics): silu(g) rounded, then
+// times u; the residual sum rounded, normalised in float32, rounded, then times the weight; each
+// rope product rounded, then their sum or difference.
+
+// silu(g) * u; o [T, d] contiguous
+SRT_ISA_TARGET void silu_and_mul_rows_bf16(const uint16_t* x, int64_t xs, uint16_t* o, int64_t d, int64_t b,
+                                           int64_t e) {
+  const V::reg one = V::set1(1.f), neg = V::set1(-1.f);
+  for (int64_t t = b; t < e; ++t) {
+    const uint16_t* g = x + t * xs;
+    const uint16_t* u = g + d;
+    uint16_t* out = o + t * d;
+    int64_t j = 0;
+    for (; j + V::W <= d; j += V::W) {
+      const V::reg gv = V::load_bf16(g + j);
+      const V::reg s = V::round_bf16(V::div(gv, V::add(one, V::exp(V::mul(gv, neg)))));
+      V::store_bf16(out + j, V::mul(s, V::load_bf16(u + j)));
+    }
+    for (; j < d; ++j) {
+      const float gj = bf16_bits_to_float(g[j]);
+      const float s = VecScalar::round_bf16(gj / (1.f + std::exp(-gj)));
+      out[j] = float_to_bf16_bits(s * bf16_bits_to_float(u[j]));
+    }
+  }
+}
+
+// r += x (rounded; x null: r as it is, not written), then
+// o = round(round(r * rsqrt(mean(r^2) + eps)) * w); o [T, h] contiguous
+SRT_ISA_TARGET void add_rms_norm_rows_bf16(const uint16_t* x, int64_t xs, uint16_t* r, int64_t rs, const uint16_t* w,
+                                           uint16_t* o, int64_t h, float eps, int64_t b, int64_t e) {
+  for (int64_t t = b; t < e; ++t) {
+    uint16_t* rr = r + t * rs;
+    uint16_t* out = o + t * h;
+    V::reg acc = V::zero();
+    int64_t j = 0;
+    for (; j + V::W <= h; j += V::W) {
+      V::reg s = V::load_bf16(rr + j);
+      if (x != nullptr) {
+        s = V::round_bf16(V::add(s, V::load_bf16(x + t * xs + j)));
+        V::store_bf16(rr + j, s);
+      }
+      acc = V::fmadd(s, s, acc);
+    }
+    float ss = V::hsum(acc);
+    for (; j < h; ++j) {
+      float s = bf16_bits_to_float(rr[j]);
+      if (x != nullptr) {
+        s = VecScalar::round_bf16(s + bf16_bits_to_float(x[t * xs + j]));
+        rr[j] = float_to_bf16_bits(s);
+      }
+      ss += s * s;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    const V::reg iv = V::set1(inv);
+    for (j = 0; j + V::W <= h; j += V::W)
+      V::store_bf16(out + j, V::mul(V::round_bf16(V::mul(V::load_bf16(rr + j), iv)), V::load_bf16(w + j)));
+    for (; j < h; ++j)
+      out[j] = float_to_bf16_bits(VecScalar::round_bf16(bf16_bits_to_float(rr[j]) * inv) * bf16_bits_to_float(w[j]));
+  }
+}
+
+SRT_ISA_TARGET inline void rotate_heads_bf16(uint16_t* x, int64_t n_heads, int64_t D, const uint16_t* cos,
+                                             const uint16_t* sin) {
+  const int64_t half = D / 2;
+  for (int64_t hh = 0; hh < n_heads; ++hh) {
+    uint16_t* x1 = x + hh * D;
+    uint16_t* x2 = x1 + half;
+    int64_t j = 0;
+    for (; j + V::W <= half; j += V::W) {
+      const V::reg a = V::load_bf16(x1 + j), bb = V::load_bf16(x2 + j);
+      const V::reg c = V::load_bf16(cos + j), s = V::load_bf16(sin + j);
+      V::store_bf16(x1 + j, V::sub(V::round_bf16(V::mul(a, c)), V::round_bf16(V::mul(bb, s))));
+      V::store_bf16(x2 + j, V::add(V::round_bf16(V::mul(bb, c)), V::round_bf16(V::mul(a, s))));
+    }
+    for (; j < half; ++j) {
+      const float a = bf16_bits_to_float(x1[j]), bb = bf16_bits_to_float(x2[j]);
+      const float c = bf16_bits_to_float(cos[j]), s = bf16_bits_to_float(sin[j]);
+      x1[j] = float_to_bf16_bits(VecScalar::round_bf16(a * c) - VecScalar::round_bf16(bb * s));
+      x2[j] = float_to_bf16_bits(VecScalar::round_bf16(bb * c) + VecScalar::round_bf16(a * s));
+    }
+  }
+}
+
+// rotary_rows on bf16 q, k and a bf16 cos_sin table
+SRT_ISA_TARGET void rotary_rows_bf16(uint16_t* q, int64_t qs, int64_t hq, uint16_t* k, int64_t ks, int64_t hk,
+                                     const int64_t* pos, const uint16_t* cs, int64_t cs_stride, int64_t D, int64_t b,
+                                     int64_t e) {
+  for (int64_t t = b; t < e; ++t) {
+    const uint16_t* c = cs + pos[t] * cs_stride;
+    rotate_heads_bf16(q + t * qs, hq, D, c, c + D / 2);
+    rotate_heads_bf16(k + t * ks, hk, D, c, c + D / 2);
+  }
+}
+
 }  // namespace SRT_ISA_NS
 }  // namespace srt_cpu

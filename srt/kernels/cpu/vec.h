@@ -3,6 +3,8 @@
 //   reg       register type (W float32 lanes)
 //   zero / set1 / load / store / add / sub / mul / div / max / fmadd     lane-wise float32
 //   load_f16 / load_bf16    W KV-cache elements (raw 16-bit storage) -> W float32 lanes
+//   round_bf16              each lane rounded to bf16 (nearest even, NaN a quiet NaN), as float32
+//   store_bf16              W lanes rounded to bf16, as raw 16-bit storage (torch's conversion)
 //   hsum / hmax             horizontal reductions
 //   reduce_tile(a[W])       one register of the W sums: lane t = hsum(a[t])
 //   reduce_store_tq(a[TQ], out)   out[t] = hsum(a[t]) for the TQ-token tiles of several queries
@@ -96,8 +98,18 @@ inline float bf16_bits_to_float(uint16_t b) {
   return f;
 }
 
+// float32 -> bf16 bits, rounded to nearest even; NaN -> 0x7FC0 (c10::BFloat16's conversion)
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 struct VecScalar {
   using reg = float;
+  static inline reg round_bf16(reg v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
+  static inline void store_bf16(uint16_t* p, reg v) { *p = float_to_bf16_bits(v); }
   static constexpr int W = 1;
   static inline reg zero() { return 0.f; }
   static inline reg set1(float x) { return x; }
@@ -154,6 +166,19 @@ struct VecAvx2 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
   static SRT_INLINE_AVX2 void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static SRT_INLINE_AVX2 reg round_bf16(reg v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  }
+  static SRT_INLINE_AVX2 void store_bf16(uint16_t* p, reg v) {
+    const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
   static SRT_INLINE_AVX2 reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static SRT_INLINE_AVX2 reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static SRT_INLINE_AVX2 reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
@@ -218,6 +243,18 @@ struct VecAvx512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
   static SRT_INLINE_AVX512 void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static SRT_INLINE_AVX512 reg round_bf16(reg v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
+  }
+  static SRT_INLINE_AVX512 void store_bf16(uint16_t* p, reg v) {
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
   static SRT_INLINE_AVX512 reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static SRT_INLINE_AVX512 reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static SRT_INLINE_AVX512 reg div(reg a, reg b) { return _mm512_div_ps(a, b); }

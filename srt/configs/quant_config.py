@@ -1,0 +1,213 @@
+"""A checkpoint's ``quantization_config`` (config.json), read without torch: the schemes srt
+serves, and a start-up error naming any other, so that no quantized checkpoint is ever served as
+if its integer codes were float weights.
+
+Served (srt/model_loader/compressed_tensors.py converts the tensors at load):
+- ``compressed-tensors`` (llm-compressor's format, RedHatAI's ``*-quantized.w8a8`` /
+  ``*.w8a16`` / ``*.w4a16`` checkpoints):
+  - ``int-quantized`` / ``naive-quantized``, 8-bit int weights, symmetric, one scale a row
+    (``strategy: channel``): W8A16, or W8A8 with dynamic per-token int8 activations;
+  - ``pack-quantized``, 4-bit int weights in groups of 32, 64 or 128 (or one group a row),
+    symmetric or with zero points: W4A16; or 8-bit ones, one scale a row: W8A16 (as llm-compressor
+    writes weight-only int8).
+
+Everything else (other ``quant_method`` values: awq, gptq, fp8, bitsandbytes, ...; FP8 and
+other ``format`` values, static activation scales, sparsity, a quantized KV cache, activation
+ordering) raises ``UnsupportedQuantizationError`` naming the method and the scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from srt.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+COMPRESSED_TENSORS = "compressed-tensors"
+_INT8_FORMATS = ("int-quantized", "naive-quantized")
+_INT4_FORMATS = ("pack-quantized",)
+_GROUP_SIZES = (32, 64, 128)
+
+
+class UnsupportedQuantizationError(ConfigError):
+    """A checkpoint quantized in a way srt does not serve (method and scheme named)."""
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What a supported ``quantization_config`` says about the quantized linear layers."""
+
+    method: str  # "compressed-tensors"
+    format: str  # "int-quantized" / "naive-quantized" / "pack-quantized"
+    bits: int  # 8 or 4
+    group_size: int | None  # None: one scale a row (strategy channel)
+    symmetric: bool
+    int8_activations: bool  # W8A8: dynamic per-token int8 activations
+
+    @property
+    def name(self) -> str:
+        return f"W{self.bits}A{8 if self.int8_activations else 16}"
+
+    def describe(self) -> str:
+        groups = "per channel" if self.group_size is None else f"groups of {self.group_size}"
+        zero = "symmetric" if self.symmetric else "with zero points"
+        return f"{self.method} {self.format} {self.name} (int{self.bits}, {groups}, {zero})"
+
+
+def keeps_blocks(quantization: str) -> bool:
+    """A resolved ``--quantization`` that keeps matmul weights as GGUF blocks on srt's kernels."""
+    return quantization in ("gguf", COMPRESSED_TENSORS)
+
+
+def resolve_quantization(
+    requested: str, model_path: str | None, load_format: str, device: str, dtype: str
+) -> str:
+    """``--quantization`` resolved (``dtype`` is resolved already): auto is gguf for a GGUF model on
+    CPU in float32, compressed-tensors for such a checkpoint on CPU in float32 (its quantized layers
+    on srt's GGUF-block kernels), else none (a quantized checkpoint then dequantized at load).
+    ``ConfigError`` for a choice that does not fit the model, ``UnsupportedQuantizationError`` for
+    a quantized checkpoint srt does not serve."""
+    gguf_model = load_format == "gguf" or (
+        load_format == "auto" and not model_path
+    )  # no path: the default GGUF
+    qc = None if gguf_model else read_quantization_config(model_path)
+    scheme = None if qc is None else parse_quantization(qc)
+    cpu_float32 = device == "cpu" and dtype == "float32"
+    if requested == "auto":
+        if gguf_model and cpu_float32:
+            return "gguf"
+        if scheme is not None and cpu_float32:
+            return COMPRESSED_TENSORS
+        if scheme is not None:
+            logger.info("%s: dequantized at load (%s in %s)", scheme.describe(), device, dtype)
+        return "none"
+    if requested == "gguf" and not gguf_model:
+        raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
+    if requested == COMPRESSED_TENSORS and scheme is None:
+        raise ConfigError(
+            f"--quantization {COMPRESSED_TENSORS} needs a checkpoint with that quantization_config."
+        )
+    if requested in ("gguf", COMPRESSED_TENSORS) and not cpu_float32:
+        raise ConfigError(
+            f"--quantization {requested} runs on CPU with float32 activations (--device cpu --dtype float32); "
+            "use --quantization none to dequantize the weights instead."
+        )
+    if requested not in ("gguf", COMPRESSED_TENSORS, "none"):
+        raise ConfigError(
+            f"--quantization must be auto, gguf, {COMPRESSED_TENSORS} or none, got {requested!r}."
+        )
+    return requested
+
+
+def read_quantization_config(model_dir: str | None) -> dict[str, Any] | None:
+    """``config.json``'s ``quantization_config`` of a model folder (None: none, or no folder)."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return None
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise UnsupportedQuantizationError(f"config.json: quantization_config must be an object, got {qc!r}")
+    return qc
+
+
+def parse_quantization(qc: dict[str, Any]) -> QuantScheme:
+    """The scheme of a ``quantization_config``; ``UnsupportedQuantizationError`` naming what srt
+    cannot serve."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method != COMPRESSED_TENSORS:
+        detail = _scheme_words(qc)
+        raise UnsupportedQuantizationError(
+            f"the checkpoint is quantized with quant_method {method or '(none)'!r}{detail}, which srt does "
+            f"not serve; srt serves {COMPRESSED_TENSORS} int8 (W8A8, W8A16) and int4 (W4A16) checkpoints"
+        )
+    fmt = str(qc.get("format", ""))
+    where = f"{COMPRESSED_TENSORS} format {fmt!r}"
+    if fmt not in _INT8_FORMATS + _INT4_FORMATS:
+        raise UnsupportedQuantizationError(
+            f"{where} is not served (FP8 'float-quantized', sparse and mixed formats are not supported yet); "
+            f"srt serves {', '.join(_INT8_FORMATS + _INT4_FORMATS)}"
+        )
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise UnsupportedQuantizationError(f"{where}: {key} is not supported, got {qc[key]!r}")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise UnsupportedQuantizationError(f"{where}: config_groups is missing or empty")
+    schemes = {_group_scheme(name, g, fmt, where) for name, g in groups.items()}
+    if len(schemes) > 1:
+        raise UnsupportedQuantizationError(
+            f"{where}: config groups with different schemes are not supported: "
+            + "; ".join(sorted(s.describe() for s in schemes))
+        )
+    return schemes.pop()
+
+
+def _scheme_words(qc: dict[str, Any]) -> str:
+    """A few words on a foreign scheme for the error message (bits, group size, format)."""
+    words = [
+        f"{k}={qc[k]!r}"
+        for k in ("bits", "group_size", "fmt", "format", "version", "load_in_4bit")
+        if k in qc
+    ]
+    return f" ({', '.join(words)})" if words else ""
+
+
+def _group_scheme(name: str, group: dict[str, Any], fmt: str, where: str) -> QuantScheme:
+    here = f"{where}, config group {name!r}"
+    if not isinstance(group, dict):
+        raise UnsupportedQuantizationError(f"{here} must be an object")
+    w = group.get("weights") or {}
+    bits = w.get("num_bits")
+    strategy = w.get("strategy")
+    wanted_bits = (8,) if fmt in _INT8_FORMATS else (4, 8)
+    if w.get("type") != "int" or bits not in wanted_bits:
+        raise UnsupportedQuantizationError(
+            f"{here}: weights of type {w.get('type')!r} with {bits} bits are not served by this format "
+            f"(int{' or int'.join(map(str, wanted_bits))} expected)"
+        )
+    if w.get("dynamic") or w.get("actorder") or w.get("block_structure"):
+        raise UnsupportedQuantizationError(
+            f"{here}: dynamic weights, activation ordering (actorder) and block structures are not supported"
+        )
+    group_size = None
+    if strategy == "group" and bits == 4 and w.get("group_size") in _GROUP_SIZES:
+        group_size = int(w["group_size"])
+    elif strategy != "channel":
+        raise UnsupportedQuantizationError(
+            f"{here}: weight strategy {strategy!r} (group_size {w.get('group_size')!r}) is not supported; "
+            f"int8 needs 'channel', int4 'channel' or 'group' with a group size in {_GROUP_SIZES}"
+        )
+    symmetric = bool(w.get("symmetric", True))
+    if bits == 8 and not symmetric:
+        raise UnsupportedQuantizationError(f"{here}: asymmetric int8 weights are not supported")
+    if group.get("output_activations"):
+        raise UnsupportedQuantizationError(f"{here}: quantized output activations are not supported")
+    return QuantScheme(COMPRESSED_TENSORS, fmt, bits, group_size, symmetric, _int8_activations(group, here))
+
+
+def _int8_activations(group: dict[str, Any], here: str) -> bool:
+    a = group.get("input_activations")
+    if not a:
+        return False
+    if (
+        a.get("type") == "int"
+        and a.get("num_bits") == 8
+        and a.get("dynamic")
+        and a.get("strategy") == "token"
+    ):
+        return True
+    raise UnsupportedQuantizationError(
+        f"{here}: input activations {a.get('type')!r} {a.get('num_bits')}-bit, strategy {a.get('strategy')!r}, "
+        f"dynamic {a.get('dynamic')!r} are not supported (srt serves dynamic per-token int8 activations)"
+    )

@@ -1,0 +1,195 @@
+"""compressed-tensors checkpoints (W8A8, W8A16, W4A16 symmetric and with zero points) served with
+default flags: their quantized layers kept as GGUF blocks on srt's kernels, float32 activations,
+greedy tokens equal to the reference's up to the near-tie rule, through the real Engine.
+
+The reference is transformers' own load of the folder (through compressed-tensors: weights
+decompressed, W8A8's activations quantized to int8 per token), in float32. transformers 5.24 with
+compressed-tensors 0.20 refuses int4 with zero points (its packed zero points as a size
+mismatch); there the reference is the float model whose quantized layers hold compressed-tensors'
+own decompression of the saved tensors (``unpack_from_int32`` and ``dequantize``), which equals
+transformers' load on the weight-only schemes it loads. Scales are bf16, as in the Hub's checkpoints: GGUF's float16 block scales hold them
+exactly, so srt's weights are the reference's and only float32 summation order differs.
+
+Also: a quantized checkpoint srt does not serve is a start-up error naming it, and a tensor no
+parameter takes is a load error (never served as if absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from srt import Engine
+from srt.configs.quant_config import UnsupportedQuantizationError
+from tests.helpers.hf_reference import assert_tokens_match, hf_greedy_references, make_prompts
+from tests.helpers.tiny_models import build_tiny_hf_model, save_hf_dir
+
+ct = pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors writes and reads the test checkpoints"
+)
+
+from tests.helpers.compressed_models import SCHEMES, save_compressed  # noqa: E402
+
+MAX_NEW_TOKENS = 12
+GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+QTYPE = {"w8a8": "Q8_0", "w8a16": "Q8_0", "w4a16": "Q4_0", "w4a16_asym": "Q4_1"}
+QTYPE_ID = {"w8a8": 8, "w8a16": 8, "w4a16": 2, "w4a16_asym": 3}  # ggml types
+
+
+def _checkpoint(tmp_path, scheme: str) -> str:
+    model = build_tiny_hf_model("llama", seed=7).to(torch.bfloat16)
+    return save_compressed(model, tmp_path / scheme, scheme)
+
+
+def _reference_model(path: str):
+    """The float32 model with compressed-tensors' decompression of each quantized layer."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    qc = config.quantization_config
+    del config.quantization_config
+    args = QuantizationArgs(**qc["config_groups"]["group_0"]["weights"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in ("weight", "weight_packed") and f"{prefix}.weight_scale" in tensors:
+            scale = tensors[f"{prefix}.weight_scale"]
+            if leaf == "weight_packed":
+                shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
+                codes = unpack_from_int32(t, args.num_bits, shape)
+            else:
+                codes = t
+            zero = tensors.get(f"{prefix}.weight_zero_point")
+            if zero is not None:
+                zero = unpack_from_int32(zero, args.num_bits, scale.shape, packed_dim=0)
+            state[f"{prefix}.weight"] = dequantize(codes, scale.float(), zero, args, dtype=torch.float32)
+        elif leaf not in ("weight_scale", "weight_shape", "weight_zero_point"):
+            state[name] = t.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    return model
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_reference(tmp_path, scheme):
+    path = _checkpoint(tmp_path, scheme)
+    if scheme == "w4a16_asym":  # transformers refuses the packed zero points (module docstring)
+        ref = _reference_model(path)
+    else:  # transformers' own load; W8A8 quantizes its activations per token there (and in srt)
+        ref = _hf_model(path)
+    if scheme in ("w8a16", "w4a16"):  # the decompression reference is transformers' where both load
+        ids = torch.tensor([make_prompts([20], seed=3, vocab_size=320)[0]])
+        with torch.no_grad():
+            torch.testing.assert_close(
+                ref(ids).logits, _reference_model(path)(ids).logits, rtol=1e-4, atol=1e-4
+            )
+    batch = make_prompts([4, 11, 37], seed=1, vocab_size=320)
+    llm = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
+    try:
+        assert (llm.server_args.quantization, llm.server_args.dtype) == ("compressed-tensors", "float32")
+        outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
+    finally:
+        llm.shutdown()
+    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, lambda: ref)
+    ties = sum(assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs) for o, r in zip(outs, refs))
+    assert ties <= 1
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, scheme):
+    """Every projection holds GGUF blocks of the type the scheme maps to (no float copy of it), whose
+    bytes are the checkpoint's codes and scales (Q8_0: 34 bytes for 32 int8 codes and a scale)."""
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.server_args import ServerArgs
+
+    path = _checkpoint(tmp_path, scheme)
+    runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=512, gguf_float32_rows=0).resolve())
+    layer = runner.model.model.layers[0]
+    for proj in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
+        q = proj.qweight
+        assert q is not None and {QTYPE_ID[scheme]} == {s[2] for s in q.segments}, proj
+        per_32 = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[QTYPE[scheme]]
+        held = sum(b.numel() * b.element_size() for n, b in q.named_buffers() if n.startswith("data"))
+        assert held == q.out_features * q.in_features // 32 * per_32, proj
+
+
+def test_dequantized_at_load_with_quantization_none(tmp_path):
+    path = _checkpoint(tmp_path, "w4a16_asym")
+    batch = make_prompts([9, 30], seed=2, vocab_size=320)
+    llm = Engine(
+        model_path=path,
+        quantization="none",
+        skip_tokenizer_init=True,
+        max_total_tokens=1024,
+        log_level="warning",
+    )
+    try:
+        outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
+    finally:
+        llm.shutdown()
+    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, lambda: _reference_model(path))
+    assert (
+        sum(assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs) for o, r in zip(outs, refs))
+        <= 1
+    )
+
+
+def _with_quantization_config(tmp_path, qc: dict) -> str:
+    path = save_hf_dir(build_tiny_hf_model("llama", seed=1), tmp_path / "m")
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.mark.parametrize(
+    "qc,named",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "'gptq'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "'fp8'"),
+        (
+            {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}},
+            "float-quantized",
+        ),
+    ],
+)
+def test_a_quantized_checkpoint_srt_does_not_serve_is_a_startup_error_naming_it(tmp_path, qc, named):
+    path = _with_quantization_config(tmp_path, qc)
+    with pytest.raises(UnsupportedQuantizationError, match=named):
+        Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
+
+
+def test_a_tensor_no_parameter_takes_is_a_load_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_dir(build_tiny_hf_model("llama", seed=1), tmp_path / "m")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(64, 1)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match="no parameter of LlamaForCausalLM takes.*q_proj.weight_scale"):
+        Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
