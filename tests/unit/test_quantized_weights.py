@@ -59,8 +59,12 @@ def test_quantization_flag_resolution():
     with pytest.raises(ConfigError, match="--quantization gguf runs on CPU"):
         ServerArgs(device="cpu", dtype="bfloat16", quantization="gguf").resolve()
     assert ServerArgs(device="cpu", enable_int8_activations=True).resolve().enable_int8_activations
-    with pytest.raises(ConfigError, match="--enable-int8-activations needs GGUF weights kept quantized"):
+    with pytest.raises(ConfigError, match="--enable-int8-activations needs weights kept quantized"):
         ServerArgs(device="cpu", quantization="none", enable_int8_activations=True).resolve()
+    with pytest.raises(ConfigError, match="needs a checkpoint with that quantization_config"):
+        ServerArgs(device="cpu", model_path="hf_dir", quantization="compressed-tensors").resolve()
+    with pytest.raises(ConfigError, match="--quantization must be auto, gguf, compressed-tensors or none"):
+        ServerArgs(device="cpu", quantization="awq").resolve()
 
 
 # ---------------------------------------------------------------- layers
