@@ -119,6 +119,26 @@ def _model_refusal(layers: list[nn.Module]) -> str | None:
     return None
 
 
+def _add_layer(
+    stack: torch.ScriptObject, layer: nn.Module, projections: tuple, blocks: list, moe: bool
+) -> None:
+    """``stack.add_layer`` of one layer: its norms, its projections' segments (``blocks``), q/k norms,
+    window and soft-cap; then which projections quantize their inputs per token (W8A8)."""
+    attn = layer.self_attn
+    args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for proj, segments in zip(projections, blocks, strict=True):
+        data, qtypes, x8_rows = (list(col) for col in zip(*segments, strict=True))
+        args += [data, qtypes, x8_rows, proj.bias]
+    args += [None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)]
+    if moe:  # no dense gate_up / down: set_moe gives the sparse block
+        args[10:10] = [[], [], [], None, [], [], [], None]
+    args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
+    stack.add_layer(*args)
+    flags = [int(p.int8_token_inputs) for p in projections]
+    if any(flags):  # a W8A8 checkpoint's layers
+        stack.set_int8_token_inputs(flags + [0] * (4 - len(flags)))
+
+
 class NativeDecodeLayers:
     """See the module docstring. ``build(model)`` returns ``(instance or None, why)``."""
 
@@ -192,8 +212,6 @@ class NativeDecodeLayers:
                     f"layer {i} has a projection that is neither natively supported GGUF types "
                     "nor a float32 weight packed for --linear-backend native"
                 )
-            if any(p.int8_token_inputs for p in projections):
-                return None, f"layer {i} quantizes its inputs per token (W8A8), which the Python path does"
             if any(_int8_rows(p) != int8_max_rows for p in projections):
                 return None, f"layer {i}'s projections differ in their int8-activation choice"
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -203,16 +221,7 @@ class NativeDecodeLayers:
                 return None, f"layer {i} has its own rotary embedding"
             if attn.attn.scaling != first.attn.scaling:
                 return None, f"layer {i}'s attention scale differs from layer 0's"
-            args: list[object] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for proj, segments in zip(projections, blocks, strict=True):
-                data, qtypes, x8_rows = (list(col) for col in zip(*segments, strict=True))
-                args += [data, qtypes, x8_rows, proj.bias]
-            qk = (attn.q_norm, attn.k_norm)
-            args += [None if n is None else n.weight for n in qk]
-            if moe is not None:  # no dense gate_up / down: set_moe gives the sparse block
-                args[10:10] = [[], [], [], None, [], [], [], None]
-            args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
-            stack.add_layer(*args)
+            _add_layer(stack, layer, projections, blocks, moe is not None)
             if moe is not None:
                 why = _set_moe(stack, moe, float32)
                 if why:

@@ -199,3 +199,24 @@ def test_gguf_shape_matrix_elements_split_the_head_from_the_decoder():
     routed = 3 * h * spec["moe_intermediate"] * spec["experts_used"]
     attention, router = 2 * h * q + 2 * h * kv, h * spec["experts"]
     assert dec_moe == spec["layers"] * (routed + attention + router)
+
+
+def test_quantized_checkpoint_packs_codes_as_compressed_tensors_does():
+    """benchmarks/quantized_checkpoint.py writes codes in compressed-tensors' packed layout (its
+    own ``pack_to_int32`` is the reference), and its tensors load as srt's GGUF blocks."""
+    torch = pytest.importorskip("torch")
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    from benchmarks import quantized_checkpoint as qc
+    from srt.configs.quant_config import parse_quantization
+    from srt.model_loader.compressed_tensors import convert_weights
+
+    gen = torch.Generator().manual_seed(0)
+    for bits, lo, hi in ((4, -8, 8), (8, -128, 128)):
+        codes = torch.randint(lo, hi, (6, 256), dtype=torch.int8, generator=gen)
+        assert torch.equal(qc._pack(codes, bits), helpers.pack_to_int32(codes, bits))
+    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for scheme in qc.SCHEMES:
+        tensors = qc._layer_tensors(cfg, 0, scheme, gen)
+        got = dict(convert_weights(tensors.items(), parse_quantization(qc.quantization_config(scheme)), True))
+        w = got["model.layers.0.mlp.down_proj.weight"]
+        assert (w.rows, w.cols, w.qtype) == (256, 512, 2 if scheme == "w4a16" else 8)

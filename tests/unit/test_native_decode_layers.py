@@ -263,3 +263,16 @@ def test_default_model_float32_copies_native_equals_python():
     _decode_both_ways(runner, [7 * i + 3 for i in range(18)], seed=6)
     off = _runner(None, max_total_tokens=1200, gguf_float32_rows=0)
     assert off.model.model.native_decode.float32_stack is None
+
+
+def test_w8a8_checkpoint_native_equals_python(tmp_path):
+    """A compressed-tensors W8A8 checkpoint: Q8_0 blocks whose inputs are quantized to int8 per
+    token first, in the stack through the same ATen ops as the Python path."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoint")
+    from tests.helpers.compressed_models import save_compressed
+
+    path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / "w8a8", "w8a8")
+    runner = _runner(path, dtype="auto", gguf_float32_rows=0)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight is not None and qkv.int8_token_inputs and runner.model.model.native_decode is not None
+    _decode_both_ways(runner, [1, 5, 300, 17], seed=3)

@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -71,11 +72,22 @@ struct Segment {
 
 // A projection: its row segments in order (a Q4_K_M file stores a layer's q/k as Q4_K and v as
 // Q6_K), each computed by its own kernel and concatenated, then the bias, as QuantizedWeight.linear.
+// Linear.int8_token_inputs' quantization (srt/layers/linear.py's fake_quant_int8_rows) in the very
+// same ATen ops, so the same bits: codes = clamp(round(x / scale), -128, 127), scale = max|row| /
+// 127.5 (a row of zeros: float32's eps); returns codes * scale.
+at::Tensor fake_quant_int8_rows(const at::Tensor& x) {
+  at::Tensor scale = x.abs().amax({-1}, true) / 127.5;
+  scale = at::where(scale == 0, std::numeric_limits<float>::epsilon(), scale);
+  return at::round(x / scale).clamp_(-128, 127) * scale;
+}
+
 struct QuantLinear {
   std::vector<Segment> segments;
   c10::optional<at::Tensor> bias;
+  bool int8_token_inputs = false;  // a W8A8 checkpoint's layer (set_int8_token_inputs)
 
-  at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows) const {
+  at::Tensor apply(const at::Tensor& x_in, int64_t int8_max_rows) const {
+    const at::Tensor x = int8_token_inputs ? fake_quant_int8_rows(x_in) : x_in;
     if (segments.size() == 1) return segments[0].apply(x, int8_max_rows, bias);
     std::vector<at::Tensor> parts;
     parts.reserve(segments.size());
@@ -264,6 +276,17 @@ class DecodeLayers : public torch::CustomClassHolder {
     layers_.back().moe = std::move(moe);
   }
 
+  // The last added layer's projections (qkv, o, gate_up, down) that quantize their inputs to int8
+  // per token first (a W8A8 checkpoint's layers: Linear.int8_token_inputs).
+  void set_int8_token_inputs(std::vector<int64_t> flags) {
+    TORCH_CHECK(!layers_.empty() && flags.size() == 4, "DecodeLayers: set_int8_token_inputs takes 4 flags after add_layer");
+    Layer& l = layers_.back();
+    l.qkv.int8_token_inputs = flags[0] != 0;
+    l.o.int8_token_inputs = flags[1] != 0;
+    l.gate_up.int8_token_inputs = flags[2] != 0;
+    l.down.int8_token_inputs = flags[3] != 0;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& positions,
@@ -337,6 +360,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
       .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
       .def("set_moe", &srt_cpu::DecodeLayers::set_moe)
+      .def("set_int8_token_inputs", &srt_cpu::DecodeLayers::set_int8_token_inputs)
       .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
       .def("forward", &srt_cpu::DecodeLayers::forward);
 }
