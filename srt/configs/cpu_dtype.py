@@ -80,12 +80,26 @@ def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None
 
 
 def resolve_weight_dtype(
-    requested: str, dtype: str, dtype_auto: bool, model_path: str | None, device: str, linear_backend: str
+    requested: str,
+    dtype: str,
+    dtype_auto: bool,
+    model_path: str | None,
+    device: str,
+    linear_backend: str,
+    dequantized: bool = False,
 ) -> str:
     """``--weight-dtype``: auto is bfloat16 where ``--dtype auto`` served a bf16 checkpoint in float32
     on the native linear backend (a CPU without bf16 arithmetic: the checkpoint's values stored in
     bf16, widened to float32 in registers), else the model dtype; bfloat16 given by hand needs float32
-    activations on CPU, that backend and a bf16 checkpoint. ``ConfigError`` otherwise."""
+    activations on CPU, that backend and a bf16 checkpoint. ``dequantized``: a quantized checkpoint
+    dequantized at load, whose values bf16 would round (auto: the model dtype; bfloat16 refused).
+    ``ConfigError`` otherwise."""
+    if dequantized and requested == "bfloat16" and dtype == "float32":
+        raise ConfigError(
+            "--weight-dtype bfloat16 would round a quantized checkpoint's dequantized weights; use auto."
+        )
+    if requested == "auto" and dequantized:
+        return dtype
     if requested == "auto":
         storage = dtype_auto and checkpoint_dtype(model_path) == "bfloat16" and device == "cpu"
         if storage and dtype == "float32" and linear_backend == "native":

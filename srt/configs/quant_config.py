@@ -7,11 +7,13 @@ Served (srt/model_loader/compressed_tensors.py converts the tensors at load):
   ``*.w8a16`` / ``*.w4a16`` checkpoints):
   - ``int-quantized`` / ``naive-quantized``, 8-bit int weights, symmetric, one scale a row
     (``strategy: channel``): W8A16, or W8A8 with dynamic per-token int8 activations;
+  - ``float-quantized``, float8_e4m3 weights with one scale a row or a tensor, and dynamic
+    per-token float8 activations or none (FP8_DYNAMIC, FP8): dequantized at load (float32);
   - ``pack-quantized``, 4-bit int weights in groups of 32, 64 or 128 (or one group a row),
     symmetric or with zero points: W4A16; or 8-bit ones, one scale a row: W8A16 (as llm-compressor
     writes weight-only int8).
 
-Everything else (other ``quant_method`` values: awq, gptq, fp8, bitsandbytes, ...; FP8 and
+Everything else (other ``quant_method`` values: awq, gptq, fp8 (block FP8), bitsandbytes, ...;
 other ``format`` values, static activation scales, sparsity, a quantized KV cache, activation
 ordering) raises ``UnsupportedQuantizationError`` naming the method and the scheme.
 """
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 COMPRESSED_TENSORS = "compressed-tensors"
 _INT8_FORMATS = ("int-quantized", "naive-quantized")
 _INT4_FORMATS = ("pack-quantized",)
+_FP8_FORMATS = ("float-quantized",)
 _GROUP_SIZES = (32, 64, 128)
 
 
@@ -47,16 +50,23 @@ class QuantScheme:
     bits: int  # 8 or 4
     group_size: int | None  # None: one scale a row (strategy channel)
     symmetric: bool
-    int8_activations: bool  # W8A8: dynamic per-token int8 activations
+    token_quant: str | None  # the inputs' dynamic per-token quantization: "int8" (W8A8), "fp8", None
+
+    @property
+    def fp8(self) -> bool:
+        return self.format in _FP8_FORMATS
 
     @property
     def name(self) -> str:
-        return f"W{self.bits}A{8 if self.int8_activations else 16}"
+        if self.fp8:
+            return "FP8_DYNAMIC" if self.token_quant else "FP8 weights"
+        return f"W{self.bits}A{8 if self.token_quant else 16}"
 
     def describe(self) -> str:
         groups = "per channel" if self.group_size is None else f"groups of {self.group_size}"
         zero = "symmetric" if self.symmetric else "with zero points"
-        return f"{self.method} {self.format} {self.name} (int{self.bits}, {groups}, {zero})"
+        kind = "float8_e4m3" if self.fp8 else f"int{self.bits}"
+        return f"{self.method} {self.format} {self.name} ({kind}, {groups}, {zero})"
 
 
 def keeps_blocks(quantization: str) -> bool:
@@ -85,16 +95,17 @@ def resolve_quantization(
     if requested == "auto":
         if gguf_model and cpu_float32:
             return "gguf"
-        if scheme is not None and cpu_float32:
+        if scheme is not None and cpu_float32 and not scheme.fp8:
             return COMPRESSED_TENSORS
         if scheme is not None:
             logger.info("%s: dequantized at load (%s in %s)", scheme.describe(), device, dtype)
         return "none"
     if requested == "gguf" and not gguf_model:
         raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
-    if requested == COMPRESSED_TENSORS and scheme is None:
+    if requested == COMPRESSED_TENSORS and (scheme is None or scheme.fp8):
         raise ConfigError(
-            f"--quantization {COMPRESSED_TENSORS} needs a checkpoint with that quantization_config."
+            f"--quantization {COMPRESSED_TENSORS} needs a checkpoint with that quantization_config, int8 or "
+            "int4 (FP8 checkpoints are dequantized at load: --quantization none)."
         )
     if requested in ("gguf", COMPRESSED_TENSORS) and not cpu_float32:
         raise ConfigError(
@@ -137,10 +148,10 @@ def parse_quantization(qc: dict[str, Any]) -> QuantScheme:
         )
     fmt = str(qc.get("format", ""))
     where = f"{COMPRESSED_TENSORS} format {fmt!r}"
-    if fmt not in _INT8_FORMATS + _INT4_FORMATS:
+    if fmt not in _INT8_FORMATS + _INT4_FORMATS + _FP8_FORMATS:
         raise UnsupportedQuantizationError(
-            f"{where} is not served (FP8 'float-quantized', sparse and mixed formats are not supported yet); "
-            f"srt serves {', '.join(_INT8_FORMATS + _INT4_FORMATS)}"
+            f"{where} is not served (sparse, NVFP4 / MXFP4 and mixed formats are not supported yet); "
+            f"srt serves {', '.join(_INT8_FORMATS + _INT4_FORMATS + _FP8_FORMATS)}"
         )
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if qc.get(key):
@@ -174,6 +185,8 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str, where: str) -> Qua
     w = group.get("weights") or {}
     bits = w.get("num_bits")
     strategy = w.get("strategy")
+    if fmt in _FP8_FORMATS:
+        return _fp8_scheme(group, w, here)
     wanted_bits = (8,) if fmt in _INT8_FORMATS else (4, 8)
     if w.get("type") != "int" or bits not in wanted_bits:
         raise UnsupportedQuantizationError(
@@ -197,21 +210,36 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str, where: str) -> Qua
         raise UnsupportedQuantizationError(f"{here}: asymmetric int8 weights are not supported")
     if group.get("output_activations"):
         raise UnsupportedQuantizationError(f"{here}: quantized output activations are not supported")
-    return QuantScheme(COMPRESSED_TENSORS, fmt, bits, group_size, symmetric, _int8_activations(group, here))
+    return QuantScheme(COMPRESSED_TENSORS, fmt, bits, group_size, symmetric, _token_quant(group, here, "int"))
 
 
-def _int8_activations(group: dict[str, Any], here: str) -> bool:
+def _fp8_scheme(group: dict[str, Any], w: dict[str, Any], here: str) -> QuantScheme:
+    """float8_e4m3 weights, one scale a row or a tensor (FP8 / FP8_DYNAMIC)."""
+    if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in ("channel", "tensor"):
+        raise UnsupportedQuantizationError(
+            f"{here}: float-quantized weights of type {w.get('type')!r}, {w.get('num_bits')} bits, strategy "
+            f"{w.get('strategy')!r} are not supported (block FP8 included); srt serves FP8 per channel or tensor"
+        )
+    if w.get("dynamic") or w.get("actorder") or w.get("block_structure") or not w.get("symmetric", True):
+        raise UnsupportedQuantizationError(
+            f"{here}: dynamic, ordered, block or asymmetric FP8 weights are not supported"
+        )
+    if group.get("output_activations"):
+        raise UnsupportedQuantizationError(f"{here}: quantized output activations are not supported")
+    return QuantScheme(
+        COMPRESSED_TENSORS, "float-quantized", 8, None, True, _token_quant(group, here, "float")
+    )
+
+
+def _token_quant(group: dict[str, Any], here: str, kind: str) -> str | None:
+    """The inputs' quantization a scheme asks for: dynamic per token, int8 or float8 (matching the
+    weights' kind), or none."""
     a = group.get("input_activations")
     if not a:
-        return False
-    if (
-        a.get("type") == "int"
-        and a.get("num_bits") == 8
-        and a.get("dynamic")
-        and a.get("strategy") == "token"
-    ):
-        return True
+        return None
+    if a.get("type") == kind and a.get("num_bits") == 8 and a.get("dynamic") and a.get("strategy") == "token":
+        return "int8" if kind == "int" else "fp8"
     raise UnsupportedQuantizationError(
         f"{here}: input activations {a.get('type')!r} {a.get('num_bits')}-bit, strategy {a.get('strategy')!r}, "
-        f"dynamic {a.get('dynamic')!r} are not supported (srt serves dynamic per-token int8 activations)"
+        f"dynamic {a.get('dynamic')!r} are not supported (srt serves dynamic per-token {kind} 8-bit activations)"
     )

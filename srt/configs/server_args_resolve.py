@@ -31,7 +31,7 @@ from srt.configs.chat_templates import load_chat_template
 from srt.configs.cpu_dtype import resolve_cpu_dtype, resolve_weight_dtype
 from srt.configs.cpu_features import cpu_isa_cap, nvidia_driver_present
 from srt.configs.pooling_config import is_embedding_checkpoint
-from srt.configs.quant_config import keeps_blocks, resolve_quantization
+from srt.configs.quant_config import keeps_blocks, read_quantization_config, resolve_quantization
 from srt.configs.tls import check_tls_files
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
@@ -119,9 +119,6 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_memory(a)
     _resolve_chunk_and_page(a)
     _resolve_compute_backends(a)
-    a.weight_dtype = resolve_weight_dtype(
-        a.weight_dtype, a.dtype, dtype_auto, a.model_path, a.device, a.linear_backend
-    )
     _resolve_cuda_graph(a)
     _resolve_cpu_threads(a)
     _check_parallelism(a)
@@ -129,6 +126,10 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_speculative(a)
     a.is_embedding = a.is_embedding or is_embedding_checkpoint(a.model_path)
     _resolve_weights(a)
+    dequantized = a.quantization == "none" and read_quantization_config(a.model_path) is not None
+    a.weight_dtype = resolve_weight_dtype(
+        a.weight_dtype, a.dtype, dtype_auto, a.model_path, a.device, a.linear_backend, dequantized
+    )
     _resolve_grammar(a)
     _check_serving(a)
     _resolve_priority_scheduling(a)

@@ -40,14 +40,17 @@ from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
 from srt.utils.errors import WeightLoadError
 
 
-def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic symmetric int8 quantization of each row (token), as a W8A8 checkpoint's scheme
-    says and compressed-tensors computes it: scale = max|row| / 127.5 (a row of zeros: the dtype's
-    eps), codes = clamp(round(x / scale), -128, 127); returns codes * scale in x's dtype (the values
-    an int8 GEMM with per-token scales multiplies)."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127.5
+def fake_quant_rows(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Dynamic symmetric quantization of each row (token), as a W8A8 / FP8_DYNAMIC checkpoint's
+    scheme says and compressed-tensors computes it. ``kind`` "int8": scale = max|row| / 127.5,
+    codes = clamp(round(x / scale), -128, 127); "fp8": scale = max|row| / 448, codes =
+    float8_e4m3(clamp(x / scale, -448, 448)); a row of zeros gets the dtype's eps as its scale.
+    Returns codes * scale in x's dtype (the values an 8-bit GEMM with per-token scales multiplies)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / (127.5 if kind == "int8" else 448.0)
     scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-    return torch.round(x / scale).clamp_(-128, 127) * scale
+    if kind == "int8":
+        return torch.round(x / scale).clamp_(-128, 127) * scale
+    return (x / scale).clamp_(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
 class Linear(nn.Module):
@@ -71,12 +74,13 @@ class Linear(nn.Module):
         self.register_buffer("packed_weight", None, persistent=False)
         self.qweight: QuantizedWeight | None = None  # set when the loader gives GGUF blocks
         self._float_rows: list[tuple[int, int]] = []  # (offset, rows) loaded as float32 so far
-        # a W8A8 checkpoint's layer: its inputs quantized to int8 per token first (fake_quant_int8_rows)
-        self.int8_token_inputs = False
+        # a W8A8 / FP8_DYNAMIC checkpoint's layer: its inputs quantized per token first
+        # ("int8" / "fp8": fake_quant_rows), else None
+        self.token_quant: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_token_inputs:
-            x = fake_quant_int8_rows(x)
+        if self.token_quant is not None:
+            x = fake_quant_rows(x, self.token_quant)
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)

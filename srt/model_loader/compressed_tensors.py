@@ -66,9 +66,10 @@ def convert_weights(
                 f"{name}: {leaf} (static activation quantization or activation ordering) is not supported "
                 f"with {scheme.describe()}"
             )
-        if leaf == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise WeightLoadError(f"{name}: FP8 weights are not supported ({scheme.describe()})")
-        quant = leaf in _QUANT_LEAVES or (leaf == "weight" and tensor.dtype == torch.int8)
+        fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if leaf == "weight" and fp8 and not (scheme.fp8 and tensor.dtype == torch.float8_e4m3fn):
+            raise WeightLoadError(f"{name}: {tensor.dtype} weights in a {scheme.describe()} checkpoint")
+        quant = leaf in _QUANT_LEAVES or (leaf == "weight" and (tensor.dtype == torch.int8 or fp8))
         if not quant:
             yield name, tensor
             continue
@@ -94,9 +95,9 @@ def convert_weights(
 _FUSED_PARTS = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"), ".gate_up_proj": (".gate_proj", ".up_proj")}
 
 
-def quantize_inputs_of(model: torch.nn.Module, quantized: set[str]) -> int:
-    """A W8A8 scheme: each linear layer made of quantized checkpoint layers quantizes its inputs to
-    int8 per token (``Linear.int8_token_inputs``); returns how many."""
+def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -> int:
+    """A W8A8 / FP8_DYNAMIC scheme: each linear layer made of quantized checkpoint layers quantizes
+    its inputs per token (``Linear.token_quant = kind``); returns how many."""
     from srt.layers.linear import Linear
 
     marked = 0
@@ -108,7 +109,7 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str]) -> int:
             if name.endswith(fused):
                 sources += [name[: -len(fused)] + part for part in parts]
         if any(s in quantized for s in sources):
-            module.int8_token_inputs = True
+            module.token_quant = kind
             marked += 1
     return marked
 
@@ -139,6 +140,11 @@ def _convert(
 ) -> torch.Tensor | GGUFTensor:
     """One layer's tensors -> GGUF blocks or a float32 matrix."""
     scale = parts["weight_scale"].float()
+    if scheme.fp8:  # float8 codes times the row's (or the tensor's) scale, exact in float32
+        codes = parts["weight"].float()
+        if scale.numel() not in (1, codes.shape[0]):
+            raise WeightLoadError(f"{prefix}.weight_scale: {scale.numel()} scales for {codes.shape[0]} rows")
+        return codes * scale.reshape(-1, 1)
     zero = None
     if scheme.format != "pack-quantized":
         codes = parts["weight"]

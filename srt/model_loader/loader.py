@@ -251,9 +251,14 @@ def _load_weights(
             keep = quantization == COMPRESSED_TENSORS
             weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
         model.load_weights(weights)
-        if scheme is not None and scheme.int8_activations:
-            n = quantize_inputs_of(model, quantized)
-            logger.info("%s: %d linear layers quantize their inputs to int8 per token", scheme.name, n)
+        if scheme is not None and scheme.token_quant is not None:
+            n = quantize_inputs_of(model, quantized, scheme.token_quant)
+            logger.info(
+                "%s: %d linear layers quantize their inputs per token (%s)",
+                scheme.name,
+                n,
+                scheme.token_quant,
+            )
 
 
 def _check_float32_fits(gguf_file: str) -> None:

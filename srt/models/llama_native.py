@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 # pack_bf16_weight (decode_layers.cpp)
 PACKED_F32 = -1
 PACKED_BF16 = -2
+# DecodeLayers.set_token_quant's kinds of Linear.token_quant
+TOKEN_QUANT_KINDS = {None: 0, "int8": 1, "fp8": 2}
 # activation dtypes of the native stack (a float32 model, a bf16 one)
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -134,9 +136,9 @@ def _add_layer(
         args[10:10] = [[], [], [], None, [], [], [], None]
     args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
     stack.add_layer(*args)
-    flags = [int(p.int8_token_inputs) for p in projections]
-    if any(flags):  # a W8A8 checkpoint's layers
-        stack.set_int8_token_inputs(flags + [0] * (4 - len(flags)))
+    kinds = [TOKEN_QUANT_KINDS[p.token_quant] for p in projections]
+    if any(kinds):  # a W8A8 / FP8_DYNAMIC checkpoint's layers
+        stack.set_token_quant(kinds + [0] * (4 - len(kinds)))
 
 
 class NativeDecodeLayers:

@@ -1,5 +1,6 @@
 """Tiny random models written as compressed-tensors checkpoints (llm-compressor's format), the
-way ``ModelCompressor`` saves them: int8 codes and one scale a row (``int-quantized``, W8A8), or
+way ``ModelCompressor`` saves them: int8 codes and one scale a row (``int-quantized``, W8A8),
+float8_e4m3 codes and one scale a row (``float-quantized``, FP8_DYNAMIC and FP8), or
 codes packed by compressed-tensors' own ``pack_to_int32`` (``pack-quantized``): int8 with one
 scale a row (W8A16), int4 with one scale (and zero point) a group of 32 (W4A16). The codes are rounded from the float weights
 with min-max scales (what a data-free ``QuantizationModifier`` run computes); ``lm_head`` is
@@ -16,10 +17,13 @@ import os
 import torch
 from safetensors.torch import save_file
 
-SCHEMES = ("w8a8", "w8a16", "w4a16", "w4a16_asym")
+SCHEMES = ("w8a8", "w8a16", "w4a16", "w4a16_asym", "fp8_dynamic", "fp8")
+FP8_SCHEMES = ("fp8_dynamic", "fp8")
 
 
 def _weights_args(scheme: str) -> dict:
+    if scheme in FP8_SCHEMES:
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "group_size": None}
     if scheme.startswith("w8"):
         return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
     sym = scheme == "w4a16"
@@ -30,13 +34,19 @@ def quantization_config(scheme: str) -> dict:
     weights = {**_weights_args(scheme), "dynamic": False, "actorder": None, "block_structure": None,
                "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
     acts = None
+    if scheme == "fp8_dynamic":
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
+                "group_size": None, "actorder": None, "block_structure": None, "observer": None,
+                "observer_kwargs": {}}  # fmt: skip
     if scheme == "w8a8":
         acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
                 "group_size": None, "actorder": None, "block_structure": None, "observer": None,
                 "observer_kwargs": {}}  # fmt: skip
     return {
         "quant_method": "compressed-tensors",
-        "format": "int-quantized" if scheme == "w8a8" else "pack-quantized",
+        "format": {"w8a8": "int-quantized", "fp8_dynamic": "float-quantized", "fp8": "float-quantized"}.get(
+            scheme, "pack-quantized"
+        ),
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
@@ -58,6 +68,9 @@ def _quantize(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     n, k = w.shape
+    if scheme in FP8_SCHEMES:
+        scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 448
+        return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": scale}
     if scheme.startswith("w8"):
         scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
         codes = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
@@ -103,7 +116,7 @@ def save_compressed(model, path: str | os.PathLike, scheme: str) -> str:
         prefix, _, leaf = name.rpartition(".")
         if prefix in linears and leaf == "weight":
             for sub, v in _quantize(t.float(), scheme).items():
-                tensors[f"{prefix}.{sub}"] = v.to(dtype) if v.is_floating_point() else v
+                tensors[f"{prefix}.{sub}"] = v.to(dtype) if v.dtype == torch.float32 else v
         else:
             tensors[name] = t.contiguous()
     if getattr(model.config, "tie_word_embeddings", False):

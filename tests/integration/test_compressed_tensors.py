@@ -1,5 +1,6 @@
-"""compressed-tensors checkpoints (W8A8, W8A16, W4A16 symmetric and with zero points) served with
-default flags: their quantized layers kept as GGUF blocks on srt's kernels, float32 activations,
+"""compressed-tensors checkpoints (W8A8, W8A16, W4A16 symmetric and with zero points; FP8_DYNAMIC
+and FP8, dequantized at load) served with default flags: int8 / int4 layers kept as GGUF blocks on
+srt's kernels, float32 activations (W8A8's and FP8_DYNAMIC's quantized per token first),
 greedy tokens equal to the reference's up to the near-tie rule, through the real Engine.
 
 The reference is transformers' own load of the folder (through compressed-tensors: weights
@@ -31,7 +32,9 @@ ct = pytest.importorskip(
     "compressed_tensors", reason="compressed-tensors writes and reads the test checkpoints"
 )
 
-from tests.helpers.compressed_models import SCHEMES, save_compressed  # noqa: E402
+from tests.helpers.compressed_models import FP8_SCHEMES, SCHEMES, save_compressed  # noqa: E402
+
+BLOCK_SCHEMES = tuple(s for s in SCHEMES if s not in FP8_SCHEMES)  # kept as GGUF blocks on CPU
 
 MAX_NEW_TOKENS = 12
 GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -103,7 +106,9 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
     batch = make_prompts([4, 11, 37], seed=1, vocab_size=320)
     llm = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
     try:
-        assert (llm.server_args.quantization, llm.server_args.dtype) == ("compressed-tensors", "float32")
+        kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: dequantized at load
+        assert (llm.server_args.quantization, llm.server_args.dtype) == (kept, "float32")
+        assert llm.server_args.weight_dtype == "float32"  # no rounding of the dequantized values
         outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
     finally:
         llm.shutdown()
@@ -112,7 +117,7 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
     assert ties <= 1
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", BLOCK_SCHEMES)
 def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, scheme):
     """Every projection holds GGUF blocks of the type the scheme maps to (no float copy of it), whose
     bytes are the checkpoint's codes and scales (Q8_0: 34 bytes for 32 int8 codes and a scale)."""
@@ -173,8 +178,8 @@ def _with_quantization_config(tmp_path, qc: dict) -> str:
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "'gptq'"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "'fp8'"),
         (
-            {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}},
-            "float-quantized",
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+            "nvfp4",
         ),
     ],
 )

@@ -265,14 +265,17 @@ def test_default_model_float32_copies_native_equals_python():
     assert off.model.model.native_decode.float32_stack is None
 
 
-def test_w8a8_checkpoint_native_equals_python(tmp_path):
-    """A compressed-tensors W8A8 checkpoint: Q8_0 blocks whose inputs are quantized to int8 per
-    token first, in the stack through the same ATen ops as the Python path."""
+@pytest.mark.parametrize("scheme,kind", [("w8a8", "int8"), ("fp8_dynamic", "fp8")])
+def test_token_quantized_checkpoint_native_equals_python(tmp_path, scheme, kind):
+    """compressed-tensors W8A8 (Q8_0 blocks) and FP8_DYNAMIC (dequantized, packed float32)
+    checkpoints: each layer's inputs quantized per token first, in the stack through the same ATen
+    ops as the Python path."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoint")
     from tests.helpers.compressed_models import save_compressed
 
-    path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / "w8a8", "w8a8")
+    path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / scheme, scheme)
     runner = _runner(path, dtype="auto", gguf_float32_rows=0)
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.qweight is not None and qkv.int8_token_inputs and runner.model.model.native_decode is not None
+    assert (qkv.qweight is not None) == (kind == "int8") and qkv.token_quant == kind
+    assert runner.model.model.native_decode is not None
     _decode_both_ways(runner, [1, 5, 300, 17], seed=3)

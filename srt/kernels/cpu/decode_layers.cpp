@@ -72,22 +72,27 @@ struct Segment {
 
 // A projection: its row segments in order (a Q4_K_M file stores a layer's q/k as Q4_K and v as
 // Q6_K), each computed by its own kernel and concatenated, then the bias, as QuantizedWeight.linear.
-// Linear.int8_token_inputs' quantization (srt/layers/linear.py's fake_quant_int8_rows) in the very
-// same ATen ops, so the same bits: codes = clamp(round(x / scale), -128, 127), scale = max|row| /
-// 127.5 (a row of zeros: float32's eps); returns codes * scale.
-at::Tensor fake_quant_int8_rows(const at::Tensor& x) {
-  at::Tensor scale = x.abs().amax({-1}, true) / 127.5;
+// Linear.token_quant's quantization of a layer's inputs (srt/layers/linear.py's fake_quant_rows) in
+// the very same ATen ops, so the same bits. kInt8: codes = clamp(round(x / scale), -128, 127),
+// scale = max|row| / 127.5; kFp8: codes = float8_e4m3(clamp(x / scale, -448, 448)), scale =
+// max|row| / 448 (a row of zeros: float32's eps); returns codes * scale.
+constexpr int64_t kInt8 = 1, kFp8 = 2;
+
+at::Tensor fake_quant_rows(const at::Tensor& x, int64_t kind) {
+  const double qmax = kind == kInt8 ? 127.5 : 448.0;
+  at::Tensor scale = x.abs().amax({-1}, true) / qmax;
   scale = at::where(scale == 0, std::numeric_limits<float>::epsilon(), scale);
-  return at::round(x / scale).clamp_(-128, 127) * scale;
+  if (kind == kInt8) return at::round(x / scale).clamp_(-128, 127) * scale;
+  return (x / scale).clamp_(-448, 448).to(at::kFloat8_e4m3fn).to(x.scalar_type()) * scale;
 }
 
 struct QuantLinear {
   std::vector<Segment> segments;
   c10::optional<at::Tensor> bias;
-  bool int8_token_inputs = false;  // a W8A8 checkpoint's layer (set_int8_token_inputs)
+  int64_t token_quant = 0;  // 0, kInt8 (W8A8) or kFp8 (FP8_DYNAMIC): set_token_quant
 
   at::Tensor apply(const at::Tensor& x_in, int64_t int8_max_rows) const {
-    const at::Tensor x = int8_token_inputs ? fake_quant_int8_rows(x_in) : x_in;
+    const at::Tensor x = token_quant != 0 ? fake_quant_rows(x_in, token_quant) : x_in;
     if (segments.size() == 1) return segments[0].apply(x, int8_max_rows, bias);
     std::vector<at::Tensor> parts;
     parts.reserve(segments.size());
@@ -276,15 +281,16 @@ class DecodeLayers : public torch::CustomClassHolder {
     layers_.back().moe = std::move(moe);
   }
 
-  // The last added layer's projections (qkv, o, gate_up, down) that quantize their inputs to int8
-  // per token first (a W8A8 checkpoint's layers: Linear.int8_token_inputs).
-  void set_int8_token_inputs(std::vector<int64_t> flags) {
-    TORCH_CHECK(!layers_.empty() && flags.size() == 4, "DecodeLayers: set_int8_token_inputs takes 4 flags after add_layer");
+  // How the last added layer's projections (qkv, o, gate_up, down) quantize their inputs per token
+  // first: 0 not, 1 int8 (W8A8), 2 float8 (FP8_DYNAMIC) (Linear.token_quant).
+  void set_token_quant(std::vector<int64_t> kinds) {
+    TORCH_CHECK(!layers_.empty() && kinds.size() == 4, "DecodeLayers: set_token_quant takes 4 kinds after add_layer");
+    for (int64_t k : kinds) TORCH_CHECK(k >= 0 && k <= kFp8, "DecodeLayers: token quantization kind ", k, " unknown");
     Layer& l = layers_.back();
-    l.qkv.int8_token_inputs = flags[0] != 0;
-    l.o.int8_token_inputs = flags[1] != 0;
-    l.gate_up.int8_token_inputs = flags[2] != 0;
-    l.down.int8_token_inputs = flags[3] != 0;
+    l.qkv.token_quant = kinds[0];
+    l.o.token_quant = kinds[1];
+    l.gate_up.token_quant = kinds[2];
+    l.down.token_quant = kinds[3];
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -360,7 +366,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
       .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
       .def("set_moe", &srt_cpu::DecodeLayers::set_moe)
-      .def("set_int8_token_inputs", &srt_cpu::DecodeLayers::set_int8_token_inputs)
+      .def("set_token_quant", &srt_cpu::DecodeLayers::set_token_quant)
       .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
       .def("forward", &srt_cpu::DecodeLayers::forward);
 }
