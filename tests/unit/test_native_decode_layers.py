@@ -274,7 +274,8 @@ def test_token_quantized_checkpoint_native_equals_python(tmp_path, scheme, kind)
     from tests.helpers.compressed_models import save_compressed
 
     path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / scheme, scheme)
-    runner = _runner(path, dtype="auto", gguf_float32_rows=0)
+    # FP8's dequantized float32 weights packed for srt's kernel (what AVX2 CPUs get by default)
+    runner = _runner(path, dtype="auto", gguf_float32_rows=0, linear_backend="native")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert (qkv.qweight is not None) == (kind == "int8") and qkv.token_quant == kind
     assert runner.model.model.native_decode is not None
