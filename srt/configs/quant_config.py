@@ -46,9 +46,9 @@ class QuantScheme:
     """What a supported ``quantization_config`` says about the quantized linear layers."""
 
     method: str  # "compressed-tensors"
-    format: str  # "int-quantized" / "naive-quantized" / "pack-quantized"
+    format: str  # "int-quantized" / "naive-quantized" / "pack-quantized" / "float-quantized"
     bits: int  # 8 or 4
-    group_size: int | None  # None: one scale a row (strategy channel)
+    group_size: int | None  # None: one scale a row (strategy channel) or a tensor (FP8)
     symmetric: bool
     token_quant: str | None  # the inputs' dynamic per-token quantization: "int8" (W8A8), "fp8", None
 
@@ -183,10 +183,10 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str, where: str) -> Qua
     if not isinstance(group, dict):
         raise UnsupportedQuantizationError(f"{here} must be an object")
     w = group.get("weights") or {}
-    bits = w.get("num_bits")
-    strategy = w.get("strategy")
     if fmt in _FP8_FORMATS:
         return _fp8_scheme(group, w, here)
+    bits = w.get("num_bits")
+    strategy = w.get("strategy")
     wanted_bits = (8,) if fmt in _INT8_FORMATS else (4, 8)
     if w.get("type") != "int" or bits not in wanted_bits:
         raise UnsupportedQuantizationError(

@@ -31,7 +31,9 @@ import torch
 
 from srt.configs.quant_config import QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
+from srt.layers.linear import Linear
 from srt.layers.quantized_weight import GGUFTensor
+from srt.models.llama import STACKED_PARAMS
 from srt.utils.errors import WeightLoadError
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml types
@@ -80,7 +82,7 @@ def convert_weights(
             continue
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        if _complete(parts, scheme):
+        if _needed(scheme) <= parts.keys():
             done.add(prefix)
             yield f"{prefix}.weight", _convert(prefix, pending.pop(prefix), scheme, keep_blocks)
     if pending:
@@ -91,23 +93,19 @@ def convert_weights(
         )
 
 
-# srt's fused projections and the checkpoint modules they take (srt/models/llama.py's routing)
-_FUSED_PARTS = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"), ".gate_up_proj": (".gate_proj", ".up_proj")}
-
-
 def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -> int:
     """A W8A8 / FP8_DYNAMIC scheme: each linear layer made of quantized checkpoint layers quantizes
-    its inputs per token (``Linear.token_quant = kind``); returns how many."""
-    from srt.layers.linear import Linear
-
+    its inputs per token (``Linear.token_quant = kind``); returns how many. A fused projection
+    (``qkv_proj``, ``gate_up_proj``) is made of the checkpoint modules srt/models/llama.py routes
+    into it."""
     marked = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
-        sources = [name]
-        for fused, parts in _FUSED_PARTS.items():
-            if name.endswith(fused):
-                sources += [name[: -len(fused)] + part for part in parts]
+        dotted = f"{name}."
+        sources = [name] + [
+            dotted.replace(fused, part)[:-1] for fused, part, _ in STACKED_PARAMS if fused in dotted
+        ]
         if any(s in quantized for s in sources):
             module.token_quant = kind
             marked += 1
@@ -120,10 +118,6 @@ def _needed(scheme: QuantScheme) -> set[str]:
     if not scheme.symmetric:
         need.add("weight_zero_point")
     return need
-
-
-def _complete(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> bool:
-    return _needed(scheme) <= parts.keys()
 
 
 def _check_zero(name: str, zero: torch.Tensor) -> None:

@@ -222,7 +222,7 @@ class LlamaModel(nn.Module):
 
 
 # (fused module name, checkpoint module name, shard id)
-_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),
     (".qkv_proj.", ".v_proj.", "v"),
@@ -235,7 +235,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 class CheckpointLoader:
     """``load_weights`` of HF-named checkpoints for an ``nn.Module`` model whose projections are
-    srt's fused ``Linear`` layers (q/k/v and gate/up routed by ``_STACKED_PARAMS``) and which says
+    srt's fused ``Linear`` layers (q/k/v and gate/up routed by ``STACKED_PARAMS``) and which says
     whether its LM head is tied (``tie_word_embeddings``)."""
 
     tie_word_embeddings: bool = False
@@ -288,7 +288,7 @@ class CheckpointLoader:
     ) -> bool:
         """One tensor into its (fused) parameter; False when no parameter takes it."""
         target, shard_id = name, None
-        for fused, part, shard in _STACKED_PARAMS:
+        for fused, part, shard in STACKED_PARAMS:
             if part in name:
                 target, shard_id = name.replace(part, fused), shard
                 break

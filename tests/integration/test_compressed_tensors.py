@@ -103,16 +103,24 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
             torch.testing.assert_close(
                 ref(ids).logits, _reference_model(path)(ids).logits, rtol=1e-4, atol=1e-4
             )
-    batch = make_prompts([4, 11, 37], seed=1, vocab_size=320)
-    llm = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
+    kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: dequantized at load
+    _serve_and_match(path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, kept)
+
+
+def _serve_and_match(path: str, batch: list, load_ref, served_as: str | None, **engine_kw) -> None:
+    """Greedy tokens of ``batch`` through the Engine on ``path`` equal ``load_ref()``'s (near-tie
+    rule); ``served_as``: the resolved --quantization, with float32 activations and weights."""
+    llm = Engine(
+        model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning", **engine_kw
+    )
     try:
-        kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: dequantized at load
-        assert (llm.server_args.quantization, llm.server_args.dtype) == (kept, "float32")
-        assert llm.server_args.weight_dtype == "float32"  # no rounding of the dequantized values
+        if served_as is not None:
+            assert (llm.server_args.quantization, llm.server_args.dtype) == (served_as, "float32")
+            assert llm.server_args.weight_dtype == "float32"  # no rounding of the dequantized values
         outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
     finally:
         llm.shutdown()
-    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, lambda: ref)
+    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, load_ref)
     ties = sum(assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs) for o, r in zip(outs, refs))
     assert ties <= 1
 
@@ -143,22 +151,7 @@ def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, 
 def test_dequantized_at_load_with_quantization_none(tmp_path):
     path = _checkpoint(tmp_path, "w4a16_asym")
     batch = make_prompts([9, 30], seed=2, vocab_size=320)
-    llm = Engine(
-        model_path=path,
-        quantization="none",
-        skip_tokenizer_init=True,
-        max_total_tokens=1024,
-        log_level="warning",
-    )
-    try:
-        outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
-    finally:
-        llm.shutdown()
-    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, lambda: _reference_model(path))
-    assert (
-        sum(assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs) for o, r in zip(outs, refs))
-        <= 1
-    )
+    _serve_and_match(path, batch, lambda: _reference_model(path), None, quantization="none")
 
 
 def _with_quantization_config(tmp_path, qc: dict) -> str:

@@ -265,10 +265,10 @@ inline int panels_at_once(Bf16Path path, int R) {
   return R <= 2 ? 4 : R <= 4 ? 2 : 1;
 }
 
-// R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart
+// R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart. `pf`: the bf16 dot
+// tiles prefetch pf_lines cache lines from pf (one a pair of k) instead of their own stream ahead
+// (blocks of k: the next block, while this one is in cache)
 template <typename XT>
-// `pf`: the bf16 dot tiles prefetch pf_lines cache lines from pf (one a pair of k) instead of their
-// own stream ahead (blocks of k: the next block, while this one is in cache)
 void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
               const float* bias, float* c, int64_t ldc, bool more, const uint16_t* pf = nullptr,
               int64_t pf_lines = 0) {

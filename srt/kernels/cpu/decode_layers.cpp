@@ -70,8 +70,6 @@ struct Segment {
   }
 };
 
-// A projection: its row segments in order (a Q4_K_M file stores a layer's q/k as Q4_K and v as
-// Q6_K), each computed by its own kernel and concatenated, then the bias, as QuantizedWeight.linear.
 // Linear.token_quant's quantization of a layer's inputs (srt/layers/linear.py's fake_quant_rows) in
 // the very same ATen ops, so the same bits. kInt8: codes = clamp(round(x / scale), -128, 127),
 // scale = max|row| / 127.5; kFp8: codes = float8_e4m3(clamp(x / scale, -448, 448)), scale =
@@ -86,6 +84,8 @@ at::Tensor fake_quant_rows(const at::Tensor& x, int64_t kind) {
   return (x / scale).clamp_(-448, 448).to(at::kFloat8_e4m3fn).to(x.scalar_type()) * scale;
 }
 
+// A projection: its row segments in order (a Q4_K_M file stores a layer's q/k as Q4_K and v as
+// Q6_K), each computed by its own kernel and concatenated, then the bias, as QuantizedWeight.linear.
 struct QuantLinear {
   std::vector<Segment> segments;
   c10::optional<at::Tensor> bias;
