@@ -13,9 +13,18 @@ Served (srt/model_loader/compressed_tensors.py converts the tensors at load):
     symmetric or with zero points: W4A16; or 8-bit ones, one scale a row: W8A16 (as llm-compressor
     writes weight-only int8).
 
-Everything else (other ``quant_method`` values: awq, gptq, fp8 (block FP8), bitsandbytes, ...;
-other ``format`` values, static activation scales, sparsity, a quantized KV cache, activation
-ordering) raises ``UnsupportedQuantizationError`` naming the method and the scheme.
+- ``awq`` (AutoAWQ's GEMM layout, as transformers and most 4-bit Hub checkpoints have it): int4
+  with zero points in groups of 32, 64 or 128: W4A16;
+- ``gptq`` (AutoGPTQ / GPTQModel, ``checkpoint_format`` gptq or gptq_v2): int4 or int8 in groups
+  (a multiple of 32) or one group a row, symmetric or not; activation order (``desc_act``) only
+  dequantized at load (``--quantization none``: float32 weights);
+- ``fp8`` (transformers' fine-grained FP8, as Qwen3-*-FP8 and DeepSeek ship it): float8_e4m3
+  weights with one scale a block (``weight_block_size``) or a tensor, dynamic activations:
+  dequantized at load (float32), as transformers itself does on a CPU.
+
+Everything else (other ``quant_method`` values: bitsandbytes, hqq, ...; other ``format`` values,
+static activation scales, sparsity, a quantized KV cache) raises ``UnsupportedQuantizationError``
+naming the method and the scheme.
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ from srt.utils.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 COMPRESSED_TENSORS = "compressed-tensors"
+AWQ, GPTQ, FP8 = "awq", "gptq", "fp8"
+KEPT_METHODS = (COMPRESSED_TENSORS, AWQ, GPTQ)  # checkpoint methods whose layers srt keeps as blocks
+_SERVED = (
+    f"{COMPRESSED_TENSORS} (int8, int4, FP8), {AWQ} (int4), {GPTQ} (int4, int8) and {FP8} (block or tensor)"
+)
 _INT8_FORMATS = ("int-quantized", "naive-quantized")
 _INT4_FORMATS = ("pack-quantized",)
 _FP8_FORMATS = ("float-quantized",)
@@ -45,16 +59,20 @@ class UnsupportedQuantizationError(ConfigError):
 class QuantScheme:
     """What a supported ``quantization_config`` says about the quantized linear layers."""
 
-    method: str  # "compressed-tensors"
-    format: str  # "int-quantized" / "naive-quantized" / "pack-quantized" / "float-quantized"
+    method: str  # "compressed-tensors", "awq", "gptq" or "fp8"
+    # compressed-tensors: "int-quantized" / "naive-quantized" / "pack-quantized" / "float-quantized";
+    # awq: "gemm"; gptq: "gptq" / "gptq_v2" (zero points stored less one, or not); fp8: "e4m3"
+    format: str
     bits: int  # 8 or 4
     group_size: int | None  # None: one scale a row (strategy channel) or a tensor (FP8)
     symmetric: bool
     token_quant: str | None  # the inputs' dynamic per-token quantization: "int8" (W8A8), "fp8", None
+    act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not the column order
+    block: tuple[int, int] | None = None  # fp8: one scale a block of rows x columns
 
     @property
     def fp8(self) -> bool:
-        return self.format in _FP8_FORMATS
+        return self.format in _FP8_FORMATS or self.method == FP8
 
     @property
     def name(self) -> str:
@@ -63,7 +81,14 @@ class QuantScheme:
         return f"W{self.bits}A{8 if self.token_quant else 16}"
 
     def describe(self) -> str:
+        if self.method == FP8:
+            scales = (
+                "one scale a tensor" if self.block is None else f"blocks of {self.block[0]}x{self.block[1]}"
+            )
+            return f"{self.method} {self.format} {self.name} (float8_e4m3, {scales})"
         groups = "per channel" if self.group_size is None else f"groups of {self.group_size}"
+        if self.act_order:
+            groups += " in activation order"
         zero = "symmetric" if self.symmetric else "with zero points"
         kind = "float8_e4m3" if self.fp8 else f"int{self.bits}"
         return f"{self.method} {self.format} {self.name} ({kind}, {groups}, {zero})"
@@ -71,15 +96,16 @@ class QuantScheme:
 
 def keeps_blocks(quantization: str) -> bool:
     """A resolved ``--quantization`` that keeps matmul weights as GGUF blocks on srt's kernels."""
-    return quantization in ("gguf", COMPRESSED_TENSORS)
+    return quantization == "gguf" or quantization in KEPT_METHODS
 
 
 def resolve_quantization(
     requested: str, model_path: str | None, load_format: str, device: str, dtype: str, tp_size: int = 1
 ) -> str:
     """``--quantization`` resolved (``dtype`` is resolved already): auto is gguf for a GGUF model on
-    CPU in float32, compressed-tensors for such a checkpoint on CPU in float32 (its quantized layers
-    on srt's GGUF-block kernels), else none (a quantized checkpoint then dequantized at load).
+    CPU in float32, the checkpoint's method (compressed-tensors, awq, gptq) for an int8 / int4
+    checkpoint on CPU in float32 (its quantized layers on srt's GGUF-block kernels), else none (a
+    quantized checkpoint then dequantized at load).
     ``ConfigError`` for a choice that does not fit the model, ``UnsupportedQuantizationError`` for
     a quantized checkpoint srt does not serve."""
     gguf_model = load_format == "gguf" or (
@@ -96,27 +122,41 @@ def resolve_quantization(
         if gguf_model and cpu_float32:
             return "gguf"
         if scheme is not None and cpu_float32 and not scheme.fp8:
-            return COMPRESSED_TENSORS
+            _check_kept(scheme)
+            return scheme.method
         if scheme is not None:
             logger.info("%s: dequantized at load (%s in %s)", scheme.describe(), device, dtype)
         return "none"
     if requested == "gguf" and not gguf_model:
         raise ConfigError("--quantization gguf needs a .gguf model (or --load-format gguf).")
-    if requested == COMPRESSED_TENSORS and (scheme is None or scheme.fp8):
+    if requested in KEPT_METHODS and (scheme is None or scheme.method != requested or scheme.fp8):
         raise ConfigError(
-            f"--quantization {COMPRESSED_TENSORS} needs a checkpoint with that quantization_config, int8 or "
-            "int4 (FP8 checkpoints are dequantized at load: --quantization none)."
+            f"--quantization {requested} needs a checkpoint with that quant_method, int8 or int4 (FP8 "
+            "checkpoints are dequantized at load: --quantization none)."
         )
-    if requested in ("gguf", COMPRESSED_TENSORS) and not cpu_float32:
+    if requested != "none" and keeps_blocks(requested) and not cpu_float32:
         raise ConfigError(
             f"--quantization {requested} runs on CPU with float32 activations (--device cpu --dtype float32); "
             "use --quantization none to dequantize the weights instead."
         )
-    if requested not in ("gguf", COMPRESSED_TENSORS, "none"):
+    if requested not in ("gguf", "none") + KEPT_METHODS:
         raise ConfigError(
-            f"--quantization must be auto, gguf, {COMPRESSED_TENSORS} or none, got {requested!r}."
+            f"--quantization must be auto, gguf, {', '.join(KEPT_METHODS)} or none, got {requested!r}."
         )
+    if scheme is not None and requested != "none":
+        _check_kept(scheme)
     return requested
+
+
+def _check_kept(scheme: QuantScheme) -> None:
+    """A scheme srt can read but not keep as blocks (GPTQ in activation order) is an error that says
+    how to serve it anyway."""
+    if scheme.act_order:
+        raise UnsupportedQuantizationError(
+            f"{scheme.describe()}: a GPTQ checkpoint in activation order (desc_act) cannot be kept as "
+            "4-bit blocks (its groups are not runs of columns); serve it dequantized to float32 with "
+            "--quantization none (8x the memory of its int4 weights)"
+        )
 
 
 def read_quantization_config(model_dir: str | None) -> dict[str, Any] | None:
@@ -140,11 +180,13 @@ def parse_quantization(qc: dict[str, Any]) -> QuantScheme:
     """The scheme of a ``quantization_config``; ``UnsupportedQuantizationError`` naming what srt
     cannot serve."""
     method = str(qc.get("quant_method", "")).lower()
+    if method in _OTHER_PARSERS:
+        return _OTHER_PARSERS[method](qc)
     if method != COMPRESSED_TENSORS:
         detail = _scheme_words(qc)
         raise UnsupportedQuantizationError(
             f"the checkpoint is quantized with quant_method {method or '(none)'!r}{detail}, which srt does "
-            f"not serve; srt serves {COMPRESSED_TENSORS} int8 (W8A8, W8A16) and int4 (W4A16) checkpoints"
+            f"not serve; srt serves {_SERVED}"
         )
     fmt = str(qc.get("format", ""))
     where = f"{COMPRESSED_TENSORS} format {fmt!r}"
@@ -243,3 +285,70 @@ def _token_quant(group: dict[str, Any], here: str, kind: str) -> str | None:
         f"{here}: input activations {a.get('type')!r} {a.get('num_bits')}-bit, strategy {a.get('strategy')!r}, "
         f"dynamic {a.get('dynamic')!r} are not supported (srt serves dynamic per-token {kind} 8-bit activations)"
     )
+
+
+def _awq_scheme(qc: dict[str, Any]) -> QuantScheme:
+    """AutoAWQ's GEMM layout: int4 with zero points, groups of 32, 64 or 128."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size"))
+    version = str(qc.get("version", "gemm")).lower()
+    backend = str(qc.get("backend", "autoawq")).lower()
+    where = f"awq (bits={bits!r}, group_size={group!r}, version={version!r})"
+    if bits != 4 or group not in _GROUP_SIZES or not qc.get("zero_point", True):
+        raise UnsupportedQuantizationError(
+            f"{where}: srt serves 4-bit AWQ with zero points in groups of {_GROUP_SIZES}"
+        )
+    if version != "gemm" or backend != "autoawq":
+        raise UnsupportedQuantizationError(
+            f"{where}, backend {backend!r}: only AutoAWQ's GEMM layout is served (gemv, gemv_fast, marlin, "
+            "exllama and llm-awq pack their codes differently)"
+        )
+    return QuantScheme(AWQ, "gemm", 4, int(group), False, None)
+
+
+def _gptq_scheme(qc: dict[str, Any]) -> QuantScheme:
+    """AutoGPTQ / GPTQModel: int4 or int8, groups of a multiple of 32 or one a row (-1)."""
+    bits, group = qc.get("bits"), qc.get("group_size", -1)
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    where = f"gptq (bits={bits!r}, group_size={group!r}, checkpoint_format={fmt!r})"
+    if bits not in (4, 8) or not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+        raise UnsupportedQuantizationError(
+            f"{where}: srt serves 4- and 8-bit GPTQ in groups of a multiple of 32 (or -1, one a row)"
+        )
+    if fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
+        raise UnsupportedQuantizationError(
+            f"{where}: only the gptq and gptq_v2 checkpoint formats are served"
+        )
+    for key in ("dynamic", "lm_head"):
+        if qc.get(key):
+            raise UnsupportedQuantizationError(
+                f"{where}: {key}={qc[key]!r} (per-module overrides, a quantized lm_head) is not supported"
+            )
+    return QuantScheme(
+        GPTQ, fmt, bits, None if group == -1 else group, bool(qc.get("sym", True)), None,
+        act_order=bool(qc.get("desc_act", False)),
+    )  # fmt: skip
+
+
+def _fp8_method_scheme(qc: dict[str, Any]) -> QuantScheme:
+    """transformers' fine-grained FP8: e4m3 weights, a scale a block (or a tensor), dynamic inputs."""
+    block = qc.get("weight_block_size")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    where = (
+        f"fp8 (fmt={fmt!r}, weight_block_size={block!r}, activation_scheme={qc.get('activation_scheme')!r})"
+    )
+    if fmt != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise UnsupportedQuantizationError(
+            f"{where}: srt serves float8_e4m3 weights with dynamic activations (static input scales are "
+            "not supported)"
+        )
+    if block is not None and not (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise UnsupportedQuantizationError(f"{where}: weight_block_size must be two positive integers")
+    return QuantScheme(FP8, fmt, 8, None, True, None, block=None if block is None else (block[0], block[1]))
+
+
+_OTHER_PARSERS = {AWQ: _awq_scheme, GPTQ: _gptq_scheme, FP8: _fp8_method_scheme}

@@ -306,8 +306,8 @@ def _resolve_weights(a: ResolvableArgs) -> None:
     )
     if a.enable_int8_activations and not keeps_blocks(a.quantization):
         raise ConfigError(
-            "--enable-int8-activations needs weights kept quantized (--quantization gguf or "
-            f"compressed-tensors), got --quantization {a.quantization}."
+            "--enable-int8-activations needs weights kept quantized (--quantization gguf, "
+            f"compressed-tensors, awq or gptq), got --quantization {a.quantization}."
         )
     _resolve_float32_rows(a)
 

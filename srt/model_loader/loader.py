@@ -28,7 +28,7 @@ from torch import nn
 
 from srt.configs.model_config import LOAD_FORMATS, ModelConfig
 from srt.configs.quant_config import (
-    COMPRESSED_TENSORS,
+    KEPT_METHODS,
     keeps_blocks,
     parse_quantization,
     read_quantization_config,
@@ -43,7 +43,7 @@ from srt.layers.moe import MoEExperts
 from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
-from srt.model_loader.compressed_tensors import convert_weights, quantize_inputs_of
+from srt.model_loader.quantized_checkpoint import convert_weights, quantize_inputs_of
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
@@ -200,14 +200,12 @@ def _check_load_format(model_config: ModelConfig, load_format: str | None, quant
         raise ConfigError(f"load format gguf needs a .gguf model, got {model_config.model_path}")
     if fmt == "safetensors" and model_config.gguf_file is not None:
         raise ConfigError("load format safetensors was requested for a .gguf model")
-    if quantization not in ("none", "gguf", COMPRESSED_TENSORS):
+    if quantization not in ("none", "gguf") + KEPT_METHODS:
         raise ConfigError(
-            f"unknown quantization {quantization!r} (expected gguf, {COMPRESSED_TENSORS} or none)"
+            f"unknown quantization {quantization!r} (expected gguf, {', '.join(KEPT_METHODS)} or none)"
         )
-    if quantization == COMPRESSED_TENSORS and fmt != "safetensors":
-        raise ConfigError(
-            f"--quantization {COMPRESSED_TENSORS} needs a safetensors checkpoint (load format {fmt})"
-        )
+    if quantization in KEPT_METHODS and fmt != "safetensors":
+        raise ConfigError(f"--quantization {quantization} needs a safetensors checkpoint (load format {fmt})")
     if quantization == "gguf" and fmt != "gguf":
         raise ConfigError(f"--quantization gguf needs a .gguf model (load format {fmt})")
     return fmt
@@ -248,7 +246,7 @@ def _load_weights(
         scheme = None if qc is None else parse_quantization(qc)
         quantized: set[str] = set()
         if scheme is not None:  # kept as GGUF blocks, or dequantized (quantization none)
-            keep = quantization == COMPRESSED_TENSORS
+            keep = quantization in KEPT_METHODS
             weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
         model.load_weights(weights)
         if scheme is not None and scheme.token_quant is not None:

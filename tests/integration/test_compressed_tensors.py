@@ -25,7 +25,8 @@ import torch
 
 from srt import Engine
 from srt.configs.quant_config import UnsupportedQuantizationError
-from tests.helpers.hf_reference import assert_tokens_match, hf_greedy_references, make_prompts
+from tests.helpers.hf_reference import make_prompts
+from tests.helpers.quantized_serving import serve_and_match
 from tests.helpers.tiny_models import build_tiny_hf_model, save_hf_dir
 
 ct = pytest.importorskip(
@@ -36,8 +37,6 @@ from tests.helpers.compressed_models import FP8_SCHEMES, SCHEMES, save_compresse
 
 BLOCK_SCHEMES = tuple(s for s in SCHEMES if s not in FP8_SCHEMES)  # kept as GGUF blocks on CPU
 
-MAX_NEW_TOKENS = 12
-GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 QTYPE = {"w8a8": "Q8_0", "w8a16": "Q8_0", "w4a16": "Q4_0", "w4a16_asym": "Q4_1"}
 QTYPE_ID = {"w8a8": 8, "w8a16": 8, "w4a16": 2, "w4a16_asym": 3}  # ggml types
 
@@ -104,25 +103,7 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
                 ref(ids).logits, _reference_model(path)(ids).logits, rtol=1e-4, atol=1e-4
             )
     kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: dequantized at load
-    _serve_and_match(path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, kept)
-
-
-def _serve_and_match(path: str, batch: list, load_ref, served_as: str | None, **engine_kw) -> None:
-    """Greedy tokens of ``batch`` through the Engine on ``path`` equal ``load_ref()``'s (near-tie
-    rule); ``served_as``: the resolved --quantization, with float32 activations and weights."""
-    llm = Engine(
-        model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning", **engine_kw
-    )
-    try:
-        if served_as is not None:
-            assert (llm.server_args.quantization, llm.server_args.dtype) == (served_as, "float32")
-            assert llm.server_args.weight_dtype == "float32"  # no rounding of the dequantized values
-        outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
-    finally:
-        llm.shutdown()
-    refs = hf_greedy_references(None, batch, MAX_NEW_TOKENS, load_ref)
-    ties = sum(assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs) for o, r in zip(outs, refs))
-    assert ties <= 1
+    serve_and_match(path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, kept)
 
 
 @pytest.mark.parametrize("scheme", BLOCK_SCHEMES)
@@ -151,7 +132,7 @@ def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, 
 def test_dequantized_at_load_with_quantization_none(tmp_path):
     path = _checkpoint(tmp_path, "w4a16_asym")
     batch = make_prompts([9, 30], seed=2, vocab_size=320)
-    _serve_and_match(path, batch, lambda: _reference_model(path), None, quantization="none")
+    serve_and_match(path, batch, lambda: _reference_model(path), None, quantization="none")
 
 
 def _with_quantization_config(tmp_path, qc: dict) -> str:
@@ -167,9 +148,11 @@ def _with_quantization_config(tmp_path, qc: dict) -> str:
 @pytest.mark.parametrize(
     "qc,named",
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "'gptq'"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "'fp8'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "awq.*'gemv'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq.*bits=3"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8.*static"),
         (
             {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
             "nvfp4",

@@ -208,7 +208,7 @@ def test_quantized_checkpoint_packs_codes_as_compressed_tensors_does():
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     from benchmarks import quantized_checkpoint as qc
     from srt.configs.quant_config import parse_quantization
-    from srt.model_loader.compressed_tensors import convert_weights
+    from srt.model_loader.quantized_checkpoint import convert_weights
 
     gen = torch.Generator().manual_seed(0)
     for bits, lo, hi in ((4, -8, 8), (8, -128, 128)):

@@ -61,10 +61,13 @@ def test_quantization_flag_resolution():
     assert ServerArgs(device="cpu", enable_int8_activations=True).resolve().enable_int8_activations
     with pytest.raises(ConfigError, match="--enable-int8-activations needs weights kept quantized"):
         ServerArgs(device="cpu", quantization="none", enable_int8_activations=True).resolve()
-    with pytest.raises(ConfigError, match="needs a checkpoint with that quantization_config"):
-        ServerArgs(device="cpu", model_path="hf_dir", quantization="compressed-tensors").resolve()
-    with pytest.raises(ConfigError, match="--quantization must be auto, gguf, compressed-tensors or none"):
-        ServerArgs(device="cpu", quantization="awq").resolve()
+    for method in ("compressed-tensors", "awq", "gptq"):
+        with pytest.raises(
+            ConfigError, match=f"--quantization {method} needs a checkpoint with that quant_method"
+        ):
+            ServerArgs(device="cpu", model_path="hf_dir", quantization=method).resolve()
+    with pytest.raises(ConfigError, match="must be auto, gguf, compressed-tensors, awq, gptq or none"):
+        ServerArgs(device="cpu", quantization="bitsandbytes").resolve()
 
 
 # ---------------------------------------------------------------- layers

@@ -1,26 +1,20 @@
-"""compressed-tensors checkpoints (srt/configs/quant_config.py says which schemes) converted at load.
-
-A quantized linear layer's tensors become one matrix ``<prefix>.weight``:
-- int8 (``int-quantized`` / ``naive-quantized``): ``weight`` int8 ``[N, K]`` and ``weight_scale``
-  ``[N, 1]``;
-- ``pack-quantized`` (int4, or int8 weight-only): ``weight_packed`` int32 ``[N, K*b/32]`` (32/b
-  codes of b bits a word, code ``i`` in bits ``b*i``, stored as ``code + 2^(b-1)``),
-  ``weight_shape`` ``[N, K]``, ``weight_scale`` ``[N, G]`` (one a group of ``K/G`` columns) and,
-  with zero points, ``weight_zero_point`` int32 ``[ceil(N*b/32), G]`` (packed the same way along
-  the rows).
+"""Quantized checkpoints (srt/configs/quant_config.py says which schemes) converted at load: each
+quantized linear layer's tensors (srt/model_loader/checkpoint_formats.py reads each format's)
+become one matrix ``<prefix>.weight``.
 
 The value of a code ``q`` (signed) is ``(q - zero) * scale``. Kept quantized (``keep_blocks``: the
-CPU's ``--quantization compressed-tensors``) the matrix becomes GGUF blocks of 32 columns that
-srt's kernels run, holding the very same values: int8 -> Q8_0 (the 32 codes and the row's scale),
-symmetric int4 -> Q4_0 (``code + 8`` and the group's scale, in each block of the group), int4 with
-zero points -> Q4_1 (scale ``d`` and offset ``m = -(8 + zero) * d``). GGUF keeps ``d`` and ``m``
-as float16: a scale float16 rounds by more than 2^-10 of itself (below about 3e-5 or above 65504)
-is an error naming the tensor, never a silent change (``--quantization none`` dequantizes instead).
-A matrix whose K is not a multiple of 32 and every matrix without ``keep_blocks`` is dequantized to
-float32 (the layer then holds float weights of the model's dtype).
+CPU's ``--quantization compressed-tensors`` / ``awq`` / ``gptq``) the matrix becomes GGUF blocks
+of 32 columns that srt's kernels run, holding the very same values: int8 -> Q8_0 (the 32 codes and
+the row's or group's scale), symmetric int4 -> Q4_0 (``code + 8`` and the group's scale, in each
+block of the group), int4 with zero points -> Q4_1 (scale ``d`` and offset
+``m = -(8 + zero) * d``). GGUF keeps ``d`` and ``m`` as float16: a scale float16 rounds by more
+than 2^-10 of itself (below about 3e-5 or above 65504) is an error naming the tensor, never a
+silent change (``--quantization none`` dequantizes instead). A matrix whose K or group is not a
+multiple of 32, int8 with zero points, FP8 and every matrix without ``keep_blocks`` is dequantized
+to float32 (the layer then holds float weights of the model's dtype).
 
-Tensors a supported scheme never writes (static activation scales, ``g_idx`` of activation
-ordering) and FP8 weights are errors; an incomplete set of a layer's tensors is an error at the end.
+Tensors a supported scheme never writes (static activation scales, compressed-tensors' ``g_idx``
+of activation ordering) are errors; an incomplete set of a layer's tensors is an error at the end.
 """
 
 from __future__ import annotations
@@ -29,24 +23,25 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from srt.configs.quant_config import QuantScheme
+from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
 from srt.layers.quantized_weight import GGUFTensor
+from srt.model_loader import checkpoint_formats as formats
 from srt.models.llama import STACKED_PARAMS
 from srt.utils.errors import WeightLoadError
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml types
 BLOCK = 32
 _SCALE_RTOL = 2.0**-10
-# leaves of a quantized layer's tensors, and the ones a supported scheme never writes
-_QUANT_LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+# leaves a supported scheme never writes: static activation scales, compressed-tensors' actorder
 _REFUSED_LEAVES = (
     "input_scale",
     "input_zero_point",
     "weight_g_idx",
     "input_global_scale",
     "weight_global_scale",
+    "activation_scale",
 )
 
 
@@ -61,6 +56,7 @@ def convert_weights(
     checkpoint names (``model.layers.0.self_attn.q_proj``)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done = set() if done is None else done
+    leaves, needed = formats.leaves(scheme), formats.needed(scheme)
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
         if leaf in _REFUSED_LEAVES:
@@ -71,25 +67,25 @@ def convert_weights(
         fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         if leaf == "weight" and fp8 and not (scheme.fp8 and tensor.dtype == torch.float8_e4m3fn):
             raise WeightLoadError(f"{name}: {tensor.dtype} weights in a {scheme.describe()} checkpoint")
-        quant = leaf in _QUANT_LEAVES or (leaf == "weight" and (tensor.dtype == torch.int8 or fp8))
+        quant = leaf in leaves or (leaf == "weight" and (tensor.dtype == torch.int8 or fp8))
         if not quant:
             yield name, tensor
             continue
         if ".experts." in prefix:
             raise WeightLoadError(f"{name}: quantized mixture-of-experts weights are not supported yet")
-        if prefix in done:  # a symmetric scheme's zero points written after the layer was complete
-            _check_zero(name, tensor)
+        if prefix in done:  # a leaf a complete layer does not need, written after it
+            _check_late(name, leaf, tensor, scheme)
             continue
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        if _needed(scheme) <= parts.keys():
+        if needed <= parts.keys():
             done.add(prefix)
             yield f"{prefix}.weight", _convert(prefix, pending.pop(prefix), scheme, keep_blocks)
     if pending:
         prefix, parts = next(iter(pending.items()))
         raise WeightLoadError(
             f"{len(pending)} quantized layers lack tensors, e.g. {prefix}: has {sorted(parts)}, "
-            f"{scheme.describe()} needs {sorted(_needed(scheme))}"
+            f"{scheme.describe()} needs {sorted(needed)}"
         )
 
 
@@ -112,63 +108,35 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -
     return marked
 
 
-def _needed(scheme: QuantScheme) -> set[str]:
-    packed = scheme.format == "pack-quantized"
-    need = {"weight_packed", "weight_scale", "weight_shape"} if packed else {"weight", "weight_scale"}
-    if not scheme.symmetric:
-        need.add("weight_zero_point")
-    return need
-
-
-def _check_zero(name: str, zero: torch.Tensor) -> None:
-    if zero.is_floating_point() or zero.dtype == torch.int8:
-        nonzero = bool(zero.ne(0).any())
-    else:  # packed: each field holds zero + 8 (int4) or zero + 128 (int8)
-        nonzero = not bool(zero.eq(0x88888888 - 2**32).all() or zero.eq(0x80808080 - 2**32).all())
-    if nonzero:
-        raise WeightLoadError(f"{name}: nonzero zero points in a symmetric scheme")
+def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme) -> None:
+    """A leaf after its layer was complete: a symmetric scheme's zero points (all zero) or GPTQ's
+    ``g_idx`` (runs of columns) carry nothing; anything else is a second copy."""
+    if leaf == "weight_zero_point":
+        formats.check_zero(name, tensor)
+    elif leaf == "g_idx" and scheme.method == GPTQ:
+        groups = -(-tensor.numel() // (scheme.group_size or tensor.numel()))
+        formats.check_g_idx(name, tensor, groups)
+    else:
+        raise WeightLoadError(f"{name}: a second {leaf} for a layer already loaded")
 
 
 def _convert(
     prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme, keep_blocks: bool
 ) -> torch.Tensor | GGUFTensor:
     """One layer's tensors -> GGUF blocks or a float32 matrix."""
-    scale = parts["weight_scale"].float()
-    if scheme.fp8:  # float8 codes times the row's (or the tensor's) scale, exact in float32
-        codes = parts["weight"].float()
-        if scale.numel() not in (1, codes.shape[0]):
-            raise WeightLoadError(f"{prefix}.weight_scale: {scale.numel()} scales for {codes.shape[0]} rows")
-        return codes * scale.reshape(-1, 1)
-    zero = None
-    if scheme.format != "pack-quantized":
-        codes = parts["weight"]
-    else:
-        n, k = (int(v) for v in parts["weight_shape"].tolist())
-        codes = unpack(parts["weight_packed"], k, scheme.bits)[:n]
-    if "weight_zero_point" in parts and scheme.symmetric:
-        _check_zero(f"{prefix}.weight_zero_point", parts["weight_zero_point"])
-    elif "weight_zero_point" in parts:  # int4 only (parse_quantization refuses asymmetric int8)
-        zero = unpack(parts["weight_zero_point"].t(), codes.shape[0], scheme.bits).t().float()
+    if scheme.fp8:
+        return formats.fp8_values(prefix, parts, scheme)
+    codes, scale, zero = formats.read_codes(prefix, parts, scheme)
     n, k = codes.shape
     if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
-        raise WeightLoadError(
-            f"{prefix}.weight_scale: shape {tuple(scale.shape)} does not fit a {n} x {k} weight"
-        )
+        raise WeightLoadError(f"{prefix}: scales of shape {tuple(scale.shape)} do not fit a {n} x {k} weight")
     group = k // scale.shape[1]
-    qtype = Q8_0 if scheme.bits == 8 else Q4_0 if zero is None else Q4_1
-    if keep_blocks and k % BLOCK == 0 and group % BLOCK == 0 and qtype in gguf_kernels.native_qtypes():
+    qtype = (Q8_0 if zero is None else None) if scheme.bits == 8 else Q4_0 if zero is None else Q4_1
+    blocks = k % BLOCK == 0 and group % BLOCK == 0 and qtype in gguf_kernels.native_qtypes()
+    if keep_blocks and blocks:
         return GGUFTensor(qtype, n, k, _blocks(prefix, qtype, codes, scale, zero, group))
     value = codes.float() if zero is None else codes.float() - zero.repeat_interleave(group, dim=1)
     return value * scale.repeat_interleave(group, dim=1)
-
-
-def unpack(packed: torch.Tensor, cols: int, bits: int) -> torch.Tensor:
-    """int32 ``[R, ceil(cols*bits/32)]``, 32/bits codes a word (``code + 2^(bits-1)`` in bits
-    ``bits*i``; bits 4 or 8) -> int8 ``[R, cols]`` signed codes."""
-    words = packed.to(torch.int32)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return (fields.reshape(words.shape[0], -1)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
 
 
 def _half_scales(prefix: str, what: str, values: torch.Tensor) -> torch.Tensor:
