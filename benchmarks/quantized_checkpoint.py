@@ -146,6 +146,23 @@ def materialize(shape_name: str, scheme: str) -> str:
     return str(out)
 
 
+def decode_read_bytes(folder: str) -> int:
+    """The bytes a decoded token reads: every tensor of the folder's safetensors files but the
+    embedding table (one row of it), from the files' headers."""
+    import struct
+
+    total = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__" and "embed_tokens" not in name:
+                begin, end = info["data_offsets"]
+                total += end - begin
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=[n for n in model_shapes.names() if model_shapes.load(n).kind == "hf"])

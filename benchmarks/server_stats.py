@@ -98,12 +98,14 @@ def machine_bounds() -> dict[str, float]:
     }
 
 
-def fractions(run: dict, shape: Shape, bounds: dict) -> dict[str, float]:
-    """The run's figures as fractions of their bounds (module docstring); {} when unknown."""
+def fractions(run: dict, shape: Shape, bounds: dict, read_bytes: int | None = None) -> dict[str, float]:
+    """The run's figures as fractions of their bounds (module docstring); {} when unknown.
+    ``read_bytes``: a decoded token's weight bytes when not the shape's (a quantized checkpoint)."""
     out: dict[str, float] = {}
     tpot = run.get("median_tpot_ms")
     if run.get("concurrency") == 1 and tpot and bounds.get("read_gbs"):
-        bound_ms = weight_bytes_per_token(shape) / (bounds["read_gbs"] * 1e9) * 1e3
+        read = weight_bytes_per_token(shape) if read_bytes is None else read_bytes
+        bound_ms = read / (bounds["read_gbs"] * 1e9) * 1e3
         out["tpot_bound_ms"] = round(bound_ms, 2)
         out["tpot_bound_fraction"] = round(bound_ms / tpot, 3)
     metrics = run.get("all_metrics", {})

@@ -79,8 +79,8 @@ class Linear(nn.Module):
         self.token_quant: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.token_quant is not None:
-            x = fake_quant_rows(x, self.token_quant)
+        if self.token_quant is not None and not (self.qweight is not None and self.qweight.token_int8):
+            x = fake_quant_rows(x, self.token_quant)  # else the int8 kernel quantizes x itself
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)

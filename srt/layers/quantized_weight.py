@@ -41,6 +41,10 @@ from srt.kernels.cpu import gguf as gguf_kernels
 from srt.utils.errors import WeightLoadError
 
 F32_TYPE = 0  # ggml's type id of float32
+Q8_0_TYPE = 8
+# native_segments' type of a token_int8 weight (Q8_0 rows on gguf_linear_w8a8): not a ggml type,
+# decode_layers.cpp's kW8A8
+W8A8_TYPE = -3
 # int8 activations pay off up to about 8 rows (bench_gguf_linear --q8a); above, the float32 paths
 INT8_MAX_ROWS = 8
 
@@ -81,6 +85,8 @@ class QuantizedWeight(nn.Module):
         self.int8_max_rows = 0  # > 0: matmuls of at most that many rows quantize x to int8
         # > 0: matmuls of at least that many rows run on the float32 copy (keep_float32_copy)
         self.float32_rows = 0
+        # a W8A8 layer on the int8 kernel (use_token_int8): x quantized per token inside it
+        self.token_int8 = False
 
     # ------------------------------------------------------------------ loading
     def add(self, row_offset: int, part: GGUFTensor | torch.Tensor, name: str) -> None:
@@ -140,12 +146,34 @@ class QuantizedWeight(nn.Module):
     def _data(self, i: int) -> torch.Tensor:
         return getattr(self, f"data{i}")
 
+    def use_token_int8(self) -> bool:
+        """A W8A8 checkpoint's layer (its inputs quantized to int8 per token, ``Linear.token_quant``):
+        from now on every matmul runs ``gguf_linear_w8a8`` (x quantized per token inside it, integer
+        dot products) where the weight is one segment of Q8_0 rows whose blocks share the row's scale
+        and this CPU has that kernel's vector path; an x8-packed weight is unpacked back. Returns
+        whether it does (else the caller keeps quantizing x itself before the float32 kernels)."""
+        if self._native is None or self._native[1] != Q8_0_TYPE or not gguf_kernels.w8a8_fast():
+            return False
+        data, qtype, x8_rows = self._native
+        if x8_rows:
+            data = gguf_kernels.unpack_x8(data, qtype, x8_rows, self.in_features)
+        scales = data.view(self.out_features, -1, 34)[:, :, :2]
+        if not bool(scales.eq(scales[:, :1]).all()):
+            return False
+        self.register_buffer("data0", data, persistent=False)
+        self.x8_rows = 0
+        self._native = (data, qtype, 0)
+        self.token_int8 = True
+        return True
+
     def use_int8_activations(self, max_rows: int = INT8_MAX_ROWS) -> None:
         """From now on, matmuls of at most ``max_rows`` rows, and those of types with an int8 GEMM
         (Q4_K on AVX-512 VNNI CPUs) from its row count on, quantize x to int8 per block of 32
         (``gguf_linear_q8a``, ``gguf_kernels.q8a_takes``; changes numerics). Its kernels read the GGUF layout, so an x8-packed
         weight is unpacked back."""
         q8a = gguf_kernels.q8a_qtypes()
+        if self.token_int8:  # quantized per token already
+            return
         if self._native is None:  # several segments (never x8): each takes the int8 path
             if self.native_segments is not None and all(q in q8a for _, _, q in self.segments):
                 self.int8_max_rows = max_rows
@@ -188,6 +216,8 @@ class QuantizedWeight(nn.Module):
     def native_segments(self) -> list[tuple[torch.Tensor, int, int]] | None:
         """``(data, qtype, x8_rows)`` of each row segment in order when every segment is of a type
         the native ops handle (a Q4_K_M projection mixing Q4_K and Q6_K rows), else None."""
+        if self.token_int8:
+            return [(self._data(0), W8A8_TYPE, 0)]
         if self._native is not None:
             return [self._native]
         native = gguf_kernels.native_qtypes()
@@ -201,7 +231,12 @@ class QuantizedWeight(nn.Module):
 
     # ------------------------------------------------------------------ compute
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations)."""
+        """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations; with
+        ``token_int8``, x quantized to int8 per row first)."""
+        if self.token_int8:
+            x2 = x.reshape(-1, self.in_features).float().contiguous()
+            out = torch.ops.srt_cpu.gguf_linear_w8a8(x2, self._data(0), bias, "")
+            return out.view(*x.shape[:-1], self.out_features)
         if (
             self.float32_rows
             and x.dtype == torch.float32

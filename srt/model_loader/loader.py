@@ -43,7 +43,7 @@ from srt.layers.moe import MoEExperts
 from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
-from srt.model_loader.quantized_checkpoint import convert_weights, quantize_inputs_of
+from srt.model_loader.quantized_checkpoint import convert_weights, quantize_inputs_of, use_int8_kernels
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
@@ -119,6 +119,8 @@ def get_model(
     model.eval()
     model.requires_grad_(False)
     prepare_weights(model)
+    if moved := use_int8_kernels(model):
+        logger.info("W8A8: %d linear layers on the int8 kernel (inputs quantized per token in it)", moved)
     if int8_activations:
         if not keeps_blocks(quantization):
             raise ConfigError("int8 activations need GGUF weights kept quantized (quantization gguf)")
@@ -167,14 +169,14 @@ def keep_float32_copies(
     float32 kernel is the linear backend, or when the model is not small: its quantized weights,
     the experts' included, would take more than ``budget`` bytes in float32 (None: no limit).
     Returns one line for the log."""
-    qweights = matmul_qweights(model)
+    qweights = [q for q in matmul_qweights(model) if not q.token_int8]  # W8A8 ones run on int8
     if not qweights:
         return "float32 copies of the GGUF weights: none (no matmul weight is kept quantized)"
     if linear_backend is None or linear_backend.name != "native" or not cpu_kernels.native_available():
         return "float32 copies of the GGUF weights: none (they run on --linear-backend native only)"
     whole = 0
     for m in model.modules():
-        if isinstance(m, QuantizedWeight):
+        if isinstance(m, QuantizedWeight) and not m.token_int8:
             whole += 4 * m.out_features * m.in_features
         elif isinstance(m, MoEExperts):
             whole += 4 * 3 * m.num_experts * m.hidden_size * m.intermediate_size

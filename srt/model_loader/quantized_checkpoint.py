@@ -108,6 +108,18 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -
     return marked
 
 
+def use_int8_kernels(model: torch.nn.Module) -> int:
+    """After ``prepare_weights``: each linear layer that quantizes its inputs to int8 per token
+    (W8A8) on Q8_0 blocks of one scale a row moves to the int8 kernel
+    (``QuantizedWeight.use_token_int8``: the same per-token codes, integer dot products); returns
+    how many did (none on CPUs without AVX-512 VNNI, which keep the float32 kernels)."""
+    moved = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.token_quant == "int8" and module.qweight is not None:
+            moved += module.qweight.use_token_int8()
+    return moved
+
+
 def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme) -> None:
     """A leaf after its layer was complete: a symmetric scheme's zero points (all zero) or GPTQ's
     ``g_idx`` (runs of columns) carry nothing; anything else is a second copy."""

@@ -136,7 +136,11 @@ def _add_layer(
         args[10:10] = [[], [], [], None, [], [], [], None]
     args += [int(attn.attn.sliding_window_size), float(attn.attn.logit_cap)]
     stack.add_layer(*args)
-    kinds = [TOKEN_QUANT_KINDS[p.token_quant] for p in projections]
+    # a token_int8 weight's kernel quantizes its inputs itself
+    kinds = [
+        0 if p.qweight is not None and p.qweight.token_int8 else TOKEN_QUANT_KINDS[p.token_quant]
+        for p in projections
+    ]
     if any(kinds):  # a W8A8 / FP8_DYNAMIC checkpoint's layers
         stack.set_token_quant(kinds + [0] * (4 - len(kinds)))
 

@@ -49,6 +49,7 @@ SOURCES = (
     "packed_linear.cpp",
     "small_linear.cpp",
     "threads.cpp",
+    "w8a8_linear.cpp",
 )  # compiled
 HEADERS = (
     "cpu_ops.h",

@@ -218,6 +218,12 @@ def quant_linear_x8(
     return torch.ops.srt_cpu.gguf_linear_x8(x2, packed, qtype, rows, bias)
 
 
+def w8a8_fast() -> bool:
+    """Whether ``gguf_linear_w8a8`` (w8a8_linear.cpp: Q8_0 rows of one scale each times x quantized
+    to int8 per row) has its vector path here (AVX-512 VNNI, not lowered by SRT_CPU_ISA)."""
+    return _op_registered("gguf_w8a8_fast") and bool(torch.ops.srt_cpu.gguf_w8a8_fast())
+
+
 # ---------------------------------------------------------------- int8-quantized activations
 
 Q8A_BLOCK = 32  # activations per quantization block

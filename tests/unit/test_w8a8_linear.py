@@ -1,0 +1,112 @@
+"""W8A8 matmuls on the int8 kernel (native op gguf_linear_w8a8, w8a8_linear.cpp): Q8_0 rows of one
+scale each times activations quantized to int8 per row.
+
+The per-row codes and scales must be srt/layers/linear.py's ``fake_quant_rows`` (a full int8
+range, -128 included), and the op must equal the exact formula ``float(sum q w) * (sa * dw)`` (the
+integer sums in int64 here, the products in float64) within float32 rounding, on the vector path
+and the scalar loops, whatever the row counts (tiles of 4 x 4, chunks of 64 activation rows, an
+odd number of blocks). A W8A8 layer moves to it only when every block of each row has the row's
+scale; served end to end it is tested in tests/integration/test_compressed_tensors.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.kernels.cpu import _op_registered, gguf, native_available
+from srt.layers.linear import Linear, fake_quant_rows
+from srt.layers.quantized_weight import GGUFTensor
+from tests.helpers.threads import with_threads
+
+needs_native = pytest.mark.skipif(
+    not (native_available() and _op_registered("gguf_linear_w8a8")),
+    reason="native gguf_linear_w8a8 not built",
+)
+
+
+def q8_0_rows(
+    n: int, k: int, seed: int, uniform: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random int8 codes [n, k] (the whole range), float16 row scales [n, 1], and the Q8_0 bytes
+    (every block with its row's scale, or with ``uniform`` False one block changed)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, 1, generator=gen) * 0.02 + 1e-3).half()
+    nb = k // 32
+    d = scale.expand(n, nb).contiguous()
+    if not uniform:
+        d[0, -1] = d[0, -1] * 2
+    data = torch.cat([d.view(torch.uint8).view(n, nb, 2), codes.view(torch.uint8).view(n, nb, 32)], 2)
+    return codes, scale.float(), data.reshape(n, -1).contiguous()
+
+
+def exact(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    sa = x.abs().amax(1, keepdim=True) / 127.5
+    sa = torch.where(sa == 0, torch.finfo(torch.float32).eps, sa)
+    q = torch.round(x / sa).clamp(-128, 127)
+    dots = q.to(torch.int64) @ codes.to(torch.int64).t()
+    out = dots.double() * (sa.double() * scale.double().t())
+    return out if bias is None else out + bias.double()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["", "scalar"])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 8, 32), (1, 37, 96), (3, 17, 160), (4, 4, 64), (9, 33, 1056), (70, 13, 224)]
+)
+def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
+    codes, scale, data = q8_0_rows(n, k, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    x[0, 1] = -50.0  # its row's largest magnitude, negative: code -128
+    if m > 1:
+        x[1] = 0.0  # a row of zeros: scale eps, codes 0
+    bias = torch.randn(n)
+    want = exact(x, codes, scale, bias)
+    for b in (bias, None):
+        got = torch.ops.srt_cpu.gguf_linear_w8a8(x, data, b, isa).double()
+        ref = want if b is not None else want - bias.double()
+        tol = 4e-7 * (ref.abs() + (exact(x.abs(), codes.abs(), scale, None)))  # float32 rounding of the terms
+        assert ((got - ref).abs() <= tol + 1e-30).all(), (got - ref).abs().max()
+
+
+@needs_native
+def test_w8a8_op_does_not_depend_on_the_thread_count_or_the_batch():
+    codes, scale, data = q8_0_rows(41, 512, seed=3)
+    x = torch.randn(67, 512, generator=torch.Generator().manual_seed(4))
+    one, two = with_threads(lambda: torch.ops.srt_cpu.gguf_linear_w8a8(x, data, None, ""))
+    alone = torch.cat([torch.ops.srt_cpu.gguf_linear_w8a8(x[i : i + 1], data, None, "") for i in range(67)])
+    assert torch.equal(one, two) and torch.equal(one, alone)
+    assert torch.equal(one, torch.ops.srt_cpu.gguf_linear_w8a8(x, data, None, "scalar"))
+
+
+@needs_native
+def test_w8a8_op_refuses_bad_arguments():
+    _, _, data = q8_0_rows(4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 48), data[:, :51].contiguous(), None, "")
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 96), data, None, "")
+
+
+@needs_native
+@pytest.mark.skipif(not gguf.w8a8_fast(), reason="no AVX-512 VNNI: W8A8 layers keep the float32 kernels")
+@pytest.mark.parametrize("uniform", [True, False])
+def test_a_w8a8_layer_moves_to_the_int8_kernel_only_with_one_scale_a_row(uniform):
+    codes, scale, data = q8_0_rows(48, 128, seed=5, uniform=uniform)
+    layer = Linear(128, 48)
+    layer.load_quantized(GGUFTensor(8, 48, 128, data))
+    layer.prepare_weights()
+    layer.token_quant = "int8"
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = layer(x)  # per-token fake quantization, then the float32 kernel
+        assert layer.qweight.use_token_int8() == uniform
+        after = layer(x)
+    float_path = fake_quant_rows(x, "int8") @ layer.qweight.dequantize().t()
+    torch.testing.assert_close(before, float_path, rtol=1e-5, atol=1e-5)
+    if uniform:
+        torch.testing.assert_close(after.double(), exact(x, codes, scale, None), rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(before, after)
