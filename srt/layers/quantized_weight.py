@@ -150,8 +150,10 @@ class QuantizedWeight(nn.Module):
         """A W8A8 checkpoint's layer (its inputs quantized to int8 per token, ``Linear.token_quant``):
         from now on every matmul runs ``gguf_linear_w8a8`` (x quantized per token inside it, integer
         dot products) where the weight is one segment of Q8_0 rows whose blocks share the row's scale
-        and this CPU has that kernel's vector path; an x8-packed weight is unpacked back. Returns
-        whether it does (else the caller keeps quantizing x itself before the float32 kernels)."""
+        and this CPU has that kernel's vector path. The rows are regrouped for it
+        (``gguf_pack_w8a8``: the int8 codes and one float32 scale a row, the checkpoint's bytes).
+        Returns whether it does (else the caller keeps quantizing x itself before the float32
+        kernels)."""
         if self._native is None or self._native[1] != Q8_0_TYPE or not gguf_kernels.w8a8_fast():
             return False
         data, qtype, x8_rows = self._native
@@ -160,9 +162,9 @@ class QuantizedWeight(nn.Module):
         scales = data.view(self.out_features, -1, 34)[:, :, :2]
         if not bool(scales.eq(scales[:, :1]).all()):
             return False
-        self.register_buffer("data0", data, persistent=False)
+        self.register_buffer("data0", torch.ops.srt_cpu.gguf_pack_w8a8(data.contiguous()), persistent=False)
         self.x8_rows = 0
-        self._native = (data, qtype, 0)
+        self._native = (self._data(0), W8A8_TYPE, self.out_features)
         self.token_int8 = True
         return True
 
@@ -216,8 +218,6 @@ class QuantizedWeight(nn.Module):
     def native_segments(self) -> list[tuple[torch.Tensor, int, int]] | None:
         """``(data, qtype, x8_rows)`` of each row segment in order when every segment is of a type
         the native ops handle (a Q4_K_M projection mixing Q4_K and Q6_K rows), else None."""
-        if self.token_int8:
-            return [(self._data(0), W8A8_TYPE, 0)]
         if self._native is not None:
             return [self._native]
         native = gguf_kernels.native_qtypes()
@@ -235,7 +235,7 @@ class QuantizedWeight(nn.Module):
         ``token_int8``, x quantized to int8 per row first)."""
         if self.token_int8:
             x2 = x.reshape(-1, self.in_features).float().contiguous()
-            out = torch.ops.srt_cpu.gguf_linear_w8a8(x2, self._data(0), bias, "")
+            out = torch.ops.srt_cpu.gguf_linear_w8a8(x2, self._data(0), self.out_features, bias, "")
             return out.view(*x.shape[:-1], self.out_features)
         if (
             self.float32_rows
@@ -276,7 +276,7 @@ class QuantizedWeight(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``ids`` of the weight (an embedding lookup), dequantizing only those."""
         flat = ids.reshape(-1)
-        if len(self.segments) != 1:
+        if len(self.segments) != 1 or self.token_int8:
             return self.dequantize().index_select(0, flat).view(*ids.shape, self.in_features)
         qtype, data = self.segments[0][2], self._data(0)
         if self.x8_rows:
@@ -288,6 +288,9 @@ class QuantizedWeight(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 ``[out, in]`` (tests, tools)."""
+        if self.token_int8:
+            codes, scales = gguf_kernels.unpack_w8a8(self._data(0), self.out_features, self.in_features)
+            return codes.float() * scales.unsqueeze(1)
         parts = []
         for i, (_, _, qtype) in enumerate(self.segments):
             data = self._data(i)

@@ -40,6 +40,13 @@ def q8_0_rows(
     return codes, scale.float(), data.reshape(n, -1).contiguous()
 
 
+def w8a8(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+    """The op on Q8_0 rows, packed for it first."""
+    return torch.ops.srt_cpu.gguf_linear_w8a8(
+        x, torch.ops.srt_cpu.gguf_pack_w8a8(data), data.shape[0], bias, isa
+    )
+
+
 def exact(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -65,7 +72,7 @@ def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
     bias = torch.randn(n)
     want = exact(x, codes, scale, bias)
     for b in (bias, None):
-        got = torch.ops.srt_cpu.gguf_linear_w8a8(x, data, b, isa).double()
+        got = w8a8(x, data, b, isa).double()
         ref = want if b is not None else want - bias.double()
         tol = 4e-7 * (ref.abs() + (exact(x.abs(), codes.abs(), scale, None)))  # float32 rounding of the terms
         assert ((got - ref).abs() <= tol + 1e-30).all(), (got - ref).abs().max()
@@ -75,19 +82,32 @@ def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
 def test_w8a8_op_does_not_depend_on_the_thread_count_or_the_batch():
     codes, scale, data = q8_0_rows(41, 512, seed=3)
     x = torch.randn(67, 512, generator=torch.Generator().manual_seed(4))
-    one, two = with_threads(lambda: torch.ops.srt_cpu.gguf_linear_w8a8(x, data, None, ""))
-    alone = torch.cat([torch.ops.srt_cpu.gguf_linear_w8a8(x[i : i + 1], data, None, "") for i in range(67)])
+    one, two = with_threads(lambda: w8a8(x, data, None, ""))
+    alone = torch.cat([w8a8(x[i : i + 1], data, None, "") for i in range(67)])
     assert torch.equal(one, two) and torch.equal(one, alone)
-    assert torch.equal(one, torch.ops.srt_cpu.gguf_linear_w8a8(x, data, None, "scalar"))
+    assert torch.equal(one, w8a8(x, data, None, "scalar"))
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 96), (1, 32), (6, 4128)])
+def test_the_packed_rows_hold_the_codes_and_scales(n, k):
+    codes, scale, data = q8_0_rows(n, k, seed=n)
+    packed = torch.ops.srt_cpu.gguf_pack_w8a8(data)
+    assert packed.numel() == -(-n // 4) * (16 + -(-k // 64) * 256)  # the codes and a float32 scale a row
+    got_codes, got_scale = gguf.unpack_w8a8(packed, n, k)
+    assert torch.equal(got_codes, codes) and torch.equal(got_scale, scale.reshape(-1))
 
 
 @needs_native
 def test_w8a8_op_refuses_bad_arguments():
     _, _, data = q8_0_rows(4, 64, seed=0)
+    packed = torch.ops.srt_cpu.gguf_pack_w8a8(data)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 48), data[:, :51].contiguous(), None, "")
-    with pytest.raises(RuntimeError, match="bytes"):
-        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 96), data, None, "")
+        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 48), packed, 4, None, "")
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 128), packed, 4, None, "")
+    with pytest.raises(RuntimeError, match="multiple of 34"):
+        torch.ops.srt_cpu.gguf_pack_w8a8(data[:, :40].contiguous())
 
 
 @needs_native

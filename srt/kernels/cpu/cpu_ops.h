@@ -104,10 +104,10 @@ at::Tensor moe_experts_q8a(const at::Tensor& xs, const std::vector<int64_t>& sta
                            const at::Tensor& down, int64_t down_qtype);
 at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
                           const c10::optional<at::Tensor>& bias);
-// w8a8_linear.cpp: Q8_0 rows of one scale each times x quantized to int8 per row (W8A8); whether
-// this CPU has its vector path
-at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& bias,
-                            c10::string_view isa);
+// w8a8_linear.cpp: N int8 rows of one scale each (gguf_pack_w8a8's groups) times x quantized to
+// int8 per row (W8A8); whether this CPU has its vector path
+at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias, c10::string_view isa);
 bool gguf_w8a8_fast();
 
 // moe.cpp: the experts of a sparse MLP grouped by expert; the router's softmax / top-k

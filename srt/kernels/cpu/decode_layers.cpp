@@ -51,8 +51,8 @@ namespace {
 // pack_bf16_weight (VNNI pairs; the float32 activations widen it in registers) (not ggml types)
 constexpr int64_t kPackedF32 = -1;
 constexpr int64_t kPackedBF16 = -2;
-// a W8A8 layer's Q8_0 rows (one scale a row) on gguf_linear_w8a8, which quantizes x per token itself
-// (QuantizedWeight.token_int8; not a ggml type)
+// a W8A8 layer's int8 rows (gguf_pack_w8a8's groups; x8_rows holds N) on gguf_linear_w8a8, which
+// quantizes x per token itself (QuantizedWeight.token_int8; not a ggml type)
 constexpr int64_t kW8A8 = -3;
 
 // One row range of a projection's weight, of one type.
@@ -68,7 +68,7 @@ struct Segment {
   at::Tensor apply(const at::Tensor& x, int64_t int8_max_rows, const c10::optional<at::Tensor>& bias) const {
     if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
     if (qtype == kPackedBF16) return bf16_linear(x, data, x8_rows, bias, "");
-    if (qtype == kW8A8) return gguf_linear_w8a8(x, data, bias, "");
+    if (qtype == kW8A8) return gguf_linear_w8a8(x, data, x8_rows, bias, "");
     if (q8a_takes(qtype, x.size(0), int8_max_rows)) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }

@@ -219,9 +219,18 @@ def quant_linear_x8(
 
 
 def w8a8_fast() -> bool:
-    """Whether ``gguf_linear_w8a8`` (w8a8_linear.cpp: Q8_0 rows of one scale each times x quantized
+    """Whether ``gguf_linear_w8a8`` (w8a8_linear.cpp: int8 rows of one scale each times x quantized
     to int8 per row) has its vector path here (AVX-512 VNNI, not lowered by SRT_CPU_ISA)."""
     return _op_registered("gguf_w8a8_fast") and bool(torch.ops.srt_cpu.gguf_w8a8_fast())
+
+
+def unpack_w8a8(packed: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gguf_pack_w8a8``'s groups -> (int8 codes ``[rows, cols]``, float32 scales ``[rows]``)."""
+    groups = packed.shape[0]
+    scales = packed[:, :16].contiguous().view(torch.float32).reshape(-1)[:rows]
+    codes = (packed[:, 16:].reshape(groups, -1, 4, 64) ^ 0x80).view(torch.int8)
+    codes = codes.permute(0, 2, 1, 3).reshape(groups * 4, -1)[:rows, :cols]
+    return codes.contiguous(), scales.clone()
 
 
 # ---------------------------------------------------------------- int8-quantized activations

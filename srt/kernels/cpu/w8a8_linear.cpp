@@ -1,26 +1,32 @@
-// W8A8 matmuls: int8 weights with one scale a row (a compressed-tensors W8A8 checkpoint's layers,
-// kept as Q8_0 blocks whose scales are all the row's) times activations quantized to int8 per row
-// (token), as the scheme says; integer dot products, one float scaling per output.
+// W8A8 matmuls: int8 weights with one scale a row (a compressed-tensors W8A8 checkpoint's layers)
+// times activations quantized to int8 per row (token), as the scheme says; integer dot products,
+// one float scaling per output.
 //
-//   gguf_linear_w8a8(x [M, K] f32, data [N, K / 32 * 34] u8, bias?, isa) -> [M, N] f32
+//   gguf_pack_w8a8(data [N, K / 32 * 34] u8) -> packed [G, 16 + P * 256] u8
+//       Q8_0 rows whose blocks all carry the row's scale (QuantizedWeight.use_token_int8 checks)
+//       regrouped once at load, G = ceil(N / 4) groups of 4 rows (the last padded with zero rows),
+//       P = ceil(K / 64) pairs of blocks (the last padded with zero codes): each group starts with
+//       its 4 rows' scales as float32, then for each pair p the 4 rows' 64 codes of columns
+//       64p .. 64p + 63, sign bit flipped (code + 128, as unsigned bytes; padding 0). The same
+//       bytes as the checkpoint's codes and scales (N K + 4 N), one contiguous stream per group.
+//   gguf_linear_w8a8(x [M, K] f32, packed, N, bias?, isa) -> [M, N] f32
 //       Each row of x: scale sa = max|x| / 127.5 (float32; a row of zeros: float32's epsilon),
 //       codes q = clamp(round-half-even(x / sa), -128, 127): the codes and scale of srt/layers/
 //       linear.py's fake_quant_rows, bit for bit. Then out[m, n] = float(sum_k q[m, k] w[n, k]) *
-//       (sa[m] * dw[n]) + bias[n], with w the weight's int8 codes and dw its first block's float16
-//       scale (the caller guarantees every block of a row has it: QuantizedWeight.use_token_int8).
-//       The integer sums are exact (|sum| < 2^31 for K <= 65536), so against the float reference
-//       (codes * scales multiplied in float32) only that reference's own rounding differs.
+//       (sa[m] * dw[n]) + bias[n]. The integer sums are exact (|sum| < 2^31 for K <= 65536), so a
+//       row's outputs do not depend on the batch, the tiles or the threads, and against the float
+//       reference (codes * scales multiplied in float32) only that reference's rounding differs.
 //   gguf_w8a8_fast() -> whether this CPU has the vector path (AVX-512 VNNI, and detect_isa() not
 //       lowered below AVX-512); elsewhere the op runs scalar loops (tests, and isa "scalar" /
 //       "avx2"), and srt keeps the float32 path instead.
 //
 // The vector path: _mm512_dpbusd_epi32 multiplies 64 unsigned bytes by 64 signed ones, adding each
-// 4 consecutive products into one of 16 int32 lanes. The weights are the unsigned operand, their
-// sign bit flipped (w + 128), the activation codes the signed one, so both keep the full int8
-// range: sum (w + 128) q = sum w q + 128 sum q, and 128 sum q is one number per activation row.
-// Two Q8_0 blocks (32 codes each, 34 bytes apart) fill one 512-bit register. Tiles of 4 weight rows
-// by up to 4 activation rows; threads take groups of 4 weight rows, activation rows in chunks of
-// 64 so that a chunk's codes stay in cache while every weight group passes over them.
+// 4 consecutive products into one of 16 int32 lanes. The flipped weights are the unsigned operand,
+// the activation codes the signed one, so both keep the full int8 range: sum (w + 128) q =
+// sum w q + 128 sum q, and 128 sum q is one number per activation row. A tile is one group (4
+// weight rows, one aligned 64-byte load each per pair) by up to 6 activation rows: 24 accumulators.
+// Threads take groups; activation rows go in chunks of 128 so that a chunk's codes stay in cache
+// while every group passes over them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,9 +49,13 @@ namespace srt_cpu {
 namespace {
 
 constexpr int64_t kBlock = 32, kBlockBytes = gguf_simple::kSizeQ8_0;
-constexpr int kWRows = 4, kXRows = 4;
-constexpr int64_t kXChunk = 64;  // activation rows per pass of the weights
+constexpr int64_t kRows = 4, kPair = 64, kHeader = 16;  // a group: 4 rows, 4 float32 scales first
+constexpr int kXRows = 6;                                // activation rows per tile
+constexpr int64_t kXChunk = 128;                         // activation rows per pass of the weights
 constexpr int64_t kMaxK = 65536;
+// while a tile reads a pair it prefetches as many bytes of the group this far ahead (the groups are
+// in order; measured on Zen 5: without it the stream ran at about 60% of the read bandwidth)
+constexpr int64_t kPrefetchGroups = 2;
 
 bool vnni_available() {
 #if SRT_CPU_X86
@@ -60,16 +70,21 @@ bool vnni_available() {
 #endif
 }
 
-// x's rows quantized per row: codes [M, K], scales [M], 128 * sum of each row's codes [M]
+int64_t pairs_of(int64_t K) { return (K + kPair - 1) / kPair; }
+int64_t group_bytes(int64_t K) { return kHeader + pairs_of(K) * kRows * kPair; }
+
+// x's rows quantized per row: codes [M, P * 64] (zero past K), scales [M], 128 * sum of codes [M]
 struct TokenCodes {
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> offset;
+  int64_t ldq = 0;
 };
 
 TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   TokenCodes t;
-  t.q.resize(static_cast<size_t>(M * K));
+  t.ldq = pairs_of(K) * kPair;
+  t.q.assign(static_cast<size_t>(M * t.ldq), 0);
   t.scale.resize(static_cast<size_t>(M));
   t.offset.resize(static_cast<size_t>(M));
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t i0, int64_t i1) {
@@ -79,11 +94,10 @@ TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
       for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
       float s = amax / 127.5f;
       if (s == 0.f) s = FLT_EPSILON;
-      int8_t* q = t.q.data() + i * K;
+      int8_t* q = t.q.data() + i * t.ldq;
       int32_t sum = 0;
       for (int64_t k = 0; k < K; ++k) {
-        const float v = std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s)));
-        q[k] = static_cast<int8_t>(v);
+        q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
         sum += q[k];
       }
       t.scale[i] = s;
@@ -93,81 +107,60 @@ TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   return t;
 }
 
-// out[i * ldo + r] = sum_k q[i][k] w_r[k] for `rows` weight rows from w and activation rows
-// i0 .. i1 (integer sums, plain loops)
-void dots_scalar(const uint8_t* w, int64_t bpr, int64_t rows, const TokenCodes& t, int64_t K, int64_t i0,
-                 int64_t i1, int32_t* out, int64_t ldo) {
+// dots[i * kRows + r] = sum_k q[i][k] w_r[k] for the group at g and activation rows i0 .. i1
+void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, int64_t i1, int32_t* dots) {
+  const uint8_t* codes = g + kHeader;
   for (int64_t i = i0; i < i1; ++i) {
-    const int8_t* q = t.q.data() + i * K;
-    for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* q = t.q.data() + i * t.ldq;
+    for (int64_t r = 0; r < kRows; ++r) {
       int32_t sum = 0;
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const int8_t* codes = reinterpret_cast<const int8_t*>(w + r * bpr + b * kBlockBytes + 2);
-        for (int64_t j = 0; j < kBlock; ++j) sum += static_cast<int32_t>(codes[j]) * q[b * kBlock + j];
+      for (int64_t p = 0; p < P; ++p) {
+        const uint8_t* w = codes + (p * kRows + r) * kPair;
+        for (int64_t j = 0; j < kPair; ++j) sum += static_cast<int32_t>(w[j]) * q[p * kPair + j];
       }
-      out[(i - i0) * ldo + r] = sum;
+      dots[(i - i0) * kRows + r] = sum - t.offset[i];
     }
   }
 }
 
 #if SRT_CPU_X86
-// two blocks' codes (b, b + 1; only b's when `one`), sign bits flipped: the unsigned operand
-SRT_TARGET_W8A8 inline __m512i weight_pair(const uint8_t* row, int64_t b, bool one) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlockBytes + 2));
-  const __m256i hi =
-      one ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b + 1) * kBlockBytes + 2));
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_xor_si512(both, _mm512_set1_epi8(static_cast<char>(0x80)));
-}
-
-template <int R, int MX>
-SRT_TARGET_W8A8 void tile_vnni(const uint8_t* w, int64_t bpr, const int8_t* q, int64_t K, int32_t* out, int64_t ldo,
-                               const int32_t* offset) {
-  __m512i acc[R][MX];
-  for (int r = 0; r < R; ++r)
+template <int MX>
+SRT_TARGET_W8A8 void tile_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const int8_t* q, int64_t ldq,
+                               const int32_t* offset, int32_t* dots) {
+  __m512i acc[kRows][MX];
+  for (int r = 0; r < kRows; ++r)
     for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_si512();
-  const int64_t nb = K / kBlock;
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool one = b + 1 == nb;
-    __m512i xv[MX];
+  const uint8_t* codes = g + kHeader;
+  const uint8_t* ahead = codes + kPrefetchGroups * gbytes;
+  for (int64_t p = 0; p < P; ++p) {
+    const uint8_t* wp = codes + p * kRows * kPair;
+    for (int64_t off = 0; off < kRows * kPair; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + p * kRows * kPair + off), _MM_HINT_T0);
+    __m512i wv[kRows];
+    for (int r = 0; r < kRows; ++r) wv[r] = _mm512_loadu_si512(wp + r * kPair);
     for (int i = 0; i < MX; ++i) {
-      const int8_t* p = q + i * K + b * kBlock;
-      xv[i] = one ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
-                  : _mm512_loadu_si512(p);
-      if (one) xv[i] = _mm512_inserti64x4(xv[i], _mm256_setzero_si256(), 1);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i wv = weight_pair(w + r * bpr, b, one);
-      for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], wv, xv[i]);
+      const __m512i xv = _mm512_loadu_si512(q + i * ldq + p * kPair);
+      for (int r = 0; r < kRows; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], wv[r], xv);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MX; ++i) out[i * ldo + r] = _mm512_reduce_add_epi32(acc[r][i]) - offset[i];
+  for (int i = 0; i < MX; ++i)
+    for (int r = 0; r < kRows; ++r) dots[i * kRows + r] = _mm512_reduce_add_epi32(acc[r][i]) - offset[i];
 }
 
-template <int R>
-void tiles_vnni(const uint8_t* w, int64_t bpr, const TokenCodes& t, int64_t K, int64_t i0, int64_t i1, int32_t* out,
-                int64_t ldo) {
+void dots_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const TokenCodes& t, int64_t i0, int64_t i1,
+               int32_t* dots) {
   for (int64_t i = i0; i < i1; i += kXRows) {
-    const int8_t* q = t.q.data() + i * K;
+    const int8_t* q = t.q.data() + i * t.ldq;
     const int32_t* off = t.offset.data() + i;
-    int32_t* o = out + (i - i0) * ldo;
+    int32_t* d = dots + (i - i0) * kRows;
     switch (std::min<int64_t>(kXRows, i1 - i)) {
-      case 1: tile_vnni<R, 1>(w, bpr, q, K, o, ldo, off); break;
-      case 2: tile_vnni<R, 2>(w, bpr, q, K, o, ldo, off); break;
-      case 3: tile_vnni<R, 3>(w, bpr, q, K, o, ldo, off); break;
-      default: tile_vnni<R, 4>(w, bpr, q, K, o, ldo, off); break;
+      case 1: tile_vnni<1>(g, P, gbytes, q, t.ldq, off, d); break;
+      case 2: tile_vnni<2>(g, P, gbytes, q, t.ldq, off, d); break;
+      case 3: tile_vnni<3>(g, P, gbytes, q, t.ldq, off, d); break;
+      case 4: tile_vnni<4>(g, P, gbytes, q, t.ldq, off, d); break;
+      case 5: tile_vnni<5>(g, P, gbytes, q, t.ldq, off, d); break;
+      default: tile_vnni<6>(g, P, gbytes, q, t.ldq, off, d); break;
     }
-  }
-}
-
-void dots_vnni(const uint8_t* w, int64_t bpr, int64_t rows, const TokenCodes& t, int64_t K, int64_t i0, int64_t i1,
-               int32_t* out, int64_t ldo) {
-  switch (rows) {
-    case 1: tiles_vnni<1>(w, bpr, t, K, i0, i1, out, ldo); break;
-    case 2: tiles_vnni<2>(w, bpr, t, K, i0, i1, out, ldo); break;
-    case 3: tiles_vnni<3>(w, bpr, t, K, i0, i1, out, ldo); break;
-    default: tiles_vnni<4>(w, bpr, t, K, i0, i1, out, ldo); break;
   }
 }
 #endif
@@ -176,45 +169,73 @@ void dots_vnni(const uint8_t* w, int64_t bpr, int64_t rows, const TokenCodes& t,
 
 bool gguf_w8a8_fast() { return detect_isa() == CpuIsa::kAvx512 && vnni_available(); }
 
-at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& bias,
-                            c10::string_view isa) {
-  const char* op = "gguf_linear_w8a8";
-  check_activations(op, x);
+at::Tensor gguf_pack_w8a8(const at::Tensor& data) {
+  const char* op = "gguf_pack_w8a8";
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               op, ": data must be contiguous uint8 Q8_0 rows [N, bytes per row]");
-  const int64_t M = x.size(0), K = x.size(1), N = data.size(0), bpr = data.size(1);
+  const int64_t N = data.size(0), bpr = data.size(1);
+  TORCH_CHECK(bpr > 0 && bpr % kBlockBytes == 0, op, ": Q8_0 rows take a multiple of 34 bytes, got ", bpr);
+  const int64_t K = bpr / kBlockBytes * kBlock, P = pairs_of(K), G = (N + kRows - 1) / kRows;
+  at::Tensor packed = at::zeros({G, group_bytes(K)}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* out = dst + g * group_bytes(K);
+      for (int64_t r = 0; r < kRows && g * kRows + r < N; ++r) {
+        const uint8_t* row = src + (g * kRows + r) * bpr;
+        const float scale = gguf_simple::half_at(row);
+        std::memcpy(out + r * sizeof(float), &scale, sizeof(float));
+        for (int64_t b = 0; b < K / kBlock; ++b) {
+          uint8_t* to = out + kHeader + (b / 2 * kRows + r) * kPair + b % 2 * kBlock;
+          for (int64_t j = 0; j < kBlock; ++j) to[j] = row[b * kBlockBytes + 2 + j] ^ 0x80;
+        }
+      }
+    }
+  });
+  (void)P;
+  return packed;
+}
+
+at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias, c10::string_view isa) {
+  const char* op = "gguf_linear_w8a8";
+  check_activations(op, x);
+  const int64_t M = x.size(0), K = x.size(1), G = (N + kRows - 1) / kRows, P = pairs_of(K);
   TORCH_CHECK(K > 0 && K % kBlock == 0 && K <= kMaxK, op, ": the row length ", K,
               " must be a positive multiple of 32 up to ", kMaxK);
-  TORCH_CHECK(bpr == K / kBlock * kBlockBytes, op, ": Q8_0 rows of ", K, " weights take ", K / kBlock * kBlockBytes,
-              " bytes, data rows have ", bpr);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) == G && packed.size(1) == group_bytes(K),
+              op, ": packed must be gguf_pack_w8a8's [", G, ", ", group_bytes(K), "] uint8 for ", N, " rows of ", K);
   const bool scalar = requested_isa(op, isa) != CpuIsa::kAvx512 || !vnni_available();
   const float* bp = checked_bias(op, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const TokenCodes t = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K);
-  const uint8_t* w = data.data_ptr<uint8_t>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t gbytes = group_bytes(K);
   float* y = out.data_ptr<float>();
-  const int64_t groups = (N + kWRows - 1) / kWRows;
   for (int64_t c0 = 0; c0 < M; c0 += kXChunk) {
     const int64_t c1 = std::min(M, c0 + kXChunk);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      int32_t dots[kXChunk * kWRows];
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      int32_t dots[kXChunk * kRows];
       for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = g * kWRows, rows = std::min<int64_t>(kWRows, N - n);
-        const uint8_t* wg = w + n * bpr;
+        const uint8_t* grp = w + g * gbytes;
 #if SRT_CPU_X86
         if (!scalar) {
-          dots_vnni(wg, bpr, rows, t, K, c0, c1, dots, kWRows);
+          dots_vnni(grp, P, gbytes, t, c0, c1, dots);
         } else {
-          dots_scalar(wg, bpr, rows, t, K, c0, c1, dots, kWRows);
+          dots_scalar(grp, P, t, c0, c1, dots);
         }
 #else
-        dots_scalar(wg, bpr, rows, t, K, c0, c1, dots, kWRows);
+        dots_scalar(grp, P, t, c0, c1, dots);
 #endif
+        const int64_t n = g * kRows, rows = std::min(kRows, N - n);
         for (int64_t r = 0; r < rows; ++r) {
-          const float dw = gguf_simple::half_at(wg + r * bpr);
+          float dw;
+          std::memcpy(&dw, grp + r * sizeof(float), sizeof(float));
           for (int64_t i = c0; i < c1; ++i) {
-            float v = static_cast<float>(dots[(i - c0) * kWRows + r]) * (t.scale[i] * dw);
+            float v = static_cast<float>(dots[(i - c0) * kRows + r]) * (t.scale[i] * dw);
             if (bp != nullptr) v += bp[n + r];
             y[i * N + n + r] = v;
           }
@@ -232,8 +253,12 @@ bool gguf_w8a8_fast_op() { return gguf_w8a8_fast(); }
 }  // namespace srt_cpu
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
-  m.def("gguf_linear_w8a8(Tensor x, Tensor data, Tensor? bias=None, str isa=\"\") -> Tensor");
+  m.def("gguf_pack_w8a8(Tensor data) -> Tensor");
+  m.def("gguf_linear_w8a8(Tensor x, Tensor packed, int n, Tensor? bias=None, str isa=\"\") -> Tensor");
   m.def("gguf_w8a8_fast() -> bool", &srt_cpu::gguf_w8a8_fast_op);
 }
 
-TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) { m.impl("gguf_linear_w8a8", &srt_cpu::gguf_linear_w8a8); }
+TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
+  m.impl("gguf_pack_w8a8", &srt_cpu::gguf_pack_w8a8);
+  m.impl("gguf_linear_w8a8", &srt_cpu::gguf_linear_w8a8);
+}
