@@ -24,7 +24,8 @@
 // 4 consecutive products into one of 16 int32 lanes. The flipped weights are the unsigned operand,
 // the activation codes the signed one, so both keep the full int8 range: sum (w + 128) q =
 // sum w q + 128 sum q, and 128 sum q is one number per activation row. A tile is one group (4
-// weight rows, one aligned 64-byte load each per pair) by up to 6 activation rows: 24 accumulators.
+// weight rows, one 64-byte load each per pair) by up to 4 activation rows: 16 accumulators, the
+// group's codes read again from L1 for each 4 activation rows.
 // Threads take groups; activation rows go in chunks of 128 so that a chunk's codes stay in cache
 // while every group passes over them.
 #include <ATen/ATen.h>
@@ -50,8 +51,8 @@ namespace {
 
 constexpr int64_t kBlock = 32, kBlockBytes = gguf_simple::kSizeQ8_0;
 constexpr int64_t kRows = 4, kPair = 64, kHeader = 16;  // a group: 4 rows, 4 float32 scales first
-constexpr int kXRows = 6;                                // activation rows per tile
-constexpr int64_t kXChunk = 128;                         // activation rows per pass of the weights
+constexpr int64_t kXChunk = 128;                         // at most this many activation rows a pass
+constexpr int64_t kBlockGroups = 16;  // groups per task: 64 outputs of a row written together
 constexpr int64_t kMaxK = 65536;
 // while a tile reads a pair it prefetches as many bytes of the group this far ahead (the groups are
 // in order; measured on Zen 5: without it the stream ran at about 60% of the read bandwidth)
@@ -81,7 +82,43 @@ struct TokenCodes {
   int64_t ldq = 0;
 };
 
-TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
+// one row's scale (float32 division, as torch's) and codes (rint in the default rounding mode:
+// half to even, as torch.round), returning 128 * the codes' sum
+int32_t quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  float s = amax / 127.5f;
+  if (s == 0.f) s = FLT_EPSILON;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
+    sum += q[k];
+  }
+  *scale = s;
+  return 128 * sum;
+}
+
+#if SRT_CPU_X86
+// the same in 16 lanes (division and round-to-nearest-even are exact operations: the same codes)
+SRT_TARGET_W8A8 int32_t quantize_row_avx512(const float* row, int64_t K, int8_t* q, float* scale) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  float s = _mm512_reduce_max_ps(m) / 127.5f;
+  if (s == 0.f) s = FLT_EPSILON;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    sum = _mm512_add_epi32(sum, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
+  }
+  *scale = s;
+  return 128 * _mm512_reduce_add_epi32(sum);
+}
+#endif
+
+TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool vec) {
   TokenCodes t;
   t.ldq = pairs_of(K) * kPair;
   t.q.assign(static_cast<size_t>(M * t.ldq), 0);
@@ -89,26 +126,23 @@ TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   t.offset.resize(static_cast<size_t>(M));
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* row = x + i * ldx;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-      float s = amax / 127.5f;
-      if (s == 0.f) s = FLT_EPSILON;
       int8_t* q = t.q.data() + i * t.ldq;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
-        sum += q[k];
+#if SRT_CPU_X86
+      if (vec) {
+        t.offset[i] = quantize_row_avx512(x + i * ldx, K, q, &t.scale[i]);
+        continue;
       }
-      t.scale[i] = s;
-      t.offset[i] = 128 * sum;
+#endif
+      (void)vec;
+      t.offset[i] = quantize_row(x + i * ldx, K, q, &t.scale[i]);
     }
   });
   return t;
 }
 
-// dots[i * kRows + r] = sum_k q[i][k] w_r[k] for the group at g and activation rows i0 .. i1
-void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, int64_t i1, int32_t* dots) {
+// dots[(i - i0) * ldd + r] = sum_k q[i][k] w_r[k] for the group at g and activation rows i0 .. i1
+void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, int64_t i1, int32_t* dots,
+                 int64_t ldd) {
   const uint8_t* codes = g + kHeader;
   for (int64_t i = i0; i < i1; ++i) {
     const int8_t* q = t.q.data() + i * t.ldq;
@@ -118,48 +152,83 @@ void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, i
         const uint8_t* w = codes + (p * kRows + r) * kPair;
         for (int64_t j = 0; j < kPair; ++j) sum += static_cast<int32_t>(w[j]) * q[p * kPair + j];
       }
-      dots[(i - i0) * kRows + r] = sum - t.offset[i];
+      dots[(i - i0) * ldd + r] = sum - t.offset[i];
     }
   }
 }
 
 #if SRT_CPU_X86
+// the sum of the 16 int32 lanes (explicit halvings: GCC's _mm512_reduce_add_epi32 made it keep
+// every accumulator of the tile in memory as well, a store per dot instruction)
+SRT_TARGET_W8A8 inline int32_t lane_sum(__m512i v) {
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  const __m128i d = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+  return _mm_cvtsi128_si32(_mm_add_epi32(d, _mm_shuffle_epi32(d, 1)));
+}
+
+// 4 accumulators of one activation row against the group's 4 weight rows
+#define SRT_W8A8_ROW(acc, x)                       \
+  acc##0 = _mm512_dpbusd_epi32(acc##0, w0, x);      \
+  acc##1 = _mm512_dpbusd_epi32(acc##1, w1, x);      \
+  acc##2 = _mm512_dpbusd_epi32(acc##2, w2, x);      \
+  acc##3 = _mm512_dpbusd_epi32(acc##3, w3, x)
+#define SRT_W8A8_STORE(acc, i)                          \
+  dots[(i) * ldd] = lane_sum(acc##0) - offset[i];       \
+  dots[(i) * ldd + 1] = lane_sum(acc##1) - offset[i];   \
+  dots[(i) * ldd + 2] = lane_sum(acc##2) - offset[i];   \
+  dots[(i) * ldd + 3] = lane_sum(acc##3) - offset[i]
+
+// one group by MX (1 to 4) activation rows, 4 MX named accumulators (an array of them made GCC
+// store every one to memory after each dot instruction)
 template <int MX>
 SRT_TARGET_W8A8 void tile_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const int8_t* q, int64_t ldq,
-                               const int32_t* offset, int32_t* dots) {
-  __m512i acc[kRows][MX];
-  for (int r = 0; r < kRows; ++r)
-    for (int i = 0; i < MX; ++i) acc[r][i] = _mm512_setzero_si512();
+                               const int32_t* offset, int32_t* dots, int64_t ldd) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  __m512i c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
   const uint8_t* codes = g + kHeader;
   const uint8_t* ahead = codes + kPrefetchGroups * gbytes;
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t* wp = codes + p * kRows * kPair;
     for (int64_t off = 0; off < kRows * kPair; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + p * kRows * kPair + off), _MM_HINT_T0);
-    __m512i wv[kRows];
-    for (int r = 0; r < kRows; ++r) wv[r] = _mm512_loadu_si512(wp + r * kPair);
-    for (int i = 0; i < MX; ++i) {
-      const __m512i xv = _mm512_loadu_si512(q + i * ldq + p * kPair);
-      for (int r = 0; r < kRows; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], wv[r], xv);
+    const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + kPair);
+    const __m512i w2 = _mm512_loadu_si512(wp + 2 * kPair), w3 = _mm512_loadu_si512(wp + 3 * kPair);
+    const int8_t* qp = q + p * kPair;
+    const __m512i x0 = _mm512_loadu_si512(qp);
+    SRT_W8A8_ROW(a, x0);
+    if constexpr (MX > 1) {
+      const __m512i x1 = _mm512_loadu_si512(qp + ldq);
+      SRT_W8A8_ROW(b, x1);
+    }
+    if constexpr (MX > 2) {
+      const __m512i x2 = _mm512_loadu_si512(qp + 2 * ldq);
+      SRT_W8A8_ROW(c, x2);
+    }
+    if constexpr (MX > 3) {
+      const __m512i x3 = _mm512_loadu_si512(qp + 3 * ldq);
+      SRT_W8A8_ROW(d, x3);
     }
   }
-  for (int i = 0; i < MX; ++i)
-    for (int r = 0; r < kRows; ++r) dots[i * kRows + r] = _mm512_reduce_add_epi32(acc[r][i]) - offset[i];
+  SRT_W8A8_STORE(a, 0);
+  if constexpr (MX > 1) { SRT_W8A8_STORE(b, 1); }
+  if constexpr (MX > 2) { SRT_W8A8_STORE(c, 2); }
+  if constexpr (MX > 3) { SRT_W8A8_STORE(d, 3); }
 }
+#undef SRT_W8A8_ROW
+#undef SRT_W8A8_STORE
 
 void dots_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const TokenCodes& t, int64_t i0, int64_t i1,
-               int32_t* dots) {
-  for (int64_t i = i0; i < i1; i += kXRows) {
+               int32_t* dots, int64_t ldd) {
+  for (int64_t i = i0; i < i1; i += 4) {
     const int8_t* q = t.q.data() + i * t.ldq;
     const int32_t* off = t.offset.data() + i;
-    int32_t* d = dots + (i - i0) * kRows;
-    switch (std::min<int64_t>(kXRows, i1 - i)) {
-      case 1: tile_vnni<1>(g, P, gbytes, q, t.ldq, off, d); break;
-      case 2: tile_vnni<2>(g, P, gbytes, q, t.ldq, off, d); break;
-      case 3: tile_vnni<3>(g, P, gbytes, q, t.ldq, off, d); break;
-      case 4: tile_vnni<4>(g, P, gbytes, q, t.ldq, off, d); break;
-      case 5: tile_vnni<5>(g, P, gbytes, q, t.ldq, off, d); break;
-      default: tile_vnni<6>(g, P, gbytes, q, t.ldq, off, d); break;
+    int32_t* d = dots + (i - i0) * ldd;
+    switch (std::min<int64_t>(4, i1 - i)) {
+      case 1: tile_vnni<1>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
+      case 2: tile_vnni<2>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
+      case 3: tile_vnni<3>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
+      default: tile_vnni<4>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
     }
   }
 }
@@ -211,33 +280,40 @@ at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64
   const float* bp = checked_bias(op, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const TokenCodes t = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K);
+  const TokenCodes t = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, !scalar);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t gbytes = group_bytes(K);
   float* y = out.data_ptr<float>();
-  for (int64_t c0 = 0; c0 < M; c0 += kXChunk) {
-    const int64_t c1 = std::min(M, c0 + kXChunk);
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-      int32_t dots[kXChunk * kRows];
-      for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* grp = w + g * gbytes;
+  const int64_t blocks = (G + kBlockGroups - 1) / kBlockGroups;
+  // activation rows per pass: their codes in about 512 KiB (a core's L2 share), 16 to kXChunk
+  const int64_t chunk = std::clamp<int64_t>((512 << 10) / t.ldq, 16, kXChunk);
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t c1 = std::min(M, c0 + chunk);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      constexpr int64_t ldd = kBlockGroups * kRows;  // one block's outputs of an activation row
+      int32_t dots[kXChunk * ldd];
+      float dw[ldd];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t ga = b * kBlockGroups, gz = std::min(G, ga + kBlockGroups);
+        for (int64_t g = ga; g < gz; ++g) {
+          const uint8_t* grp = w + g * gbytes;
+          std::memcpy(dw + (g - ga) * kRows, grp, kRows * sizeof(float));
 #if SRT_CPU_X86
-        if (!scalar) {
-          dots_vnni(grp, P, gbytes, t, c0, c1, dots);
-        } else {
-          dots_scalar(grp, P, t, c0, c1, dots);
-        }
+          if (!scalar) {
+            dots_vnni(grp, P, gbytes, t, c0, c1, dots + (g - ga) * kRows, ldd);
+          } else {
+            dots_scalar(grp, P, t, c0, c1, dots + (g - ga) * kRows, ldd);
+          }
 #else
-        dots_scalar(grp, P, t, c0, c1, dots);
+          dots_scalar(grp, P, t, c0, c1, dots + (g - ga) * kRows, ldd);
 #endif
-        const int64_t n = g * kRows, rows = std::min(kRows, N - n);
-        for (int64_t r = 0; r < rows; ++r) {
-          float dw;
-          std::memcpy(&dw, grp + r * sizeof(float), sizeof(float));
-          for (int64_t i = c0; i < c1; ++i) {
-            float v = static_cast<float>(dots[(i - c0) * kRows + r]) * (t.scale[i] * dw);
-            if (bp != nullptr) v += bp[n + r];
-            y[i * N + n + r] = v;
+        }
+        const int64_t n0 = ga * kRows, cols = std::min(N, gz * kRows) - n0;
+        for (int64_t i = c0; i < c1; ++i) {
+          float* yi = y + i * N + n0;
+          const int32_t* di = dots + (i - c0) * ldd;
+          for (int64_t c = 0; c < cols; ++c) {
+            yi[c] = static_cast<float>(di[c]) * (t.scale[i] * dw[c]) + (bp != nullptr ? bp[n0 + c] : 0.f);
           }
         }
       }
