@@ -87,13 +87,23 @@ def resolve_weight_dtype(
     device: str,
     linear_backend: str,
     dequantized: bool = False,
+    codes_in_bf16: bool = False,
 ) -> str:
     """``--weight-dtype``: auto is bfloat16 where ``--dtype auto`` served a bf16 checkpoint in float32
     on the native linear backend (a CPU without bf16 arithmetic: the checkpoint's values stored in
     bf16, widened to float32 in registers), else the model dtype; bfloat16 given by hand needs float32
     activations on CPU, that backend and a bf16 checkpoint. ``dequantized``: a quantized checkpoint
-    dequantized at load, whose values bf16 would round (auto: the model dtype; bfloat16 refused).
-    ``ConfigError`` otherwise."""
+    dequantized at load, whose values bf16 would round (auto: the model dtype; bfloat16 refused),
+    unless ``codes_in_bf16``: an FP8 checkpoint with a scale a row or a tensor, whose layers keep
+    their float8 codes (exact in bf16) and scale their outputs, served like a bf16 checkpoint (auto:
+    bfloat16 storage under the conditions above). ``ConfigError`` otherwise."""
+    if codes_in_bf16 and dtype == "float32" and requested in ("auto", "bfloat16"):
+        exact = checkpoint_dtype(model_path) == "bfloat16" and device == "cpu" and linear_backend == "native"
+        if exact:
+            logger.info(
+                "--weight-dtype %s: bfloat16 (the FP8 codes, exact in bf16; scales on the outputs)", requested
+            )
+            return "bfloat16"
     if dequantized and requested == "bfloat16" and dtype == "float32":
         raise ConfigError(
             "--weight-dtype bfloat16 would round a quantized checkpoint's dequantized weights; use auto."

@@ -31,7 +31,12 @@ from srt.configs.chat_templates import load_chat_template
 from srt.configs.cpu_dtype import resolve_cpu_dtype, resolve_weight_dtype
 from srt.configs.cpu_features import cpu_isa_cap, nvidia_driver_present
 from srt.configs.pooling_config import is_embedding_checkpoint
-from srt.configs.quant_config import keeps_blocks, read_quantization_config, resolve_quantization
+from srt.configs.quant_config import (
+    keeps_blocks,
+    parse_quantization,
+    read_quantization_config,
+    resolve_quantization,
+)
 from srt.configs.tls import check_tls_files
 from srt.utils.cpu_affinity import MAX_NICE, resolve_omp_bind
 from srt.utils.errors import ConfigError
@@ -126,9 +131,12 @@ def resolve_server_args(a: ResolvableArgs) -> None:
     _resolve_speculative(a)
     a.is_embedding = a.is_embedding or is_embedding_checkpoint(a.model_path)
     _resolve_weights(a)
-    dequantized = a.quantization == "none" and read_quantization_config(a.model_path) is not None
+    qc = read_quantization_config(a.model_path)
+    dequantized = a.quantization == "none" and qc is not None
+    scheme = parse_quantization(qc) if dequantized else None
+    fp8_codes = scheme is not None and scheme.fp8 and scheme.block is None  # ScaledRows at load
     a.weight_dtype = resolve_weight_dtype(
-        a.weight_dtype, a.dtype, dtype_auto, a.model_path, a.device, a.linear_backend, dequantized
+        a.weight_dtype, a.dtype, dtype_auto, a.model_path, a.device, a.linear_backend, dequantized, fp8_codes
     )
     _resolve_grammar(a)
     _check_serving(a)

@@ -36,7 +36,7 @@ from torch import nn
 
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 from srt.layers.parameter import copy_weight, empty_param, released_param
-from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight
+from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight, ScaledRows
 from srt.utils.errors import WeightLoadError
 
 
@@ -77,25 +77,42 @@ class Linear(nn.Module):
         # a W8A8 / FP8_DYNAMIC checkpoint's layer: its inputs quantized per token first
         # ("int8" / "fp8": fake_quant_rows), else None
         self.token_quant: str | None = None
+        # an FP8 checkpoint's layer: its float8 codes are the weight, each output row is multiplied
+        # by its scale (ScaledRows); float32 [out_features], 1 for rows loaded as plain floats
+        self.register_buffer("output_scale", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_quant is not None and not (self.qweight is not None and self.qweight.token_int8):
             x = fake_quant_rows(x, self.token_quant)  # else the int8 kernel quantizes x itself
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
+        if self.output_scale is not None:  # FP8 codes as the weight: (x @ codes.T) * scale + bias
+            out = self.linear_backend.apply(x, self.weight, None, self.packed_weight)
+            scaled = out * self.output_scale  # in float32 for a bf16 model too, then back
+            return (scaled if self.bias is None else scaled + self.bias).to(out.dtype)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)
 
-    def load_quantized(self, loaded: GGUFTensor, name: str = "weight") -> None:
-        """Take the whole weight as GGUF blocks (``[out, in]``)."""
+    def load_quantized(self, loaded: GGUFTensor | ScaledRows, name: str = "weight") -> None:
+        """Take the whole weight as GGUF blocks or scaled rows (``[out, in]``)."""
         self._load_rows(0, loaded, name)
 
-    def _load_rows(self, row_offset: int, loaded: GGUFTensor | torch.Tensor, name: str) -> None:
-        """Place a weight part (GGUF blocks or float32 ``[rows, in]``) at ``row_offset``."""
+    def _load_rows(self, row_offset: int, loaded: GGUFTensor | ScaledRows | torch.Tensor, name: str) -> None:
+        """Place a weight part (GGUF blocks, scaled rows or float32 ``[rows, in]``) at ``row_offset``."""
+        if isinstance(loaded, ScaledRows):
+            if self.qweight is not None:  # beside GGUF blocks: its exact values as float rows
+                self.qweight.add(row_offset, loaded.value(), name)
+                return
+            if self.output_scale is None:  # rows loaded as plain floats keep the scale 1
+                self.output_scale = torch.ones(self.out_features, device=self.weight.device)
+            self.output_scale[row_offset : row_offset + loaded.shape[0]] = loaded.scale
+            loaded = loaded.codes
         if self.qweight is None and not isinstance(loaded, GGUFTensor):
             copy_weight(self.weight.narrow(0, row_offset, loaded.shape[0]), loaded, name)
             self._float_rows.append((row_offset, loaded.shape[0]))
             return
         if self.qweight is None:
+            if self.output_scale is not None:
+                raise WeightLoadError(f"weight {name}: GGUF blocks and FP8 scaled rows in one layer")
             self.qweight = QuantizedWeight(self.out_features, self.in_features)
             for offset, n in self._float_rows:
                 self.qweight.add(offset, self.weight.data[offset : offset + n].clone(), name)

@@ -50,6 +50,25 @@ INT8_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
+class ScaledRows:
+    """A checkpoint matrix ``[rows, cols]`` as exact values times one float32 scale a row: an FP8
+    layer's float8 codes (``codes``, float32, every one exact in bf16 as well) and its row's (or
+    tensor's) scale (``scale [rows]``). A ``Linear`` keeps the codes as its weight and multiplies
+    its outputs by the scales (``Linear.output_scale``)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def value(self) -> torch.Tensor:
+        """The matrix itself, float32 (exact: an 4-bit-mantissa code times a float32 scale)."""
+        return self.codes * self.scale.unsqueeze(1)
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFTensor:
     """A checkpoint matrix ``[rows, cols]`` kept as GGUF blocks of ggml type ``qtype``:
     ``data`` is ``uint8 [rows, cols / block_size * type_size]``, row-major, the file's bytes."""

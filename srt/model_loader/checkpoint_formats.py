@@ -18,8 +18,10 @@ group of ``K/G`` columns) and ``zero`` float32 ``[N, G]`` or None, meaning the v
   column's group); value ``(q - z[g_idx]) * s[g_idx]``. Groups that are not runs of columns
   (activation order) read with one group a column.
 - FP8 (compressed-tensors float-quantized, or transformers' fine-grained ``fp8``): ``weight``
-  float8_e4m3 ``[N, K]`` with ``weight_scale`` (one a row or a tensor) or ``weight_scale_inv``
-  (one a block of ``weight_block_size``, edge blocks cut); read as float32 values directly.
+  float8_e4m3 ``[N, K]`` with ``weight_scale`` (one a row or a tensor): read as the codes and
+  a scale a row (``ScaledRows``: the layer keeps the codes, exact in bf16, and scales its outputs);
+  or with ``weight_scale_inv`` (one a block of ``weight_block_size``, edge blocks cut): read as
+  float32 values.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from srt.configs.quant_config import AWQ, GPTQ, QuantScheme
+from srt.layers.quantized_weight import ScaledRows
 from srt.utils.errors import WeightLoadError
 
 _AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # field i of an AWQ word holds column (0 2 4 6 1 3 5 7)[i]
@@ -63,15 +66,16 @@ def needed(scheme: QuantScheme) -> set[str]:
     return need
 
 
-def fp8_values(prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
-    """float8 codes times their row's, tensor's or block's scale: float32 ``[N, K]``, exact."""
+def fp8_values(prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor | ScaledRows:
+    """float8 codes and their row's or tensor's scale (``ScaledRows``: the codes float32, exact), or
+    times their block's scale: float32 ``[N, K]``, exact."""
     codes = parts["weight"].float()
     n, k = codes.shape
     if scheme.block is None:
         scale = parts["weight_scale"].float()
         if scale.numel() not in (1, n):
             raise WeightLoadError(f"{prefix}.weight_scale: {scale.numel()} scales for {n} rows")
-        return codes * scale.reshape(-1, 1)
+        return ScaledRows(codes, scale.reshape(-1).expand(n).contiguous())
     bn, bk = scheme.block
     scale = parts["weight_scale_inv"].float()
     if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):

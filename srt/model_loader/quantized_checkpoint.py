@@ -26,7 +26,7 @@ import torch
 from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
-from srt.layers.quantized_weight import GGUFTensor
+from srt.layers.quantized_weight import GGUFTensor, ScaledRows
 from srt.model_loader import checkpoint_formats as formats
 from srt.models.llama import STACKED_PARAMS
 from srt.utils.errors import WeightLoadError
@@ -50,7 +50,7 @@ def convert_weights(
     scheme: QuantScheme,
     keep_blocks: bool,
     done: set[str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor | ScaledRows]]:
     """The checkpoint's tensors with every quantized layer's set turned into its ``weight`` (see the
     module docstring); other tensors pass unchanged. ``done`` collects the quantized layers'
     checkpoint names (``model.layers.0.self_attn.q_proj``)."""
@@ -134,7 +134,7 @@ def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme)
 
 def _convert(
     prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme, keep_blocks: bool
-) -> torch.Tensor | GGUFTensor:
+) -> torch.Tensor | GGUFTensor | ScaledRows:
     """One layer's tensors -> GGUF blocks or a float32 matrix."""
     if scheme.fp8:
         return formats.fp8_values(prefix, parts, scheme)

@@ -143,6 +143,9 @@ def _add_layer(
     ]
     if any(kinds):  # a W8A8 / FP8_DYNAMIC checkpoint's layers
         stack.set_token_quant(kinds + [0] * (4 - len(kinds)))
+    scales = [p.output_scale for p in projections]
+    if any(s is not None for s in scales):  # an FP8 checkpoint's layers: float8 codes, scaled outputs
+        stack.set_output_scales(scales + [None] * (4 - len(scales)))
 
 
 class NativeDecodeLayers:

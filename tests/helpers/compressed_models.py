@@ -124,6 +124,7 @@ def save_compressed(model, path: str | os.PathLike, scheme: str) -> str:
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(scheme)
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")  # as llm-compressor writes it
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return path

@@ -10,16 +10,20 @@ MAX_NEW_TOKENS = 12
 GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
-def serve_and_match(path: str, batch: list, load_ref, served_as: str | None, **engine_kw) -> None:
+def serve_and_match(
+    path: str, batch: list, load_ref, served_as: str | None, weight_dtype: str = "float32", **engine_kw
+) -> None:
     """Greedy tokens of ``batch`` through the Engine on ``path`` equal ``load_ref()``'s (near-tie
-    rule); ``served_as``: the resolved --quantization, with float32 activations and weights."""
+    rule); ``served_as``: the resolved --quantization, with float32 activations and the weights
+    stored in ``weight_dtype`` (bfloat16 only where that holds the checkpoint's values exactly: a
+    bf16 checkpoint's float tensors, FP8 codes)."""
     llm = Engine(
         model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning", **engine_kw
     )
     try:
         if served_as is not None:
             assert (llm.server_args.quantization, llm.server_args.dtype) == (served_as, "float32")
-            assert llm.server_args.weight_dtype == "float32"  # no rounding of the dequantized values
+            assert llm.server_args.weight_dtype == weight_dtype
         outs = llm.generate(input_ids=batch, sampling_params=GREEDY)
     finally:
         llm.shutdown()

@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (W8A8, W8A16, W4A16 symmetric and with zero points; FP8_DYNAMIC
-and FP8, dequantized at load) served with default flags: int8 / int4 layers kept as GGUF blocks on
-srt's kernels, float32 activations (W8A8's and FP8_DYNAMIC's quantized per token first),
+and FP8, their float8 codes kept in bf16 and the outputs scaled per row) served with default
+flags: int8 / int4 layers kept as GGUF blocks on srt's kernels (W8A8's on the int8 kernel where
+the CPU has VNNI), float32 activations (W8A8's and FP8_DYNAMIC's quantized per token first),
 greedy tokens equal to the reference's up to the near-tie rule, through the real Engine.
 
 The reference is transformers' own load of the folder (through compressed-tensors: weights
@@ -103,8 +104,9 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
             torch.testing.assert_close(
                 ref(ids).logits, _reference_model(path)(ids).logits, rtol=1e-4, atol=1e-4
             )
-    kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: dequantized at load
-    serve_and_match(path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, kept)
+    kept = "none" if scheme in FP8_SCHEMES else "compressed-tensors"  # FP8: codes and scales at load
+    # the bf16 checkpoint's float tensors (and FP8's codes) stored as they are, in bf16
+    serve_and_match(path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, kept, "bfloat16")
 
 
 @pytest.mark.parametrize("scheme", BLOCK_SCHEMES)

@@ -133,6 +133,23 @@ def test_compare_servers_pairs_a_shape_with_its_peer():
     with pytest.raises(SystemExit):
         parse_args(["--shape", "qwen2.5-1.5b", "--servers", "srt,llamacpp"])
     assert parse_args([]).servers == ["srt", "vllm", "llamacpp"]
+    assert parse_args(["--shape", "qwen2.5-1.5b-bf16", "--scheme", "w8a8"]).scheme == "w8a8"
+    for bad in (["--scheme", "w8a8"], ["--shape", "llama-3.1-8b-q4km", "--scheme", "w4a16"]):
+        with pytest.raises(SystemExit):  # a quantized checkpoint is written from an hf shape
+            parse_args(bad)
+
+
+def test_a_quantized_checkpoints_read_bytes_are_its_tensors_but_the_embedding(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from benchmarks.quantized_checkpoint import decode_read_bytes
+
+    save_file({"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.bfloat16),
+               "lm_head.weight": torch.zeros(100, 8, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))  # fmt: skip
+    save_file({"q.weight": torch.zeros(16, 8, dtype=torch.int8), "q.weight_scale": torch.zeros(16, 1)},
+              str(tmp_path / "b.safetensors"))  # fmt: skip
+    assert decode_read_bytes(str(tmp_path)) == 100 * 8 * 2 + 16 * 8 + 16 * 4
 
 
 def test_bounds_are_the_best_of_the_samples():

@@ -267,16 +267,16 @@ def test_default_model_float32_copies_native_equals_python():
 
 @pytest.mark.parametrize("scheme,kind", [("w8a8", "int8"), ("fp8_dynamic", "fp8")])
 def test_token_quantized_checkpoint_native_equals_python(tmp_path, scheme, kind):
-    """compressed-tensors W8A8 (Q8_0 blocks) and FP8_DYNAMIC (dequantized, packed float32)
-    checkpoints: each layer's inputs quantized per token first, in the stack through the same ATen
-    ops as the Python path."""
+    """compressed-tensors W8A8 (the int8 kernel, or Q8_0 blocks) and FP8_DYNAMIC (the float8 codes
+    in bf16 panels, outputs scaled per row; Qwen2's qkv bias added after) checkpoints: each layer's
+    inputs quantized per token first, in the stack through the same ATen ops as the Python path."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoint")
     from tests.helpers.compressed_models import save_compressed
 
     path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / scheme, scheme)
-    # FP8's dequantized float32 weights packed for srt's kernel (what AVX2 CPUs get by default)
     runner = _runner(path, dtype="auto", gguf_float32_rows=0, linear_backend="native")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert (qkv.qweight is not None) == (kind == "int8") and qkv.token_quant == kind
+    assert (qkv.output_scale is not None) == (kind == "fp8")
     assert runner.model.model.native_decode is not None
     _decode_both_ways(runner, [1, 5, 300, 17], seed=3)

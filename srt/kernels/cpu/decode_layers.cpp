@@ -94,9 +94,21 @@ struct QuantLinear {
   std::vector<Segment> segments;
   c10::optional<at::Tensor> bias;
   int64_t token_quant = 0;  // 0, kInt8 (W8A8) or kFp8 (FP8_DYNAMIC): set_token_quant
+  // an FP8 layer's scale of each output row (its weight holds the float8 codes): Linear.output_scale
+  c10::optional<at::Tensor> out_scale;
 
   at::Tensor apply(const at::Tensor& x_in, int64_t int8_max_rows) const {
     const at::Tensor x = token_quant != 0 ? fake_quant_rows(x_in, token_quant) : x_in;
+    if (out_scale.has_value()) {  // as Linear.forward, the same ATen ops: (x @ codes.T) * scale + bias
+      const at::Tensor out = apply_segments(x, int8_max_rows, c10::nullopt);
+      at::Tensor scaled = out * *out_scale;
+      if (bias.has_value()) scaled = scaled + *bias;
+      return scaled.to(out.scalar_type());
+    }
+    return apply_segments(x, int8_max_rows, bias);
+  }
+
+  at::Tensor apply_segments(const at::Tensor& x, int64_t int8_max_rows, const c10::optional<at::Tensor>& bias) const {
     if (segments.size() == 1) return segments[0].apply(x, int8_max_rows, bias);
     std::vector<at::Tensor> parts;
     parts.reserve(segments.size());
@@ -297,6 +309,21 @@ class DecodeLayers : public torch::CustomClassHolder {
     l.down.token_quant = kinds[3];
   }
 
+  // The last added layer's projections' output scales (qkv, o, gate_up, down; None: none), an FP8
+  // checkpoint's (Linear.output_scale).
+  void set_output_scales(std::vector<c10::optional<at::Tensor>> scales) {
+    TORCH_CHECK(!layers_.empty() && scales.size() == 4, "DecodeLayers: set_output_scales takes 4 after add_layer");
+    Layer& l = layers_.back();
+    QuantLinear* projections[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) {
+      if (scales[i].has_value()) {
+        TORCH_CHECK(scales[i]->scalar_type() == at::kFloat && scales[i]->is_contiguous() && scales[i]->dim() == 1,
+                    "DecodeLayers: an output scale is a contiguous float32 vector");
+      }
+      projections[i]->out_scale = scales[i];
+    }
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& positions,
@@ -371,6 +398,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
       .def("add_layer", &srt_cpu::DecodeLayers::add_layer)
       .def("set_moe", &srt_cpu::DecodeLayers::set_moe)
       .def("set_token_quant", &srt_cpu::DecodeLayers::set_token_quant)
+      .def("set_output_scales", &srt_cpu::DecodeLayers::set_output_scales)
       .def("num_layers", &srt_cpu::DecodeLayers::num_layers)
       .def("forward", &srt_cpu::DecodeLayers::forward);
 }

@@ -51,6 +51,7 @@ namespace {
 
 constexpr int64_t kBlock = 32, kBlockBytes = gguf_simple::kSizeQ8_0;
 constexpr int64_t kRows = 4, kPair = 64, kHeader = 16;  // a group: 4 rows, 4 float32 scales first
+constexpr int64_t kXRows = 4;     // activation rows a tile (6 made GCC spill accumulators)
 constexpr int64_t kXChunk = 128;                         // at most this many activation rows a pass
 constexpr int64_t kBlockGroups = 16;  // groups per task: 64 outputs of a row written together
 constexpr int64_t kMaxK = 65536;
@@ -180,8 +181,9 @@ SRT_TARGET_W8A8 inline int32_t lane_sum(__m512i v) {
   dots[(i) * ldd + 3] = lane_sum(acc##3) - offset[i]
 
 // one group by MX (1 to 4) activation rows, 4 MX named accumulators (an array of them made GCC
-// store every one to memory after each dot instruction)
-template <int MX>
+// store every one to memory after each dot instruction); PF: the group's first tile, which
+// prefetches the group kPrefetchGroups ahead (the others find the group's codes in L1)
+template <int MX, bool PF>
 SRT_TARGET_W8A8 void tile_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const int8_t* q, int64_t ldq,
                                const int32_t* offset, int32_t* dots, int64_t ldd) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -190,8 +192,10 @@ SRT_TARGET_W8A8 void tile_vnni(const uint8_t* g, int64_t P, int64_t gbytes, cons
   const uint8_t* ahead = codes + kPrefetchGroups * gbytes;
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t* wp = codes + p * kRows * kPair;
-    for (int64_t off = 0; off < kRows * kPair; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + p * kRows * kPair + off), _MM_HINT_T0);
+    if constexpr (PF) {
+      for (int64_t off = 0; off < kRows * kPair; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p * kRows * kPair + off), _MM_HINT_T0);
+    }
     const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + kPair);
     const __m512i w2 = _mm512_loadu_si512(wp + 2 * kPair), w3 = _mm512_loadu_si512(wp + 3 * kPair);
     const int8_t* qp = q + p * kPair;
@@ -218,17 +222,27 @@ SRT_TARGET_W8A8 void tile_vnni(const uint8_t* g, int64_t P, int64_t gbytes, cons
 #undef SRT_W8A8_ROW
 #undef SRT_W8A8_STORE
 
+template <bool PF>
+void tile_rows(int64_t mx, const uint8_t* g, int64_t P, int64_t gbytes, const int8_t* q, int64_t ldq,
+               const int32_t* off, int32_t* d, int64_t ldd) {
+  switch (mx) {
+    case 1: tile_vnni<1, PF>(g, P, gbytes, q, ldq, off, d, ldd); break;
+    case 2: tile_vnni<2, PF>(g, P, gbytes, q, ldq, off, d, ldd); break;
+    case 3: tile_vnni<3, PF>(g, P, gbytes, q, ldq, off, d, ldd); break;
+    default: tile_vnni<4, PF>(g, P, gbytes, q, ldq, off, d, ldd); break;
+  }
+}
+
 void dots_vnni(const uint8_t* g, int64_t P, int64_t gbytes, const TokenCodes& t, int64_t i0, int64_t i1,
                int32_t* dots, int64_t ldd) {
-  for (int64_t i = i0; i < i1; i += 4) {
+  for (int64_t i = i0; i < i1; i += kXRows) {
+    const int64_t mx = std::min<int64_t>(kXRows, i1 - i);
     const int8_t* q = t.q.data() + i * t.ldq;
-    const int32_t* off = t.offset.data() + i;
     int32_t* d = dots + (i - i0) * ldd;
-    switch (std::min<int64_t>(4, i1 - i)) {
-      case 1: tile_vnni<1>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
-      case 2: tile_vnni<2>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
-      case 3: tile_vnni<3>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
-      default: tile_vnni<4>(g, P, gbytes, q, t.ldq, off, d, ldd); break;
+    if (i == i0) {
+      tile_rows<true>(mx, g, P, gbytes, q, t.ldq, t.offset.data() + i, d, ldd);
+    } else {
+      tile_rows<false>(mx, g, P, gbytes, q, t.ldq, t.offset.data() + i, d, ldd);
     }
   }
 }
