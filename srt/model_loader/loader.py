@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 from torch import nn
@@ -119,6 +120,8 @@ def get_model(
     model.eval()
     model.requires_grad_(False)
     prepare_weights(model)
+    if linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16:
+        _store_embeddings_bf16(model)
     if moved := use_int8_kernels(model):
         logger.info("W8A8: %d linear layers on the int8 kernel (inputs quantized per token in it)", moved)
     if int8_activations:
@@ -142,6 +145,23 @@ def get_model(
         quantized_summary(model),
     )
     return model
+
+
+def _store_embeddings_bf16(model: nn.Module) -> None:
+    """With bf16 weight storage (a bf16 checkpoint served with float32 activations) the embedding
+    table is kept in bf16 too (``VocabEmbedding.store_bf16``), unless it is kept as GGUF blocks or
+    shared with the LM head."""
+    shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for m in model.modules():
+        if (
+            isinstance(m, VocabEmbedding)
+            and m.qweight is None
+            and m.packed_rows is None
+            and m.weight.dtype == torch.float32
+            and not m.weight.is_meta
+            and shared[id(m.weight)] == 1
+        ):
+            m.store_bf16()
 
 
 def matmul_qweights(model: nn.Module) -> list[QuantizedWeight]:

@@ -118,6 +118,8 @@ def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, 
 
     path = _checkpoint(tmp_path, scheme)
     runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=512, gguf_float32_rows=0).resolve())
+    # the bf16 checkpoint's embedding table kept in bf16 (its rows widened to float32 when looked up)
+    assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     layer = runner.model.model.layers[0]
     for proj in (
         layer.self_attn.qkv_proj,

@@ -236,4 +236,7 @@ def test_quantized_checkpoint_packs_codes_as_compressed_tensors_does():
         tensors = qc._layer_tensors(cfg, 0, scheme, gen)
         got = dict(convert_weights(tensors.items(), parse_quantization(qc.quantization_config(scheme)), True))
         w = got["model.layers.0.mlp.down_proj.weight"]
-        assert (w.rows, w.cols, w.qtype) == (256, 512, 2 if scheme == "w4a16" else 8)
+        if scheme == "fp8_dynamic":  # float8 codes and a scale a row
+            assert tuple(w.codes.shape) == (256, 512) and tuple(w.scale.shape) == (256,)
+        else:
+            assert (w.rows, w.cols, w.qtype) == (256, 512, 2 if scheme == "w4a16" else 8)
