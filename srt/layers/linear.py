@@ -67,9 +67,15 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = empty_param(out_features, in_features, dtype=dtype)
-        self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.linear_backend = linear_backend or TORCH_LINEAR
+        # a backend storing float32 weights in bf16 (a bf16 checkpoint served with float32
+        # activations) gets them in bf16 from the start: the checkpoint's values, and no float32
+        # copy of the whole model in memory before packing
+        storage = getattr(self.linear_backend, "weight_dtype", None)
+        float32 = (dtype or torch.get_default_dtype()) == torch.float32
+        wdtype = torch.bfloat16 if storage == torch.bfloat16 and float32 else dtype
+        self.weight = empty_param(out_features, in_features, dtype=wdtype)
+        self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None
         self.register_buffer("packed_weight", None, persistent=False)
         self.qweight: QuantizedWeight | None = None  # set when the loader gives GGUF blocks

@@ -69,8 +69,9 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
     packed = linear.packed_weight
     if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype not in _DTYPES:
         return None
+    # the bias in the activations' dtype: the weight's, or float32 for bf16 storage of a float32 model
     if linear.bias is not None and (
-        linear.bias.dtype != linear.weight.dtype or not linear.bias.is_contiguous()
+        linear.bias.dtype not in (linear.weight.dtype, torch.float32) or not linear.bias.is_contiguous()
     ):
         return None
     return [(packed, PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32, linear.out_features)]
