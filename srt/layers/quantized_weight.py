@@ -42,8 +42,8 @@ from srt.utils.errors import WeightLoadError
 
 F32_TYPE = 0  # ggml's type id of float32
 Q8_0_TYPE = 8
-# native_segments' type of a token_int8 weight (Q8_0 rows on gguf_linear_w8a8): not a ggml type,
-# decode_layers.cpp's kW8A8
+# native_segments' type of a token_int8 weight (gguf_pack_w8a8's groups on gguf_linear_w8a8): not a
+# ggml type, decode_layers.cpp's kW8A8
 W8A8_TYPE = -3
 # int8 activations pay off up to about 8 rows (bench_gguf_linear --q8a); above, the float32 paths
 INT8_MAX_ROWS = 8
@@ -64,7 +64,7 @@ class ScaledRows:
         return self.codes.shape
 
     def value(self) -> torch.Tensor:
-        """The matrix itself, float32 (exact: an 4-bit-mantissa code times a float32 scale)."""
+        """The matrix itself, float32 (exact: a 4-bit-mantissa code times a float32 scale)."""
         return self.codes * self.scale.unsqueeze(1)
 
 

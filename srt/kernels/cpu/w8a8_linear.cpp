@@ -26,8 +26,9 @@
 // sum w q + 128 sum q, and 128 sum q is one number per activation row. A tile is one group (4
 // weight rows, one 64-byte load each per pair) by up to 4 activation rows: 16 accumulators, the
 // group's codes read again from L1 for each 4 activation rows.
-// Threads take groups; activation rows go in chunks of 128 so that a chunk's codes stay in cache
-// while every group passes over them.
+// Threads take blocks of 16 groups (a row's 64 outputs written together); activation rows go in
+// chunks whose codes fit about 512 KiB (at most 128 rows), which stay in cache while every group
+// passes over them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -159,15 +160,6 @@ void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, i
 }
 
 #if SRT_CPU_X86
-// the sum of the 16 int32 lanes (explicit halvings: GCC's _mm512_reduce_add_epi32 made it keep
-// every accumulator of the tile in memory as well, a store per dot instruction)
-SRT_TARGET_W8A8 inline int32_t lane_sum(__m512i v) {
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  const __m128i d = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
-  return _mm_cvtsi128_si32(_mm_add_epi32(d, _mm_shuffle_epi32(d, 1)));
-}
-
 // 4 accumulators of one activation row against the group's 4 weight rows
 #define SRT_W8A8_ROW(acc, x)                       \
   acc##0 = _mm512_dpbusd_epi32(acc##0, w0, x);      \
@@ -175,10 +167,10 @@ SRT_TARGET_W8A8 inline int32_t lane_sum(__m512i v) {
   acc##2 = _mm512_dpbusd_epi32(acc##2, w2, x);      \
   acc##3 = _mm512_dpbusd_epi32(acc##3, w3, x)
 #define SRT_W8A8_STORE(acc, i)                          \
-  dots[(i) * ldd] = lane_sum(acc##0) - offset[i];       \
-  dots[(i) * ldd + 1] = lane_sum(acc##1) - offset[i];   \
-  dots[(i) * ldd + 2] = lane_sum(acc##2) - offset[i];   \
-  dots[(i) * ldd + 3] = lane_sum(acc##3) - offset[i]
+  dots[(i) * ldd] = _mm512_reduce_add_epi32(acc##0) - offset[i];       \
+  dots[(i) * ldd + 1] = _mm512_reduce_add_epi32(acc##1) - offset[i];   \
+  dots[(i) * ldd + 2] = _mm512_reduce_add_epi32(acc##2) - offset[i];   \
+  dots[(i) * ldd + 3] = _mm512_reduce_add_epi32(acc##3) - offset[i]
 
 // one group by MX (1 to 4) activation rows, 4 MX named accumulators (an array of them made GCC
 // store every one to memory after each dot instruction); PF: the group's first tile, which
@@ -258,7 +250,7 @@ at::Tensor gguf_pack_w8a8(const at::Tensor& data) {
               op, ": data must be contiguous uint8 Q8_0 rows [N, bytes per row]");
   const int64_t N = data.size(0), bpr = data.size(1);
   TORCH_CHECK(bpr > 0 && bpr % kBlockBytes == 0, op, ": Q8_0 rows take a multiple of 34 bytes, got ", bpr);
-  const int64_t K = bpr / kBlockBytes * kBlock, P = pairs_of(K), G = (N + kRows - 1) / kRows;
+  const int64_t K = bpr / kBlockBytes * kBlock, G = (N + kRows - 1) / kRows;
   at::Tensor packed = at::zeros({G, group_bytes(K)}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -276,7 +268,6 @@ at::Tensor gguf_pack_w8a8(const at::Tensor& data) {
       }
     }
   });
-  (void)P;
   return packed;
 }
 
