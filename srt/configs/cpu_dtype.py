@@ -7,6 +7,14 @@ The dtype follows the checkpoint, as far as the CPU computes it fast:
     bfloat16 or float16                                       AVX2 only (or the bf16 probe failed)  float32
     float32, or none written                                  any                                  float32
     a GGUF file (the default model included)                  any                                  float32
+    quantized: int8 / int4 (compressed-tensors, AWQ, GPTQ),   any                                  float32
+      block FP8 (dequantized at load)
+    FP8 with a scale a row or a tensor                        as its declared dtype above
+
+An FP8 checkpoint's codes are exact in bf16 and its scales multiply the layers' outputs, so it is
+served like a checkpoint of its declared dtype: in bf16 on a CPU with bf16 arithmetic, the codes kept
+in one byte and widened to bf16 in cache (srt's fp8 linear, where the CPU has AVX512-VBMI) or in
+bf16 panels.
 
 bfloat16 halves the weights' memory and the bytes each decoded token reads, and runs batched
 matmuls on the CPU's bf16 units (srt's bf16 linear: ``vdpbf16ps`` for a few rows, oneDNN's brgemm,
@@ -29,7 +37,11 @@ import logging
 import os
 
 from srt.configs.cpu_features import cpu_bf16_units
-from srt.configs.quant_config import read_quantization_config
+from srt.configs.quant_config import (
+    UnsupportedQuantizationError,
+    parse_quantization,
+    read_quantization_config,
+)
 from srt.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -56,18 +68,33 @@ def checkpoint_dtype(model_path: str | None) -> str | None:
     return None
 
 
+def _fp8_codes(qc: dict) -> bool:
+    """An FP8 checkpoint with a scale a row or a tensor (its layers keep their float8 codes and scale
+    their outputs; a block-scaled one is dequantized to float32). A config srt cannot serve is
+    not one (its error comes where the quantization is resolved)."""
+    try:
+        scheme = parse_quantization(qc)
+    except UnsupportedQuantizationError:
+        return False
+    return scheme.fp8 and scheme.block is None
+
+
 def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None) -> tuple[str, str]:
     """``--dtype auto`` on CPU -> (dtype, why): see the module docstring. ``bf16_usable`` (a callable,
     default: the child-process probe) is asked only where the checkpoint and the CPU call for bf16."""
     if load_format == "gguf" or (model_path or "").endswith(".gguf") or not model_path:
         return "float32", "GGUF weights run on their own kernels with float32 activations"
-    if read_quantization_config(model_path) is not None:
+    qc = read_quantization_config(model_path)
+    fp8 = qc is not None and _fp8_codes(qc)
+    if qc is not None and not fp8:
         return (
             "float32",
             "the checkpoint's quantized layers run on srt's GGUF-block kernels with float32 activations",
         )
     declared = checkpoint_dtype(model_path)
-    if declared not in _HALF:
+    if fp8:  # its layers' codes are exact in bf16: served like the checkpoint's own dtype
+        declared = f"{declared} (FP8 codes, a scale a row)" if declared in _HALF else declared
+    if declared is None or not declared.startswith(_HALF):
         return "float32", f"the checkpoint is {declared or 'float32 (no dtype declared)'}"
     units = cpu_bf16_units()
     if units is None:

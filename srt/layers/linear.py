@@ -75,6 +75,7 @@ class Linear(nn.Module):
         float32 = (dtype or torch.get_default_dtype()) == torch.float32
         wdtype = torch.bfloat16 if storage == torch.bfloat16 and float32 else dtype
         self.weight = empty_param(out_features, in_features, dtype=wdtype)
+        self.plain_dtype = self.weight.dtype  # the weight's dtype unless FP8 codes are kept in one byte
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None
         self.register_buffer("packed_weight", None, persistent=False)
@@ -83,8 +84,10 @@ class Linear(nn.Module):
         # a W8A8 / FP8_DYNAMIC checkpoint's layer: its inputs quantized per token first
         # ("int8" / "fp8": fake_quant_rows), else None
         self.token_quant: str | None = None
-        # an FP8 checkpoint's layer: its float8 codes are the weight, each output row is multiplied
-        # by its scale (ScaledRows); float32 [out_features], 1 for rows loaded as plain floats
+        # an FP8 checkpoint's layer: its float8 codes are the weight (in one byte, float8_e4m3fn,
+        # where the backend computes on them: ``stores_fp8``; else in the weight's dtype, exact), each
+        # output row is multiplied by its scale (ScaledRows); float32 [out_features], 1 for rows
+        # loaded as plain floats
         self.register_buffer("output_scale", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,12 @@ class Linear(nn.Module):
             if self.output_scale is None:  # rows loaded as plain floats keep the scale 1
                 self.output_scale = torch.ones(self.out_features, device=self.weight.device)
             self.output_scale[row_offset : row_offset + loaded.shape[0]] = loaded.scale
+            if not self._float_rows and getattr(self.linear_backend, "stores_fp8", False):
+                # the first rows, FP8 codes: the weight (never touched yet) becomes one byte a code
+                self.weight = empty_param(self.out_features, self.in_features, dtype=torch.float8_e4m3fn)
             loaded = loaded.codes
+        elif self.weight.dtype == torch.float8_e4m3fn and not isinstance(loaded, GGUFTensor):
+            self._widen_codes()  # plain rows beside FP8 codes kept in one byte
         if self.qweight is None and not isinstance(loaded, GGUFTensor):
             copy_weight(self.weight.narrow(0, row_offset, loaded.shape[0]), loaded, name)
             self._float_rows.append((row_offset, loaded.shape[0]))
@@ -125,6 +133,10 @@ class Linear(nn.Module):
             self.weight = empty_param(0, self.in_features, dtype=self.weight.dtype)
         self.qweight.add(row_offset, loaded, name)
 
+    def _widen_codes(self) -> None:
+        """FP8 codes kept in one byte -> the weight's plain dtype (every code exact in bf16)."""
+        self.weight = nn.Parameter(self.weight.data.to(self.plain_dtype), requires_grad=False)
+
     def prepare_weights(self) -> None:
         """Once loading is done: finish a quantized weight, or let the backend prepack the float
         one, releasing the plain one when the backend needs the packed form alone."""
@@ -135,6 +147,9 @@ class Linear(nn.Module):
         if self.weight.is_meta:  # packed already; the plain weight was released
             return
         self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
+        if self.packed_weight is None and self.weight.dtype == torch.float8_e4m3fn:
+            self._widen_codes()  # codes the backend did not pack: F.linear takes them widened
+            self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
         if self.packed_weight is not None and self.linear_backend.packed_only:
             self.weight = released_param(self.weight)
 

@@ -149,8 +149,9 @@ class NativeLinear(LinearBackend):
     (``torch.ops.srt_cpu.bf16_linear``: bf16 activations on the CPU's bf16 dot products or oneDNN's
     brgemm, float32 ones widening the weights in registers; the output in the input's dtype).
     ``weight_dtype=torch.bfloat16`` packs float32 weights in bf16 too (a bf16 checkpoint served with
-    float32 activations on a CPU without bf16 arithmetic: half the bytes, the same values). The
-    plain weight of a packed layer is released (``packed_only``): autograd through it is refused.
+    float32 activations on a CPU without bf16 arithmetic: half the bytes, the same values). An FP8
+    checkpoint's float8_e4m3fn codes go in one byte a code (``torch.ops.srt_cpu.fp8_linear``, see
+    ``stores_fp8``). The plain weight of a packed layer is released (``packed_only``): autograd through it is refused.
     Needs the native kernels loaded: ``create_linear_backend`` checks that."""
 
     name = "native"
@@ -159,9 +160,18 @@ class NativeLinear(LinearBackend):
     def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
         self.weight_dtype = weight_dtype
 
+    @property
+    def stores_fp8(self) -> bool:
+        """Whether an FP8 checkpoint's codes stay in one byte (``torch.ops.srt_cpu.fp8_linear``
+        widens them to bf16 in cache, where the CPU does that on vectors: AVX512-VBMI); else a
+        ``Linear`` keeps them in its weight's dtype (bf16 storage: two bytes a code, exact)."""
+        return hasattr(torch.ops.srt_cpu, "fp8_fast") and bool(torch.ops.srt_cpu.fp8_fast())
+
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.device.type != "cpu" or weight.dim() != 2:
             return None
+        if weight.dtype == torch.float8_e4m3fn:  # an FP8 checkpoint's codes (stores_fp8)
+            return torch.ops.srt_cpu.pack_fp8_weight(weight.detach()) if weight.shape[1] % 2 == 0 else None
         if weight.dtype == torch.bfloat16 or (
             weight.dtype == torch.float32 and self.weight_dtype == torch.bfloat16
         ):
@@ -183,9 +193,14 @@ class NativeLinear(LinearBackend):
                 "Build the model with another linear backend for this."
             )
         x2 = x.reshape(-1, x.shape[-1])
-        if packed.dtype == torch.bfloat16:
+        if packed.dtype in (torch.bfloat16, torch.uint8):
             x2 = x2 if x2.dtype in (torch.bfloat16, torch.float32) else x2.float()
-            out = torch.ops.srt_cpu.bf16_linear(x2, packed, weight.shape[0], bias)
+            op = (
+                torch.ops.srt_cpu.bf16_linear
+                if packed.dtype == torch.bfloat16
+                else torch.ops.srt_cpu.fp8_linear
+            )
+            out = op(x2, packed, weight.shape[0], bias)
         else:
             b32 = None if bias is None else bias.float().contiguous()
             out = torch.ops.srt_cpu.packed_linear(x2.float(), packed, weight.shape[0], b32)

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 # pack_bf16_weight (decode_layers.cpp)
 PACKED_F32 = -1
 PACKED_BF16 = -2
+# an FP8 layer's codes in one byte (pack_fp8_weight, fp8_linear)
+PACKED_FP8 = -4
 # DecodeLayers.set_token_quant's kinds of Linear.token_quant
 TOKEN_QUANT_KINDS = {None: 0, "int8": 1, "fp8": 2}
 # activation dtypes of the native stack (a float32 model, a bf16 one)
@@ -59,7 +61,8 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
     """The ``(data, qtype, rows)`` segments of a projection as DecodeLayers.add_layer takes them:
     GGUF blocks of native types (one segment per type, in row order), or the native backend's
     packed weight of a float32 layer (float32 panels, ``PACKED_F32``, or bf16 ones with
-    ``--weight-dtype bfloat16``, ``PACKED_BF16``; rows = N); None when the projection has neither.
+    ``--weight-dtype bfloat16``, ``PACKED_BF16``, or an FP8 layer's codes in one byte,
+    ``PACKED_FP8``; rows = N); None when the projection has neither.
     ``float32``: a quantized weight's float32 copy instead of its blocks (None without one)."""
     if linear.qweight is not None:
         if float32:
@@ -67,14 +70,20 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
             return None if copy is None else [(copy, PACKED_F32, linear.out_features)]
         return linear.qweight.native_segments
     packed = linear.packed_weight
-    if linear.linear_backend.name != "native" or packed is None or linear.weight.dtype not in _DTYPES:
+    fp8 = linear.weight.dtype == torch.float8_e4m3fn
+    if (
+        linear.linear_backend.name != "native"
+        or packed is None
+        or not (fp8 or linear.weight.dtype in _DTYPES)
+    ):
         return None
     # the bias in the activations' dtype: the weight's, or float32 for bf16 storage of a float32 model
     if linear.bias is not None and (
-        linear.bias.dtype not in (linear.weight.dtype, torch.float32) or not linear.bias.is_contiguous()
+        linear.bias.dtype not in (linear.plain_dtype, torch.float32) or not linear.bias.is_contiguous()
     ):
         return None
-    return [(packed, PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32, linear.out_features)]
+    qtype = PACKED_FP8 if fp8 else PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32
+    return [(packed, qtype, linear.out_features)]
 
 
 def _int8_rows(linear: Linear) -> int:
@@ -215,7 +224,9 @@ class NativeDecodeLayers:
             dense = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
             projections = (attn.qkv_proj, attn.o_proj, *dense)
             blocks = [_blocks(p, float32) for p in projections]
-            if dtype == torch.bfloat16 and not all(s[1] == PACKED_BF16 for b in blocks if b for s in b):
+            if dtype == torch.bfloat16 and not all(
+                s[1] in (PACKED_BF16, PACKED_FP8) for b in blocks if b for s in b
+            ):
                 return None, f"layer {i} has a projection that is not bf16 panels in a bf16 model"
             if any(b is None for b in blocks):
                 return None, (

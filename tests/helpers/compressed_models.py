@@ -63,13 +63,16 @@ def quantization_config(scheme: str) -> dict:
     }
 
 
-def _quantize(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
-    """The compressed tensors of one float32 weight [N, K], by leaf name."""
+def _quantize(w: torch.Tensor, scheme: str, pow2_scales: bool = False) -> dict[str, torch.Tensor]:
+    """The compressed tensors of one float32 weight [N, K], by leaf name (``pow2_scales``: FP8 scales
+    rounded up to powers of two)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     n, k = w.shape
     if scheme in FP8_SCHEMES:
         scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 448
+        if pow2_scales:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": scale}
     if scheme.startswith("w8"):
         scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
@@ -102,9 +105,11 @@ def _quantize(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     }
 
 
-def save_compressed(model, path: str | os.PathLike, scheme: str) -> str:
+def save_compressed(model, path: str | os.PathLike, scheme: str, pow2_scales: bool = False) -> str:
     """Write ``model`` (a float transformers model) at ``path`` as a ``scheme`` checkpoint (one of
-    ``SCHEMES``); its dtype is the one of the scales and float tensors. Returns the path."""
+    ``SCHEMES``); its dtype is the one of the scales and float tensors. ``pow2_scales``: an FP8
+    scheme's scales are powers of two, so a code times its scale is exact in bf16 (transformers'
+    decompressed bf16 weights are then the very values srt multiplies). Returns the path."""
     path = str(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -115,7 +120,7 @@ def save_compressed(model, path: str | os.PathLike, scheme: str) -> str:
     for name, t in model.state_dict().items():
         prefix, _, leaf = name.rpartition(".")
         if prefix in linears and leaf == "weight":
-            for sub, v in _quantize(t.float(), scheme).items():
+            for sub, v in _quantize(t.float(), scheme, pow2_scales).items():
                 tensors[f"{prefix}.{sub}"] = v.to(dtype) if v.dtype == torch.float32 else v
         else:
             tensors[name] = t.contiguous()

@@ -25,6 +25,7 @@ KERNEL_TESTS = [
     for name in (
         "test_cpu_isa",
         "test_bf16_linear",
+        "test_fp8_linear",
         "test_cpu_decode_attention",
         "test_cpu_extend_attention",
         "test_cpu_elementwise",

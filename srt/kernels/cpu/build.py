@@ -40,6 +40,7 @@ SOURCES = (
     "decode_layers.cpp",
     "elementwise.cpp",
     "extend_attention.cpp",
+    "fp8_linear.cpp",
     "gguf_a24.cpp",
     "gguf_kquant.cpp",
     "gguf_linear.cpp",

@@ -54,6 +54,8 @@ constexpr int64_t kPackedBF16 = -2;
 // a W8A8 layer's int8 rows (gguf_pack_w8a8's groups; x8_rows holds N) on gguf_linear_w8a8, which
 // quantizes x per token itself (QuantizedWeight.token_int8; not a ggml type)
 constexpr int64_t kW8A8 = -3;
+// an FP8 layer's codes kept in one byte (pack_fp8_weight; x8_rows holds N) on fp8_linear
+constexpr int64_t kPackedFP8 = -4;
 
 // One row range of a projection's weight, of one type.
 struct Segment {
@@ -69,6 +71,7 @@ struct Segment {
     if (qtype == kPackedF32) return packed_linear(x, data, x8_rows, bias, "");
     if (qtype == kPackedBF16) return bf16_linear(x, data, x8_rows, bias, "");
     if (qtype == kW8A8) return gguf_linear_w8a8(x, data, x8_rows, bias, "");
+    if (qtype == kPackedFP8) return fp8_linear(x, data, x8_rows, bias, "");
     if (q8a_takes(qtype, x.size(0), int8_max_rows)) return gguf_linear_q8a(x, data, qtype, bias);
     return x8_rows > 0 ? gguf_linear_x8(x, data, qtype, x8_rows, bias) : gguf_linear(x, data, qtype, bias);
   }

@@ -1,0 +1,319 @@
+// The register tiles of srt's bf16 linear (bf16_linear.cpp) and of the linears whose weights widen
+// to bf16 panels on the way (fp8_linear.cpp): a panel is 32 output columns of VNNI (k, k+1) pairs,
+// [K/2, 32, 2] bf16; a tile is up to 8 rows of x against 1, 2 or 4 panels, summed in float32, each
+// output over k in pair order, one chain (see run_tile).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "cpu_ops.h"
+#include "vec.h"
+
+namespace srt_cpu {
+namespace {
+constexpr int64_t kNR = 32;     // output columns a panel
+constexpr int kMR512 = 8;       // rows a tile, AVX-512 paths
+constexpr int kMR2 = 4;         // rows a tile, AVX2 and scalar
+
+enum class Bf16Path { kScalar, kAvx2, kAvx512, kAvx512Bf16, kBrgemm };
+
+const char* path_name(Bf16Path p) {
+  switch (p) {
+    case Bf16Path::kBrgemm: return "brgemm";
+    case Bf16Path::kAvx512Bf16: return "avx512_bf16";
+    case Bf16Path::kAvx512: return "avx512";
+    case Bf16Path::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+bool cpu_has_avx512_bf16() {
+#if SRT_CPU_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has && detect_isa() == CpuIsa::kAvx512;
+#else
+  return false;
+#endif
+}
+
+// One tile: c[i][0..32) = bias + sum over pairs kh of x[i] . w-pair, i < R; the result in float32,
+// rows ldc apart. `xa` points at row 0 of x (bf16 or float32 elements, row stride lda), `w` at the
+// panel. Every path sums each output over kh in order, one chain, whatever R and the panels beside.
+// `more`: the sums go on from c's values (a later block of k) instead of starting at the bias, so a
+// product split into blocks of k sums in the same order as in one call.
+template <typename XT>
+void tile_scalar(int R, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias, float* c,
+                 int64_t ldc, bool more) {
+  const int64_t Kh = K / 2;
+  for (int i = 0; i < R; ++i) {
+    float acc[kNR];
+    for (int64_t j = 0; j < kNR; ++j) acc[j] = more ? c[i * ldc + j] : bias ? bias[j] : 0.f;
+    const XT* x = xa + i * lda;
+    for (int64_t kh = 0; kh < Kh; ++kh) {
+      const float x0 = static_cast<float>(x[2 * kh]), x1 = static_cast<float>(x[2 * kh + 1]);
+      const uint16_t* wp = w + kh * kNR * 2;
+      for (int64_t j = 0; j < kNR; ++j) {
+        acc[j] = std::fma(x0, bf16_bits_to_float(wp[2 * j]), acc[j]);
+        acc[j] = std::fma(x1, bf16_bits_to_float(wp[2 * j + 1]), acc[j]);
+      }
+    }
+    std::memcpy(c + i * ldc, acc, sizeof acc);
+  }
+}
+
+// x[i][2kh], x[i][2kh+1] as float32
+template <typename XT>
+inline void x_pair(const XT* x, int64_t kh, float* x0, float* x1) {
+  *x0 = static_cast<float>(x[2 * kh]);
+  *x1 = static_cast<float>(x[2 * kh + 1]);
+}
+
+#if SRT_CPU_X86
+// AVX2: the panel in two halves of 16 columns; per half and pair of k, 2 loads of 8 pairs, each
+// widened into the even (k) and odd (k+1) weights, 2 FMAs each.
+template <typename XT, int R>
+SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
+                                 float* c, int64_t ldc, bool more) {
+  const int64_t Kh = K / 2;
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v)
+        acc[i][v] = more   ? _mm256_loadu_ps(c + i * ldc + half * 16 + v * 8)
+                    : bias ? _mm256_loadu_ps(bias + half * 16 + v * 8)
+                           : _mm256_setzero_ps();
+    for (int64_t kh = 0; kh < Kh; ++kh) {
+      const uint16_t* wp = w + (kh * kNR + half * 16) * 2;
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, hi));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, hi));
+      for (int i = 0; i < R; ++i) {
+        float f0, f1;
+        x_pair(xa + i * lda, kh, &f0, &f1);
+        const __m256 x0 = _mm256_set1_ps(f0), x1 = _mm256_set1_ps(f1);
+        acc[i][0] = _mm256_fmadd_ps(x1, o0, _mm256_fmadd_ps(x0, e0, acc[i][0]));
+        acc[i][1] = _mm256_fmadd_ps(x1, o1, _mm256_fmadd_ps(x0, e1, acc[i][1]));
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + i * ldc + half * 16 + v * 8, acc[i][v]);
+  }
+}
+
+// The accumulators of an AVX-512 tile: c's values (more), the bias, or zeros
+template <int R, int NP>
+SRT_TARGET_AVX512 inline void init_acc512(__m512 (&acc)[R][NP][2], const float* bias, const float* c, int64_t ldc,
+                                          bool more) {
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v)
+        acc[i][p][v] = more   ? _mm512_loadu_ps(c + i * ldc + p * kNR + v * 16)
+                       : bias ? _mm512_loadu_ps(bias + p * kNR + v * 16)
+                              : _mm512_setzero_ps();
+}
+
+// AVX-512 without bf16 arithmetic: the same widening, 16 pairs a load, NP panels at once (NP
+// independent streams and 2 NP chains a row: a few rows are bound by the loads' latency otherwise).
+template <typename XT, int R, int NP>
+SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
+                                     const float* bias, float* c, int64_t ldc, bool more) {
+  const int64_t Kh = K / 2;
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][NP][2];
+  init_acc512<R, NP>(acc, bias, c, ldc, more);
+  for (int64_t kh = 0; kh < Kh; ++kh) {
+    float f0[R], f1[R];
+    for (int i = 0; i < R; ++i) x_pair(xa + i * lda, kh, &f0[i], &f1[i]);
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* wp = w + p * pstride + kh * kNR * 2;
+      const __m512i p0 = _mm512_loadu_si512(wp);
+      const __m512i p1 = _mm512_loadu_si512(wp + 32);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+      const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, hi));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+      const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, hi));
+      for (int i = 0; i < R; ++i) {
+        const __m512 x0 = _mm512_set1_ps(f0[i]), x1 = _mm512_set1_ps(f1[i]);
+        acc[i][p][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[i][p][0]));
+        acc[i][p][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[i][p][1]));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * ldc + p * kNR + v * 16, acc[i][p][v]);
+}
+
+#define SRT_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+// AVX512-BF16: x's (k, k+1) pair broadcast as one 32-bit lane, vdpbf16ps against 16 columns' pairs;
+// NP panels at once (see tile_avx512_r), each stream prefetched kPrefetch pairs of k ahead.
+constexpr int64_t kPrefetch = 16;
+template <int R, int NP>
+SRT_TARGET_AVX512_BF16 void tile_bf16dot_r(const uint16_t* xa, int64_t lda, int64_t K, const uint16_t* w,
+                                           int64_t pstride, const float* bias, float* c, int64_t ldc, bool more,
+                                           const uint16_t* pf, int64_t pf_lines) {
+  const int64_t Kh = K / 2;
+  __m512 acc[R][NP][2];
+  init_acc512<R, NP>(acc, bias, c, ldc, more);
+  for (int64_t kh = 0; kh < Kh; ++kh) {
+    __m512bh xp[R];
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xa + i * lda + 2 * kh, sizeof pair);
+      xp[i] = (__m512bh)_mm512_set1_epi32(pair);
+    }
+    if (pf != nullptr && kh < pf_lines) _mm_prefetch(reinterpret_cast<const char*>(pf + kh * 32), _MM_HINT_T0);
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* wp = w + p * pstride + kh * kNR * 2;
+      if (pf == nullptr && kh + kPrefetch < Kh) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * kNR * 2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch * kNR * 2 + 32), _MM_HINT_T0);
+      }
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+      for (int i = 0; i < R; ++i) {
+        acc[i][p][0] = _mm512_dpbf16_ps(acc[i][p][0], xp[i], w0);
+        acc[i][p][1] = _mm512_dpbf16_ps(acc[i][p][1], xp[i], w1);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(c + i * ldc + p * kNR + v * 16, acc[i][p][v]);
+}
+#endif  // SRT_CPU_X86
+
+// f(std::integral_constant<int, R>) for R in 1 .. MAXR: the tiles' row counts are template arguments
+template <int MAXR, typename F>
+void with_rows(int R, F&& f) {
+  switch (R) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: break;
+  }
+  if constexpr (MAXR <= 4) {
+    return f(std::integral_constant<int, 4>{});
+  } else {
+    switch (R) {
+      case 4: return f(std::integral_constant<int, 4>{});
+      case 5: return f(std::integral_constant<int, 5>{});
+      case 6: return f(std::integral_constant<int, 6>{});
+      case 7: return f(std::integral_constant<int, 7>{});
+      default: return f(std::integral_constant<int, 8>{});
+    }
+  }
+}
+
+// f(std::integral_constant<int, NP>) for NP in {1, 2, 4}
+template <typename F>
+void with_panels(int np, F&& f) {
+  switch (np) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// Panels a tile of R rows takes at once on the AVX-512 paths: enough chains to hide the loads'
+// latency at a few rows, within the 32 vector registers.
+inline int panels_at_once(Bf16Path path, int R) {
+  if (path != Bf16Path::kAvx512 && path != Bf16Path::kAvx512Bf16) return 1;
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+}
+
+// R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart. `pf`: the bf16 dot
+// tiles prefetch pf_lines cache lines from pf (one a pair of k) instead of their own stream ahead
+// (blocks of k: the next block, while this one is in cache)
+template <typename XT>
+void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
+              const float* bias, float* c, int64_t ldc, bool more, const uint16_t* pf = nullptr,
+              int64_t pf_lines = 0) {
+#if SRT_CPU_X86
+  if constexpr (std::is_same_v<XT, c10::BFloat16>) {
+    if (path == Bf16Path::kAvx512Bf16) {
+      const uint16_t* xu = reinterpret_cast<const uint16_t*>(xa);
+      return with_rows<kMR512>(R, [&](auto r) {
+        with_panels(np, [&](auto n) {
+          tile_bf16dot_r<decltype(r)::value, decltype(n)::value>(xu, lda, K, w, pstride, bias, c, ldc, more, pf,
+                                                                      pf_lines);
+        });
+      });
+    }
+  }
+  if (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) {
+    return with_rows<kMR512>(R, [&](auto r) {
+      with_panels(np, [&](auto n) {
+        tile_avx512_r<XT, decltype(r)::value, decltype(n)::value>(xa, lda, K, w, pstride, bias, c, ldc, more);
+      });
+    });
+  }
+#endif
+  for (int p = 0; p < np; ++p) {
+    const uint16_t* wp = w + p * pstride;
+    const float* bp = bias ? bias + p * kNR : nullptr;
+#if SRT_CPU_X86
+    if (path == Bf16Path::kAvx2) {
+      with_rows<kMR2>(R, [&](auto r) { tile_avx2_r<XT, decltype(r)::value>(xa, lda, K, wp, bp, c + p * kNR, ldc, more); });
+      continue;
+    }
+#endif
+    tile_scalar<XT>(R, xa, lda, K, wp, bp, c + p * kNR, ldc, more);
+  }
+}
+
+int tile_rows(Bf16Path path) {
+  return (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) ? kMR512 : kMR2;
+}
+
+// The path of an op (`op` names it in errors) for `requested` ("" picks: the bf16 dot products for a
+// bf16 x where the CPU has them, and brgemm from `brgemm_rows` rows; else the weights widened to
+// float32 on the best ISA); the paths above `best` (brgemm where allowed, else avx512_bf16) refused.
+inline Bf16Path pick_path(const char* op, c10::string_view requested, bool x_bf16, int64_t M, int64_t brgemm_rows,
+                          bool brgemm_allowed) {
+  const CpuIsa isa = detect_isa();
+  const bool dot = cpu_has_avx512_bf16();
+  const Bf16Path widened =
+      isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512 : isa == CpuIsa::kAvx2 ? Bf16Path::kAvx2 : Bf16Path::kScalar;
+  if (requested.empty()) {
+    if (x_bf16 && dot) return brgemm_allowed && M >= brgemm_rows ? Bf16Path::kBrgemm : Bf16Path::kAvx512Bf16;
+    return widened;
+  }
+  const std::string name(requested);
+  const Bf16Path top = brgemm_allowed ? Bf16Path::kBrgemm : Bf16Path::kAvx512Bf16;
+  for (Bf16Path p : {Bf16Path::kScalar, Bf16Path::kAvx2, Bf16Path::kAvx512, Bf16Path::kAvx512Bf16,
+                     Bf16Path::kBrgemm}) {
+    if (name != path_name(p) || p > top) continue;
+    const Bf16Path best = dot ? top : widened;  // the paths run in this enum's order
+    TORCH_CHECK(p <= best, op, ": isa '", name, "' is not available on this CPU (it runs up to '",
+                path_name(best), "')");
+    TORCH_CHECK(p < Bf16Path::kAvx512Bf16 || x_bf16, op, ": isa '", name, "' takes a bf16 x");
+    return p;
+  }
+  TORCH_CHECK(false, op, ": isa must be '', 'scalar', 'avx2', 'avx512', 'avx512_bf16'",
+              brgemm_allowed ? " or 'brgemm'" : "", ", got '", name, "'");
+}
+
+// c [R, ldc] float32 -> out rows (columns < cols), in out's dtype
+template <typename OT>
+inline void store_tile(int R, const float* c, int64_t cols, int64_t ldc, OT* out, int64_t ldo) {
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * ldo + j] = static_cast<OT>(c[i * ldc + j]);
+}
+
+}  // namespace
+}  // namespace srt_cpu

@@ -1,0 +1,150 @@
+"""srt's FP8 linear (srt/kernels/cpu/fp8_linear.cpp): float8_e4m3 codes kept in one byte, widened
+to bf16 panels in cache, and the native backend's FP8 layers.
+
+The kernel's contract is bf16_linear's on the codes in bf16 (every e4m3 value is exact in bf16): the
+same bits on every path (``scalar``, ``avx2``, ``avx512`` widening to float32 in registers,
+``avx512_bf16`` on ``vdpbf16ps``) at tails of rows (1-70: one tile taking several panels at once,
+several tiles taking one), columns (not multiples of the 32-column panel) and k (past the blocks
+widened at a time), with and without bias, both activation dtypes; the widening itself (AVX512-VBMI
+byte lookups on the default path, a table one code at a time on the lowered ones) is checked on
+all 254 finite codes. tests/unit/test_isa_lowering.py runs this file under ``SRT_CPU_ISA=avx2`` and
+``scalar`` too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.kernels import cpu as cpu_kernels
+from srt.layers.linear import Linear
+from srt.layers.linear_backend import create_linear_backend
+from srt.layers.quantized_weight import ScaledRows
+
+PATHS = ("", "scalar", "avx2", "avx512", "avx512_bf16")
+SHAPES = [(1, 64, 32), (2, 62, 200), (4, 130, 33), (8, 512, 100), (9, 256, 129), (70, 600, 65), (3, 2, 5)]
+FINITE = [c for c in range(256) if c & 0x7F != 0x7F]  # every e4m3 code but the two NaNs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native():
+    if not (cpu_kernels.load(build_if_missing=True) and hasattr(torch.ops.srt_cpu, "fp8_linear")):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+
+
+def _run(op, x, packed, n, bias, path):
+    try:
+        return op(x, packed, n, bias, path)
+    except RuntimeError as e:
+        if "is not available on this CPU" in str(e):
+            pytest.skip(str(e).splitlines()[0])
+        raise
+
+
+def _codes(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.tensor(FINITE, dtype=torch.uint8)[torch.randint(len(FINITE), (n, k), generator=g)]
+    return bits.view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_same_bits_as_bf16_linear_on_the_codes_and_within_float32_sums_of_the_reference(
+    path, m, k, n, x_dtype, with_bias
+):
+    if path == "avx512_bf16" and x_dtype == torch.float32:
+        pytest.skip("bf16 dot products take bf16 activations")
+    ops = torch.ops.srt_cpu
+    codes = _codes(n, k, seed=m * 1000 + k + n)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    y = _run(ops.fp8_linear, x, ops.pack_fp8_weight(codes), n, bias, path)
+    # the bf16 linear's default picks brgemm for many bf16 rows on AMX: compare with its tiles
+    same_path = path or (
+        "avx512_bf16" if ops.bf16_linear_path(m, x_dtype == torch.bfloat16) == "brgemm" else ""
+    )
+    want = _run(ops.bf16_linear, x, ops.pack_bf16_weight(codes.to(torch.bfloat16)), n, bias, same_path)
+    assert y.dtype == x_dtype and torch.equal(y, want)
+    ref = x.double() @ codes.double().T + (0 if bias is None else bias.double())
+    mag = x.double().abs() @ codes.double().abs().T + (0 if bias is None else bias.double().abs())
+    tol = 1e-5 * mag + (2.0**-8 * ref.abs() if x_dtype == torch.bfloat16 else 0) + 1e-30
+    assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_finite_code_widens_exactly(path):
+    """One-hot rows of x pick each code out: the output is the code's value, exactly."""
+    codes = torch.tensor([FINITE, FINITE[::-1]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    k = codes.shape[1]
+    x = torch.eye(k, dtype=torch.bfloat16)  # every code is exact in bf16
+    y = _run(torch.ops.srt_cpu.fp8_linear, x, torch.ops.srt_cpu.pack_fp8_weight(codes), 2, None, path)
+    assert torch.equal(y.float(), codes.float().T)
+
+
+def test_pack_layout_and_errors():
+    ops = torch.ops.srt_cpu
+    codes = _codes(33, 8, seed=5)
+    packed = ops.pack_fp8_weight(codes)
+    assert packed.shape == (2, 4, 64) and packed.dtype == torch.uint8
+    bits = codes.view(torch.uint8)
+    for n, k in [(0, 0), (5, 3), (31, 6), (32, 1), (32, 7), (17, 4)]:
+        i = 2 * (n % 32) + k % 2  # natural index in the pair row; stored at 16 l + 8 h + t
+        assert packed[n // 32, k // 2, 16 * ((i % 32) // 8) + 8 * (i // 32) + i % 8] == bits[n, k]
+    assert packed[1].count_nonzero() <= 4 * 2  # the padding past column 32: zeros
+    nan = codes.clone()
+    nan.view(torch.uint8)[3, 3] = 0xFF
+    with pytest.raises(RuntimeError, match="NaN"):
+        ops.pack_fp8_weight(nan)
+    with pytest.raises(RuntimeError, match="K must be even"):
+        ops.pack_fp8_weight(_codes(4, 7, seed=1))
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        ops.pack_fp8_weight(codes.float())
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        ops.fp8_linear(x, packed, 33, None, "brgemm")
+    with pytest.raises(RuntimeError, match="x has 6 columns"):
+        ops.fp8_linear(torch.randn(3, 6), packed, 33, None, "")
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.fp8_linear(x, packed, 70, None, "")
+    with pytest.raises(RuntimeError, match="must come from pack_fp8_weight"):
+        ops.fp8_linear(x, packed.float(), 33, None, "")
+    assert ops.fp8_linear(torch.randn(0, 8), packed, 33, None, "").shape == (0, 33)
+
+
+def test_a_native_layer_keeps_fp8_codes_in_one_byte_where_the_cpu_widens_them_on_vectors():
+    """``Linear`` takes an FP8 checkpoint's scaled rows: its codes in one byte where ``fp8_fast()``
+    (else in its weight's dtype, two bytes), the outputs scaled per row either way, the same bits;
+    plain rows loaded beside the codes widen them back to the weight's dtype."""
+    g = torch.Generator().manual_seed(2)
+    codes, scale = _codes(40, 48, seed=9), torch.rand(40, generator=g) + 0.5
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(5, 48, generator=g)
+    backend = create_linear_backend("native", weight_dtype=torch.bfloat16)
+    layer = Linear(48, 40, bias=True, linear_backend=backend)
+    layer.load_quantized(ScaledRows(codes.float(), scale))
+    layer.bias.data.copy_(bias)
+    layer.prepare_weights()
+    one_byte = bool(torch.ops.srt_cpu.fp8_fast())
+    assert layer.packed_weight.dtype == (torch.uint8 if one_byte else torch.bfloat16)
+    assert layer.packed_weight.element_size() * layer.packed_weight.numel() == 64 * 48 * (
+        1 if one_byte else 2
+    )
+    with torch.inference_mode():
+        y = layer(x)
+    want = torch.ops.srt_cpu.bf16_linear(
+        x, torch.ops.srt_cpu.pack_bf16_weight(codes.to(torch.bfloat16)), 40, None
+    )
+    assert torch.equal(y, want * scale + bias)
+
+    mixed = Linear(48, 40, linear_backend=backend)
+    mixed._load_rows(0, ScaledRows(codes[:32].float(), scale[:32]), "w")
+    mixed._load_rows(32, codes[32:].float() * 0.25, "w")  # plain rows: the codes widen first
+    assert mixed.weight.dtype == torch.bfloat16
+    mixed.prepare_weights()
+    with torch.inference_mode():
+        y = mixed(x)
+    full = codes.float() * torch.cat([scale[:32], torch.full((8,), 0.25)]).unsqueeze(1)
+    torch.testing.assert_close(y, x @ full.T, rtol=1e-5, atol=1e-4)
