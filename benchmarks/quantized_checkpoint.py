@@ -3,7 +3,9 @@ compressed-tensors checkpoint with random codes, the format llm-compressor write
 and transformers read: W8A8 (``int-quantized`` int8 codes, one bf16 scale a row, dynamic per-token
 int8 activations), W8A16 (``pack-quantized`` int8), W4A16 (``pack-quantized`` int4, groups of
 128, symmetric) or FP8_DYNAMIC (``float-quantized`` float8_e4m3 codes, one bf16 scale a row,
-dynamic per-token float8 activations). Embeddings, norms and an untied LM head are bf16 (``ignore: ["lm_head"]``).
+dynamic per-token float8 activations); or ``fp8_block``, transformers' fine-grained FP8
+(``quant_method: fp8``, float8_e4m3 codes, one float32 scale a block of 128 x 128, as Qwen3-*-FP8
+and DeepSeek ship). Embeddings, norms and an untied LM head are bf16 (``ignore: ["lm_head"]``).
 
 Codes are uniform over the type's range with scales that give the weights a standard deviation
 of about 0.02; norms are 1. One safetensors file a layer, written one layer at a time (an 8B
@@ -30,7 +32,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks import model_shapes  # noqa: E402
 
-SCHEMES = ("w8a8", "w8a16", "w4a16", "fp8_dynamic")
+SCHEMES = ("w8a8", "w8a16", "w4a16", "fp8_dynamic", "fp8_block")
+BLOCK = 128  # fp8_block: one scale a block of 128 x 128, as Qwen3-*-FP8 and DeepSeek ship
 GROUP = 128
 STD = 0.02
 
@@ -38,6 +41,13 @@ STD = 0.02
 def quantization_config(scheme: str) -> dict:
     if scheme == "fp8_dynamic":
         return _fp8_config()
+    if scheme == "fp8_block":  # transformers' fine-grained FP8
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [BLOCK, BLOCK],
+        }
     bits = 4 if scheme == "w4a16" else 8
     weights = {
         "num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "actorder": None,
@@ -86,8 +96,11 @@ def _pack(codes, bits: int):
 def _quantized(n: int, k: int, scheme: str, gen) -> dict:
     import torch
 
-    if scheme == "fp8_dynamic":  # Gaussian codes of standard deviation 64 in float8, one bf16 scale a row
+    if scheme.startswith("fp8"):  # Gaussian codes of standard deviation 64 in float8
         codes = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if scheme == "fp8_block":  # one float32 scale a block (weight_scale_inv)
+            grid = (-(-n // BLOCK), -(-k // BLOCK))
+            return {"weight": codes, "weight_scale_inv": torch.full(grid, STD / 64, dtype=torch.float32)}
         return {"weight": codes, "weight_scale": torch.full((n, 1), STD / 64, dtype=torch.bfloat16)}
     if scheme == "w4a16":
         codes = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)

@@ -7,14 +7,15 @@ The dtype follows the checkpoint, as far as the CPU computes it fast:
     bfloat16 or float16                                       AVX2 only (or the bf16 probe failed)  float32
     float32, or none written                                  any                                  float32
     a GGUF file (the default model included)                  any                                  float32
-    quantized: int8 / int4 (compressed-tensors, AWQ, GPTQ),   any                                  float32
-      block FP8 (dequantized at load)
-    FP8 with a scale a row or a tensor                        as its declared dtype above
+    quantized: int8 / int4 (compressed-tensors, AWQ, GPTQ)     any                                  float32
+    FP8 (a scale a row, a tensor or a block)                   as its declared dtype above
 
-An FP8 checkpoint's codes are exact in bf16 and its scales multiply the layers' outputs, so it is
-served like a checkpoint of its declared dtype: in bf16 on a CPU with bf16 arithmetic, the codes kept
-in one byte and widened to bf16 in cache (srt's fp8 linear, where the CPU has AVX512-VBMI) or in
-bf16 panels.
+An FP8 checkpoint's codes are exact in bf16, so it is served like a checkpoint of its declared
+dtype: in bf16 on a CPU with bf16 arithmetic, the codes kept in one byte and widened to bf16 in
+cache where the CPU has AVX512-VBMI (srt's fp8 linear; a block's scale applied as they widen, the
+bf16 weights transformers dequantizes to), in bf16 elsewhere; the scales of rows or tensors
+multiply the layers' outputs. With float32 activations a block-scaled checkpoint is dequantized to
+float32.
 
 bfloat16 halves the weights' memory and the bytes each decoded token reads, and runs batched
 matmuls on the CPU's bf16 units (srt's bf16 linear: ``vdpbf16ps`` for a few rows, oneDNN's brgemm,
@@ -68,15 +69,14 @@ def checkpoint_dtype(model_path: str | None) -> str | None:
     return None
 
 
-def _fp8_codes(qc: dict) -> bool:
-    """An FP8 checkpoint with a scale a row or a tensor (its layers keep their float8 codes and scale
-    their outputs; a block-scaled one is dequantized to float32). A config srt cannot serve is
-    not one (its error comes where the quantization is resolved)."""
+def _fp8(qc: dict) -> bool:
+    """An FP8 checkpoint (its layers keep their float8 codes and scales). A config srt cannot serve
+    is not one (its error comes where the quantization is resolved)."""
     try:
         scheme = parse_quantization(qc)
     except UnsupportedQuantizationError:
         return False
-    return scheme.fp8 and scheme.block is None
+    return scheme.fp8
 
 
 def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None) -> tuple[str, str]:
@@ -85,15 +85,15 @@ def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None
     if load_format == "gguf" or (model_path or "").endswith(".gguf") or not model_path:
         return "float32", "GGUF weights run on their own kernels with float32 activations"
     qc = read_quantization_config(model_path)
-    fp8 = qc is not None and _fp8_codes(qc)
+    fp8 = qc is not None and _fp8(qc)
     if qc is not None and not fp8:
         return (
             "float32",
             "the checkpoint's quantized layers run on srt's GGUF-block kernels with float32 activations",
         )
     declared = checkpoint_dtype(model_path)
-    if fp8:  # its layers' codes are exact in bf16: served like the checkpoint's own dtype
-        declared = f"{declared} (FP8 codes, a scale a row)" if declared in _HALF else declared
+    if fp8:  # FP8 codes are exact in bf16: served like a checkpoint of its declared dtype
+        declared = f"{declared} (FP8 codes and scales)" if declared in _HALF else declared
     if declared is None or not declared.startswith(_HALF):
         return "float32", f"the checkpoint is {declared or 'float32 (no dtype declared)'}"
     units = cpu_bf16_units()

@@ -124,7 +124,19 @@ def resolve_quantization(
         if scheme is not None and cpu_float32 and not scheme.fp8:
             _check_kept(scheme)
             return scheme.method
-        if scheme is not None:
+        if (
+            scheme is not None
+            and scheme.fp8
+            and device == "cpu"
+            and not (scheme.block and dtype == "float32")
+        ):
+            logger.info(
+                "%s: float8 codes and scales kept (codes in one byte where the CPU widens them on vectors), "
+                "%s activations",
+                scheme.describe(),
+                dtype,
+            )
+        elif scheme is not None:
             logger.info("%s: dequantized at load (%s in %s)", scheme.describe(), device, dtype)
         return "none"
     if requested == "gguf" and not gguf_model:

@@ -36,7 +36,13 @@ from torch import nn
 
 from srt.layers.linear_backend import TORCH_LINEAR, LinearBackend
 from srt.layers.parameter import copy_weight, empty_param, released_param
-from srt.layers.quantized_weight import GGUFTensor, QuantizedWeight, ScaledRows
+from srt.layers.quantized_weight import (
+    BlockScaledCodes,
+    GGUFTensor,
+    QuantizedWeight,
+    ScaledRows,
+    expand_block_scale,
+)
 from srt.utils.errors import WeightLoadError
 
 
@@ -89,6 +95,10 @@ class Linear(nn.Module):
         # output row is multiplied by its scale (ScaledRows); float32 [out_features], 1 for rows
         # loaded as plain floats
         self.register_buffer("output_scale", None, persistent=False)
+        # a block-scaled FP8 checkpoint's layer kept as codes (``stores_fp8_blocks``): its float8
+        # weight's scale grid, float32 [ceil(out / rows), ceil(in / cols)], and the block (rows, cols)
+        self.block_scale: torch.Tensor | None = None
+        self.fp8_block: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_quant is not None and not (self.qweight is not None and self.qweight.token_int8):
@@ -101,12 +111,22 @@ class Linear(nn.Module):
             return (scaled if self.bias is None else scaled + self.bias).to(out.dtype)
         return self.linear_backend.apply(x, self.weight, self.bias, self.packed_weight)
 
-    def load_quantized(self, loaded: GGUFTensor | ScaledRows, name: str = "weight") -> None:
-        """Take the whole weight as GGUF blocks or scaled rows (``[out, in]``)."""
+    def load_quantized(
+        self, loaded: GGUFTensor | ScaledRows | BlockScaledCodes, name: str = "weight"
+    ) -> None:
+        """Take the whole weight as GGUF blocks, scaled rows or block-scaled codes (``[out, in]``)."""
         self._load_rows(0, loaded, name)
 
-    def _load_rows(self, row_offset: int, loaded: GGUFTensor | ScaledRows | torch.Tensor, name: str) -> None:
-        """Place a weight part (GGUF blocks, scaled rows or float32 ``[rows, in]``) at ``row_offset``."""
+    def _load_rows(
+        self, row_offset: int, loaded: GGUFTensor | ScaledRows | BlockScaledCodes | torch.Tensor, name: str
+    ) -> None:
+        """Place a weight part (GGUF blocks, FP8 codes with their scales, or float32 ``[rows, in]``)
+        at ``row_offset``."""
+        if isinstance(loaded, BlockScaledCodes):
+            if self._keeps_blocks(row_offset, loaded):
+                self._load_blocks(row_offset, loaded, name)
+                return
+            loaded = loaded.value()  # dequantized: float rows
         if isinstance(loaded, ScaledRows):
             if self.qweight is not None:  # beside GGUF blocks: its exact values as float rows
                 self.qweight.add(row_offset, loaded.value(), name)
@@ -133,9 +153,43 @@ class Linear(nn.Module):
             self.weight = empty_param(0, self.in_features, dtype=self.weight.dtype)
         self.qweight.add(row_offset, loaded, name)
 
+    def _keeps_blocks(self, row_offset: int, loaded: BlockScaledCodes) -> bool:
+        """Whether block-scaled FP8 rows stay codes: the backend widens them in cache, the layer holds
+        no other kind of rows (or blocks of the same size), and the rows start a block of rows."""
+        rows, cols = loaded.block
+        if row_offset % rows:
+            return False
+        if self.fp8_block is not None:
+            return self.fp8_block == loaded.block
+        return (
+            getattr(self.linear_backend, "stores_fp8_blocks", False)
+            and self.qweight is None
+            and self.output_scale is None
+            and not self._float_rows
+            and rows % 32 == 0
+            and cols % 2 == 0
+            and self.in_features % 2 == 0
+        )
+
+    def _load_blocks(self, row_offset: int, loaded: BlockScaledCodes, name: str) -> None:
+        rows, cols = loaded.block
+        if self.fp8_block is None:  # the weight (never touched yet) becomes one byte a code
+            self.weight = empty_param(self.out_features, self.in_features, dtype=torch.float8_e4m3fn)
+            grid = (-(-self.out_features // rows), -(-self.in_features // cols))
+            self.block_scale = torch.zeros(grid, device=self.weight.device)
+            self.fp8_block = loaded.block
+        copy_weight(self.weight.narrow(0, row_offset, loaded.shape[0]), loaded.codes, name)
+        first = row_offset // rows
+        self.block_scale[first : first + loaded.scale.shape[0]] = loaded.scale.float()
+
     def _widen_codes(self) -> None:
-        """FP8 codes kept in one byte -> the weight's plain dtype (every code exact in bf16)."""
-        self.weight = nn.Parameter(self.weight.data.to(self.plain_dtype), requires_grad=False)
+        """FP8 codes kept in one byte -> the weight's plain dtype: the codes (exact in bf16), or each
+        times its block's scale."""
+        value = self.weight.data
+        if self.fp8_block is not None:
+            value = value.float() * expand_block_scale(self.block_scale, self.fp8_block, value.shape)
+            self.block_scale = self.fp8_block = None
+        self.weight = nn.Parameter(value.to(self.plain_dtype), requires_grad=False)
 
     def prepare_weights(self) -> None:
         """Once loading is done: finish a quantized weight, or let the backend prepack the float
@@ -146,7 +200,12 @@ class Linear(nn.Module):
             return
         if self.weight.is_meta:  # packed already; the plain weight was released
             return
-        self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
+        if self.fp8_block is not None:  # kept by a backend that stores_fp8_blocks
+            self.packed_weight = self.linear_backend.pack_fp8_blocks(
+                self.weight.data, self.block_scale, self.fp8_block
+            )
+        else:
+            self.packed_weight = self.linear_backend.pack_weight(self.weight.data)
         if self.packed_weight is None and self.weight.dtype == torch.float8_e4m3fn:
             self._widen_codes()  # codes the backend did not pack: F.linear takes them widened
             self.packed_weight = self.linear_backend.pack_weight(self.weight.data)

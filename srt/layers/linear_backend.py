@@ -167,6 +167,19 @@ class NativeLinear(LinearBackend):
         ``Linear`` keeps them in its weight's dtype (bf16 storage: two bytes a code, exact)."""
         return hasattr(torch.ops.srt_cpu, "fp8_fast") and bool(torch.ops.srt_cpu.fp8_fast())
 
+    @property
+    def stores_fp8_blocks(self) -> bool:
+        """Whether a block-scaled FP8 checkpoint's codes and scales stay as they are (the widening
+        applies each block's scale too, rounding to bf16 on the CPU's bf16 conversion); else a
+        ``Linear`` holds their values in its weight's dtype."""
+        return hasattr(torch.ops.srt_cpu, "fp8_fast_blocks") and bool(torch.ops.srt_cpu.fp8_fast_blocks())
+
+    def pack_fp8_blocks(self, codes: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
+        """Block-scaled codes for ``fp8_linear``: each weight widens to bf16(code x its block's scale)."""
+        return torch.ops.srt_cpu.pack_fp8_weight(
+            codes.detach(), scale.float().contiguous(), block[0], block[1]
+        )
+
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.device.type != "cpu" or weight.dim() != 2:
             return None

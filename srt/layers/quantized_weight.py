@@ -69,6 +69,34 @@ class ScaledRows:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockScaledCodes:
+    """A checkpoint matrix ``[rows, cols]`` as float8_e4m3 codes (``codes``, the checkpoint's bytes)
+    and one float32 scale a block of ``block = (block_rows, block_cols)`` (``scale [ceil(rows /
+    block_rows), ceil(cols / block_cols)]``): transformers' fine-grained FP8. A ``Linear`` keeps the
+    codes and the scales where its backend widens them in cache (``stores_fp8_blocks``), else the
+    values."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def value(self) -> torch.Tensor:
+        """The matrix itself, float32 (exact: a 4-bit-mantissa code times a bf16 or float32 scale,
+        rounded to float32 once)."""
+        return self.codes.float() * expand_block_scale(self.scale, self.block, self.codes.shape)
+
+
+def expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
+    """A block scale grid as one scale an element of a ``shape`` matrix, float32."""
+    rows, cols = shape
+    return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFTensor:
     """A checkpoint matrix ``[rows, cols]`` kept as GGUF blocks of ggml type ``qtype``:
     ``data`` is ``uint8 [rows, cols / block_size * type_size]``, row-major, the file's bytes."""

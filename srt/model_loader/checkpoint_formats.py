@@ -21,7 +21,8 @@ group of ``K/G`` columns) and ``zero`` float32 ``[N, G]`` or None, meaning the v
   float8_e4m3 ``[N, K]`` with ``weight_scale`` (one a row or a tensor): read as the codes and
   a scale a row (``ScaledRows``: the layer keeps the codes, exact in bf16, and scales its outputs);
   or with ``weight_scale_inv`` (one a block of ``weight_block_size``, edge blocks cut): read as
-  float32 values.
+  the codes and the block scales (``BlockScaledCodes``: the layer keeps both where its backend
+  widens them in cache, else their float32 values).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from srt.configs.quant_config import AWQ, GPTQ, QuantScheme
-from srt.layers.quantized_weight import ScaledRows
+from srt.layers.quantized_weight import BlockScaledCodes, ScaledRows
 from srt.utils.errors import WeightLoadError
 
 _AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # field i of an AWQ word holds column (0 2 4 6 1 3 5 7)[i]
@@ -66,12 +67,14 @@ def needed(scheme: QuantScheme) -> set[str]:
     return need
 
 
-def fp8_values(prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor | ScaledRows:
+def fp8_values(
+    prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme
+) -> ScaledRows | BlockScaledCodes:
     """float8 codes and their row's or tensor's scale (``ScaledRows``: the codes float32, exact), or
-    times their block's scale: float32 ``[N, K]``, exact."""
-    codes = parts["weight"].float()
-    n, k = codes.shape
+    their block's (``BlockScaledCodes``: the codes as the checkpoint's float8)."""
+    n, k = parts["weight"].shape
     if scheme.block is None:
+        codes = parts["weight"].float()
         scale = parts["weight_scale"].float()
         if scale.numel() not in (1, n):
             raise WeightLoadError(f"{prefix}.weight_scale: {scale.numel()} scales for {n} rows")
@@ -82,7 +85,7 @@ def fp8_values(prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme)
         raise WeightLoadError(
             f"{prefix}.weight_scale_inv: shape {tuple(scale.shape)} for a {n} x {k} weight in blocks of {bn}x{bk}"
         )
-    return codes * scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return BlockScaledCodes(parts["weight"], scale, (bn, bk))
 
 
 def read_codes(prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> Codes:

@@ -10,8 +10,9 @@ block of the group), int4 with zero points -> Q4_1 (scale ``d`` and offset
 ``m = -(8 + zero) * d``). GGUF keeps ``d`` and ``m`` as float16: a scale float16 rounds by more
 than 2^-10 of itself (below about 3e-5 or above 65504) is an error naming the tensor, never a
 silent change (``--quantization none`` dequantizes instead). A matrix whose K or group is not a
-multiple of 32, int8 with zero points, FP8 and every matrix without ``keep_blocks`` is dequantized
-to float32 (the layer then holds float weights of the model's dtype).
+multiple of 32, int8 with zero points and every matrix without ``keep_blocks`` is dequantized
+to float32 (the layer then holds float weights of the model's dtype). FP8 matrices come as their
+codes and scales (``ScaledRows``, ``BlockScaledCodes``) for the layer to keep or dequantize.
 
 Tensors a supported scheme never writes (static activation scales, compressed-tensors' ``g_idx``
 of activation ordering) are errors; an incomplete set of a layer's tensors is an error at the end.
@@ -26,7 +27,7 @@ import torch
 from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
-from srt.layers.quantized_weight import GGUFTensor, ScaledRows
+from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.model_loader import checkpoint_formats as formats
 from srt.models.llama import STACKED_PARAMS
 from srt.utils.errors import WeightLoadError
@@ -50,7 +51,7 @@ def convert_weights(
     scheme: QuantScheme,
     keep_blocks: bool,
     done: set[str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | GGUFTensor | ScaledRows]]:
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor | ScaledRows | BlockScaledCodes]]:
     """The checkpoint's tensors with every quantized layer's set turned into its ``weight`` (see the
     module docstring); other tensors pass unchanged. ``done`` collects the quantized layers'
     checkpoint names (``model.layers.0.self_attn.q_proj``)."""
@@ -134,8 +135,8 @@ def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme)
 
 def _convert(
     prefix: str, parts: dict[str, torch.Tensor], scheme: QuantScheme, keep_blocks: bool
-) -> torch.Tensor | GGUFTensor | ScaledRows:
-    """One layer's tensors -> GGUF blocks or a float32 matrix."""
+) -> torch.Tensor | GGUFTensor | ScaledRows | BlockScaledCodes:
+    """One layer's tensors -> GGUF blocks, FP8 codes and scales, or a float32 matrix."""
     if scheme.fp8:
         return formats.fp8_values(prefix, parts, scheme)
     codes, scale, zero = formats.read_codes(prefix, parts, scheme)

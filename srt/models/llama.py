@@ -27,7 +27,7 @@ from srt.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.parameter import copy_weight
-from srt.layers.quantized_weight import GGUFTensor, ScaledRows
+from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -299,11 +299,11 @@ class CheckpointLoader:
             module = self.get_submodule(module_path)
             assert isinstance(module, MergedColumnLinear)
             module.load_shard(param_name, tensor, shard_id)
-        elif isinstance(tensor, ScaledRows) and not hasattr(
+        elif isinstance(tensor, (ScaledRows, BlockScaledCodes)) and not hasattr(
             self.get_submodule(module_path), "load_quantized"
         ):
             copy_weight(params[target], tensor.value(), name)  # an FP8 matrix of a layer that is not a Linear
-        elif isinstance(tensor, (GGUFTensor, ScaledRows)):
+        elif isinstance(tensor, (GGUFTensor, ScaledRows, BlockScaledCodes)):
             module = self.get_submodule(module_path)
             if param_name != "weight" or not hasattr(module, "load_quantized"):
                 raise WeightLoadError(f"{name}: a quantized tensor for a parameter that must be float")

@@ -1,7 +1,8 @@
 """AWQ (AutoAWQ's GEMM layout), GPTQ (4- and 8-bit, symmetric and with zero points, activation
 order) and fine-grained FP8 (blocks) checkpoints served with default flags through the real Engine:
-AWQ / GPTQ layers kept as GGUF blocks on srt's kernels holding the checkpoint's values, FP8
-dequantized at load; greedy tokens equal to the reference's up to the near-tie rule.
+AWQ / GPTQ layers kept as GGUF blocks on srt's kernels holding the checkpoint's values, FP8 codes
+and block scales kept in bf16 serving (dequantized to float32 with float32 activations); greedy
+tokens equal to the reference's up to the near-tie rule.
 
 References: for AWQ and GPTQ the float32 model holding the exact values of the codes, computed in
 tests/helpers/awq_gptq_models.py before packing (transformers needs AutoAWQ / GPTQModel to load
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srt.configs.cpu_features import cpu_bf16_units
 from srt.configs.quant_config import UnsupportedQuantizationError
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -74,13 +76,28 @@ def test_awq_with_groups_of_128_on_a_wider_model(tmp_path):
     serve_and_match(path, make_prompts([6, 20], seed=4, vocab_size=320), lambda: ref, "awq")
 
 
-def test_block_fp8_is_dequantized_at_load_as_transformers_does(tmp_path):
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_block_fp8_serves_the_weights_transformers_dequantizes_to(tmp_path, dtype):
+    """``--dtype auto``: the checkpoint's bf16 where the CPU computes in bf16, the codes and block
+    scales kept as they are (one byte a code where the CPU widens them on vectors,
+    srt/kernels/cpu/fp8_linear.cpp; each weight widens to bf16(code x scale), what transformers
+    dequantizes a bf16 model to) against transformers in bf16; ``--dtype float32``: dequantized to
+    float32 at load, against transformers in float32."""
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints through accelerate")
     from transformers import AutoModelForCausalLM
 
+    served = "bfloat16" if dtype == "auto" and cpu_bf16_units() else "float32"
     path = save_block_fp8(_model(), tmp_path / "fp8", block=(32, 32))
+    if served == "bfloat16":
+        runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=512).resolve())
+        proj = runner.model.model.layers[0].self_attn.qkv_proj
+        kept = bool(torch.ops.srt_cpu.fp8_fast_blocks())
+        assert (proj.fp8_block == (32, 32)) == kept, proj.fp8_block
+        assert proj.packed_weight.dtype == (torch.uint8 if kept else torch.bfloat16)
+        del runner
 
     def load_ref():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, served)).eval()
 
-    serve_and_match(path, BATCH, load_ref, "none")
+    kw = {} if dtype == "auto" else {"dtype": "float32"}
+    serve_and_match(path, BATCH, load_ref, "none", served, served, **kw)

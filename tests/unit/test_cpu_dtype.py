@@ -53,6 +53,26 @@ def test_the_rule(tmp_path, monkeypatch, declared, units, probe_ok, want, why):
     )  # probe only when it matters
 
 
+QUANTIZED = {
+    "fp8 block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "fp8 tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(QUANTIZED))
+@pytest.mark.parametrize("units", ["avx512_bf16", None])
+def test_fp8_checkpoints_follow_their_declared_dtype_and_int4_ones_stay_float32(tmp_path, monkeypatch, kind, units):
+    """FP8 codes are exact in bf16: a bf16 FP8 checkpoint is served in bf16 where the CPU computes in
+    bf16; int8 / int4 checkpoints run on the GGUF-block kernels with float32 activations."""
+    monkeypatch.setattr(cpu_dtype, "cpu_bf16_units", lambda: units)
+    path = _ckpt(tmp_path, torch_dtype="bfloat16", quantization_config=QUANTIZED[kind])
+    dtype, reason = resolve_cpu_dtype(path, "auto", lambda: True)
+    want = "bfloat16" if kind.startswith("fp8") and units else "float32"
+    assert dtype == want, reason
+    assert ("FP8 codes and scales" in reason) == kind.startswith("fp8"), reason
+
+
 def test_gguf_keeps_its_own_path(monkeypatch):
     monkeypatch.setattr(cpu_dtype, "cpu_bf16_units", lambda: "amx")
     assert resolve_cpu_dtype(None, "auto", lambda: True)[0] == "float32"  # the default model

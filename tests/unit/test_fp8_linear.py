@@ -19,7 +19,7 @@ import torch
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import create_linear_backend
-from srt.layers.quantized_weight import ScaledRows
+from srt.layers.quantized_weight import BlockScaledCodes, ScaledRows, expand_block_scale
 
 PATHS = ("", "scalar", "avx2", "avx512", "avx512_bf16")
 SHAPES = [(1, 64, 32), (2, 62, 200), (4, 130, 33), (8, 512, 100), (9, 256, 129), (70, 600, 65), (3, 2, 5)]
@@ -148,3 +148,82 @@ def test_a_native_layer_keeps_fp8_codes_in_one_byte_where_the_cpu_widens_them_on
         y = mixed(x)
     full = codes.float() * torch.cat([scale[:32], torch.full((8,), 0.25)]).unsqueeze(1)
     torch.testing.assert_close(y, x @ full.T, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- block-scaled codes
+BLOCK_SHAPES = [
+    (1, 256, 64, (32, 128)),
+    (5, 300, 96, (64, 64)),
+    (12, 130, 40, (32, 2)),
+    (70, 512, 128, (128, 128)),
+]
+
+
+def _block_data(n: int, k: int, block: tuple[int, int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    return _codes(n, k, seed), torch.rand(grid, generator=g) * 0.01 + 1e-4
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+@pytest.mark.parametrize("m,k,n,block", BLOCK_SHAPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_block_scaled_codes_widen_to_the_bf16_weights_transformers_dequantizes_to(
+    path, m, k, n, block, x_dtype
+):
+    """Each weight widens to bf16(code x its block's scale), the product in float32 and rounded to
+    nearest even (transformers' dequantization to a bf16 model): the same bits as bf16_linear on those
+    weights, whether the CPU's bf16 conversion (AVX512-BF16) or a table one code at a time rounds."""
+    if path == "avx512_bf16" and x_dtype == torch.float32:
+        pytest.skip("bf16 dot products take bf16 activations")
+    ops = torch.ops.srt_cpu
+    codes, scale = _block_data(n, k, block, seed=m + n)
+    weights = (codes.float() * expand_block_scale(scale, block, (n, k))).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(x_dtype)
+    bias = torch.randn(n)
+    packed = ops.pack_fp8_weight(codes, scale, *block)
+    assert packed.shape == (-(-n // 32), k // 2 * 64 + -(-(4 + 4 * scale.shape[1]) // 64) * 64)
+    y = _run(ops.fp8_linear, x, packed, n, bias, path)
+    same_path = path or (
+        "avx512_bf16" if ops.bf16_linear_path(m, x_dtype == torch.bfloat16) == "brgemm" else ""
+    )
+    assert torch.equal(y, _run(ops.bf16_linear, x, ops.pack_bf16_weight(weights), n, bias, same_path))
+
+
+def test_block_scale_errors():
+    ops = torch.ops.srt_cpu
+    codes, scale = _block_data(64, 64, (32, 32), seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 32 rows and an even number of columns"):
+        ops.pack_fp8_weight(codes, scale, 16, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32 rows and an even number of columns"):
+        ops.pack_fp8_weight(codes, scale, 32, 31)
+    with pytest.raises(RuntimeError, match=r"block_scale must be float32 \[2, 2\]"):
+        ops.pack_fp8_weight(codes, scale[:1], 32, 32)
+    packed = ops.pack_fp8_weight(codes, scale, 32, 32)
+    with pytest.raises(RuntimeError, match="does not match the block-scaled packed weight"):
+        ops.fp8_linear(torch.randn(2, 62), packed, 64, None, "")
+
+
+def test_a_native_layer_keeps_block_scaled_codes_where_the_cpu_widens_them_and_dequantizes_elsewhere():
+    """q / k / v shards of block-scaled codes in one fused layer: one byte a code and the scale grid
+    where ``fp8_fast_blocks()``, else their values in the weight's dtype; the same outputs."""
+    from srt.layers.linear import QKVLinear
+
+    backend = create_linear_backend("native")
+    layer = QKVLinear(64, 32, 2, 1, dtype=torch.bfloat16, linear_backend=backend)  # q 64 rows, k 32, v 32
+    parts = {
+        s: _block_data(r, 64, (32, 32), seed=i) for i, (s, r) in enumerate([("q", 64), ("k", 32), ("v", 32)])
+    }
+    for s, (codes, scale) in parts.items():
+        layer.load_shard("weight", BlockScaledCodes(codes, scale, (32, 32)), s)
+    kept = bool(torch.ops.srt_cpu.fp8_fast_blocks())
+    assert (layer.fp8_block == (32, 32)) == kept and (layer.weight.dtype == torch.float8_e4m3fn) == kept
+    layer.prepare_weights()
+    assert layer.packed_weight.dtype == (torch.uint8 if kept else torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    full = torch.cat([BlockScaledCodes(c, s, (32, 32)).value() for c, s in parts.values()]).to(torch.bfloat16)
+    assert torch.equal(
+        y, torch.ops.srt_cpu.bf16_linear(x, torch.ops.srt_cpu.pack_bf16_weight(full), 128, None)
+    )

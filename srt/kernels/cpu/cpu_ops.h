@@ -42,10 +42,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 int64_t bf16_brgemm_rows();
 // fp8_linear.cpp: FP8 (e4m3) codes kept in one byte ([P, K/2, 64] uint8), widened to bf16 panels in
 // cache on the way; the same bits as bf16_linear on the codes in bf16
-at::Tensor pack_fp8_weight(const at::Tensor& codes);
+at::Tensor pack_fp8_weight(const at::Tensor& codes, const c10::optional<at::Tensor>& block_scale, int64_t block_n,
+                           int64_t block_k);
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                       c10::string_view isa);
 bool fp8_fast();
+bool fp8_fast_blocks();
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
