@@ -20,9 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.layers.linear import MergedColumnLinear
-from srt.layers.quantized_weight import GGUFTensor
+from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.models.llama import AttentionOptions, LlamaForCausalLM, window_left_of
 from srt.utils.errors import WeightLoadError
+
+Part = (
+    torch.Tensor | GGUFTensor | ScaledRows | BlockScaledCodes
+)  # a checkpoint matrix as load_weights takes it
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,10 +38,20 @@ _FUSED_PARTS = {
 }
 
 
-def split_rows(tensor: torch.Tensor | GGUFTensor, start: int, rows: int) -> torch.Tensor | GGUFTensor:
-    """Rows ``[start, start + rows)`` of a float tensor or of a matrix kept as GGUF blocks."""
+def split_rows(tensor: Part, start: int, rows: int) -> Part:
+    """Rows ``[start, start + rows)`` of a float tensor, of a matrix kept as GGUF blocks, or of an
+    FP8 one (its codes and their scales; block-scaled rows that do not start a block of rows come as
+    their float32 values)."""
     if isinstance(tensor, GGUFTensor):
         return GGUFTensor(tensor.qtype, rows, tensor.cols, tensor.data.narrow(0, start, rows))
+    if isinstance(tensor, ScaledRows):
+        return ScaledRows(tensor.codes.narrow(0, start, rows), tensor.scale.narrow(0, start, rows))
+    if isinstance(tensor, BlockScaledCodes):
+        bn = tensor.block[0]
+        if start % bn:
+            return tensor.value().narrow(0, start, rows)
+        scale = tensor.scale.narrow(0, start // bn, -(-rows // bn))
+        return BlockScaledCodes(tensor.codes.narrow(0, start, rows), scale, tensor.block)
     return tensor.narrow(0, start, rows)
 
 
@@ -46,9 +60,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         return AttentionOptions(window_left=window_left_of(config))
 
-    def _split_fused(
-        self, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]]
-    ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    def _split_fused(self, weights: Iterable[tuple[str, Part]]) -> Iterator[tuple[str, Part]]:
         """Each fused checkpoint tensor as its parts, named like Llama's separate ones."""
         modules = dict(self.named_modules())
         for name, tensor in weights:
@@ -70,7 +82,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield f"{module_path.rpartition('.')[0]}.{part}.{param}", split_rows(tensor, start, rows)
                 start += rows
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Part]]) -> None:
         """``LlamaForCausalLM.load_weights`` of the checkpoint with its fused tensors cut into
         their parts (module docstring); separate q/k/v or gate/up tensors load as they are."""
         super().load_weights(self._split_fused(weights))

@@ -62,7 +62,9 @@ QUANTIZED = {
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 @pytest.mark.parametrize("units", ["avx512_bf16", None])
-def test_fp8_checkpoints_follow_their_declared_dtype_and_int4_ones_stay_float32(tmp_path, monkeypatch, kind, units):
+def test_fp8_checkpoints_follow_their_declared_dtype_and_int4_ones_stay_float32(
+    tmp_path, monkeypatch, kind, units
+):
     """FP8 codes are exact in bf16: a bf16 FP8 checkpoint is served in bf16 where the CPU computes in
     bf16; int8 / int4 checkpoints run on the GGUF-block kernels with float32 activations."""
     monkeypatch.setattr(cpu_dtype, "cpu_bf16_units", lambda: units)

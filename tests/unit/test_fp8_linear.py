@@ -227,3 +227,19 @@ def test_a_native_layer_keeps_block_scaled_codes_where_the_cpu_widens_them_and_d
     assert torch.equal(
         y, torch.ops.srt_cpu.bf16_linear(x, torch.ops.srt_cpu.pack_bf16_weight(full), 128, None)
     )
+
+
+def test_fused_checkpoint_tensors_split_with_their_scales():
+    """Phi-3's fused qkv / gate_up tensors cut into parts: FP8 codes keep their scales (a row's, or
+    the block rows'); block-scaled parts that do not start a block of rows come as their values."""
+    from srt.models.phi3 import split_rows
+
+    codes, scale = _block_data(96, 64, (32, 32), seed=3)
+    whole = BlockScaledCodes(codes, scale, (32, 32))
+    part = split_rows(whole, 32, 64)
+    assert isinstance(part, BlockScaledCodes) and part.scale.shape == (2, 2)
+    assert torch.equal(part.value(), whole.value()[32:96])
+    coarse = BlockScaledCodes(codes, scale[:2], (64, 32))
+    assert torch.equal(split_rows(coarse, 32, 64), coarse.value()[32:96])  # starts mid-block
+    rows = ScaledRows(codes.float(), torch.rand(96))
+    assert torch.equal(split_rows(rows, 10, 20).value(), rows.value()[10:30])
