@@ -238,5 +238,8 @@ def test_quantized_checkpoint_packs_codes_as_compressed_tensors_does():
         w = got["model.layers.0.mlp.down_proj.weight"]
         if scheme == "fp8_dynamic":  # float8 codes and a scale a row
             assert tuple(w.codes.shape) == (256, 512) and tuple(w.scale.shape) == (256,)
+        elif scheme == "fp8_block":  # float8 codes and a scale a block of 128 x 128
+            assert w.codes.dtype == torch.float8_e4m3fn and tuple(w.codes.shape) == (256, 512)
+            assert tuple(w.scale.shape) == (2, 4) and w.block == (128, 128)
         else:
             assert (w.rows, w.cols, w.qtype) == (256, 512, 2 if scheme == "w4a16" else 8)

@@ -53,6 +53,7 @@ SOURCES = (
     "w8a8_linear.cpp",
 )  # compiled
 HEADERS = (
+    "bf16_tiles.h",
     "cpu_ops.h",
     "decode_attention_kernel.h",
     "elementwise_rows.h",
