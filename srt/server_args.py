@@ -164,6 +164,9 @@ class ServerArgs:
         "Run DECODE steps layer by layer in Python, not as one native call for all layers (the "
         "default where the weights allow; same results). For comparison and debugging.",
     )
+    disable_fused_kernels: bool = _f(
+        False, "On CUDA: torch ops for RMSNorm, rope and SiLU/GELU-and-mul, not FlashInfer's fused kernels."
+    )
     disable_cuda_graph: bool = _f(
         False,
         "Run every decode step eagerly. By default, on CUDA with an attention backend that has "
@@ -392,9 +395,5 @@ class ServerArgs:
 
 
 def _base_type(hint: Any):
-    args = getattr(hint, "__args__", None)
-    if args:
-        for a in args:
-            if a is not type(None):
-                return a
-    return hint
+    """``X`` of ``X | None``; other hints as they are."""
+    return next((a for a in getattr(hint, "__args__", None) or () if a is not type(None)), hint)

@@ -15,6 +15,8 @@ set), so a run stopped part-way still leaves what it measured.
     bench    bench_forward.py --device cuda, bf16: decode at batch 1/16/64/256 over 512-token
              contexts and a 2,048-token prefill, for the default model's shapes and a
              Llama-3.1-8B shape (dummy weights), flashinfer then torch_native
+    profile  kernels per decode layer, CUDA profiler beside the CPU census (gpu.profile_layers)
+    serving  the server on the 8B shape under bench_serving at concurrency 1/16/64 (gpu.serving)
 
 FlashInfer compiles its kernels on first use: ``FLASHINFER_WORKSPACE_BASE`` points at a cache in
 the run folder (shared by the tests and the benchmarks) and ``FLASHINFER_CUDA_ARCH_LIST`` at the
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.gpu import report
+from benchmarks.gpu import profile_layers, report, serving
 from benchmarks.gpu.wheels import DEFAULT_DEST, REPO, install_cmd
 
 RESULTS = REPO / "benchmarks" / "results" / "gpu"
@@ -47,6 +49,7 @@ LOG_TAIL = 4000
 # benchmarks then find them compiled (an 8B-shape dummy model loads in about 10 s).
 TESTS_BUDGET_S = 330.0
 BENCH_ARGS = ["--batch-sizes", "1,16,64,256", "--context", "512", "--prefill-len", "2048", "--repeats", "10"]
+TEST_ARGS = ["-v", "--durations=12", "-p", "no:cacheprovider"]
 
 
 @dataclass(slots=True)
@@ -253,14 +256,10 @@ def bench_steps(check: Check) -> list[Step]:
     models = check.run_dir / "models"
     small_args, weights = _small_model_args(models)
     big = report.write_model_config(models / "llama-3.1-8b", report.LLAMA31_8B)
+    big_args = ["--model-path", str(big), "--load-format", "dummy"]
     per_model = {
         "smollm2-135m": (small_args, weights, (60, 15), (40, 15)),
-        "llama-3.1-8b": (
-            ["--model-path", str(big), "--load-format", "dummy"],
-            "dummy weights, Llama-3.1-8B shapes",
-            (120, 40),
-            (70, 40),
-        ),
+        "llama-3.1-8b": (big_args, "dummy weights, Llama-3.1-8B shapes", (120, 40), (70, 40)),
     }
     steps = []
     for backend_i, backend in enumerate(report.BACKENDS):
@@ -308,32 +307,39 @@ def run_all(check: Check, args: argparse.Namespace, device: dict) -> None:
     bounds = check.run(Step("bounds", [py, "-m", "benchmarks.gpu.bounds", "--json"], 60, 10))
     check.record["bounds"] = bounds or {}
     if "tests" not in args.skip:
-        junit = check.run_dir / "junit.xml"
-        argv = [
-            py,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            *args.tests,
-            "-v",
-            "--durations=12",
-            "-p",
-            "no:cacheprovider",
-        ]
-        # with no benchmark after them, the tests may use the whole run's budget (a fresh
-        # machine's FlashInfer compile grows with every kernel variant the tests touch)
-        budget = TESTS_BUDGET_S if "bench" not in args.skip else args.budget_s
-        check.run(Step("tests", argv + [f"--junitxml={junit}"], budget, 60))
-        step = check.record["steps"]["tests"]
-        log = check.run_dir / "tests.log"
-        counts = report.count_test_outcomes(log.read_text(errors="replace") if log.is_file() else "", junit)
-        check.record["tests"] = counts
-        if step["status"] == "ok" and counts["passed"] == 0:
-            step.update(status="failed", detail="no GPU test passed (all skipped: is flashinfer installed?)")
-        check.write()
+        # with no benchmark after them the tests may use the whole budget (a fresh machine's
+        # FlashInfer compile); profile and serving then get what they leave
+        run_tests(check, args.tests, TESTS_BUDGET_S if "bench" not in args.skip else args.budget_s)
     if "bench" not in args.skip:
         run_benches(check, bench_steps(check))
+    if "profile" not in args.skip:
+        run_recorded(check, [Step(*t) for t in profile_layers.check_steps(py, check.run_dir)], "profile")
+    if "serving" not in args.skip:  # told the budget it gets: what is left of the run's, at most its own
+        run_recorded(check, [Step(*serving.check_step(py, check.run_dir, check.left()))], "serving")
+
+
+def run_tests(check: Check, tests: list[str], budget: float) -> None:
+    junit = check.run_dir / "junit.xml"
+    argv = [sys.executable, "-m", "pytest", "-m", "gpu", *tests, *TEST_ARGS, f"--junitxml={junit}"]
+    check.run(Step("tests", argv, budget, 60))
+    step = check.record["steps"]["tests"]
+    log = check.run_dir / "tests.log"
+    counts = report.count_test_outcomes(log.read_text(errors="replace") if log.is_file() else "", junit)
+    check.record["tests"] = counts
+    if step["status"] == "ok" and counts["passed"] == 0:
+        step.update(status="failed", detail="no GPU test passed (all skipped: is flashinfer installed?)")
+    check.write()
+
+
+def run_recorded(check: Check, steps: list[Step], key: str) -> None:
+    """Run ``steps``; what each wrote goes to ``record[key][model]`` (``record[key]`` without a model)."""
+    for step in steps:
+        data, model = check.run(step), step.extra.get("model")
+        if data and model:
+            check.record.setdefault(key, {})[model] = data
+        elif data:
+            check.record[key] = data
+        check.write()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -351,7 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--results-dir", default=str(RESULTS), help="a run folder is made inside")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's time budget")
-    ap.add_argument("--skip", default="", help="comma-separated: tests, bench")
+    ap.add_argument("--skip", default="", help="comma-separated: tests, bench, profile, serving")
     ap.add_argument("--flashinfer-cache", default=None, help="JIT cache (default: inside the run folder)")
     args = ap.parse_args(argv)
     args.skip = {s for s in args.skip.split(",") if s}

@@ -1,5 +1,6 @@
 """The GPU check's pure parts: the model shapes it benchmarks, FlashInfer's arch string, the
-figures as fractions of the device's bounds, test counts, and the Markdown summary.
+figures as fractions of the device's bounds, test counts, and the Markdown summary (with the
+kernels per layer of ``profile_layers`` and the serving runs of ``serving``).
 
 Fractions (each against the bound measured in the same run, ``benchmarks.gpu.bounds``):
 
@@ -149,6 +150,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _cell(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -184,6 +189,57 @@ def bench_table(model: str, entry: dict) -> list[str]:
     return lines + [""]
 
 
+def profile_table(profiles: dict) -> list[str]:
+    """Markdown: kernels per decode layer, the CUDA profiler's count beside the CPU census's, and
+    the kernels of one layer as the profiler names them."""
+    lines = ["### Kernels per decode layer, batch 1 (CUDA profiler, CPU census)", ""]
+    lines.append("| model | profiler | census | outside the layers: profiler / census | copies per layer |")
+    lines.append("|---|---|---|---|---|")
+    for model, p in profiles.items():
+        cells = [_cell(p.get(k)) for k in ("profiler_kernels_per_layer", "census_kernels_per_layer")]
+        cells.append(f"{_cell(p.get('profiler_step_kernels'))} / {_cell(p.get('census_step_kernels'))}")
+        cells.append(_cell(p.get("profiler_memops_per_layer")))
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for model, p in profiles.items():
+        if p.get("profiler_layer_kernels"):
+            kernels = ", ".join(f"{n} x{c}" for n, c in p["profiler_layer_kernels"])
+            lines.append(f"- {model}, one layer on the GPU: {kernels}")
+        if p.get("census_layer_ops"):
+            lines.append(f"- {model}, one layer in the census: {' '.join(p['census_layer_ops'])}")
+        if p.get("error"):
+            lines.append(f"- {model}: {p['error']}")
+    return lines + [""]
+
+
+def serving_table(serving: dict) -> list[str]:
+    """Markdown: each concurrency's throughput and latencies, or why it did not run."""
+    head = f"### Serving: {serving.get('model', '')}, {serving.get('input_len')} in / {serving.get('output_len')} out"
+    lines = [head, ""]
+    if "server_start_s" in serving:
+        lines.append(f"server ready after {serving['server_start_s']} s")
+    if serving.get("error"):
+        lines.append(f"error: {serving['error']}")
+    lines += ["", "| concurrency | prompts | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed |"]
+    lines.append("|---|---|---|---|---|---|")
+    for conc, r in serving.get("runs", {}).items():
+        asked = r.get("num_prompts_requested")
+        prompts = f"{r.get('num_prompts')} of {asked}" if r.get("num_prompts") != asked else str(asked)
+        if r.get("status") not in ("ok", "failed") or r.get("output_tok_s") is None:
+            lines.append(
+                f"| {conc} | {prompts} | {r.get('status')}: {str(r.get('reason', '')).replace('|', '/')} | | | |"
+            )
+            continue
+        ttft, tpot = (
+            f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])}",
+            f"{_ms(r['tpot_p50_ms'])} / {_ms(r['tpot_p99_ms'])}",
+        )
+        lines.append(
+            f"| {conc} | {prompts} | {r['output_tok_s']:.1f} | {ttft} | {tpot} | {r.get('failed', 0)} |"
+        )
+    return lines + [""]
+
+
 def summary_markdown(record: dict) -> str:
     """A short human summary of the check's JSON record."""
     dev = record.get("device", {})
@@ -209,4 +265,8 @@ def summary_markdown(record: dict) -> str:
     lines.append("")
     for model, entry in record.get("bench", {}).items():
         lines += bench_table(model, entry)
+    if record.get("profile"):
+        lines += profile_table(record["profile"])
+    if record.get("serving"):
+        lines += serving_table(record["serving"])
     return "\n".join(lines) + "\n"

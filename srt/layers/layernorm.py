@@ -11,11 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.kernels.cpu import elementwise
+from srt.layers.fused_kernels import FusedKernels
 from srt.layers.parameter import empty_param
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (size ``hidden_size``)."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (size ``hidden_size``); one
+    FlashInfer kernel on CUDA (``fused``, bound by the model runner), else the torch code."""
+
+    fused: FusedKernels | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -25,17 +29,32 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> same shape and dtype."""
+        if self.fused is not None and (out := self.fused.norm(x, self.weight, self.eps)) is not None:
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Each head of x ``[T, heads, head_dim]`` (q or k, a view of the qkv output) normalised:
+        in place on CUDA, so q and k stay views of that output (the KV pool then stores K and V
+        in one copy); else a new tensor."""
+        if self.fused is not None:
+            out = self.fused.norm(x, self.weight, self.eps, in_place=True)
+            if out is not None:
+                return out
+        return self.forward(x)
+
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual += x`` (in place; the caller owns ``residual``), then
-        ``(norm(residual), residual)``; one native pass for float32 or bf16 CPU rows."""
+        """``residual += x`` (in place; the caller owns ``residual``, and ``x``, which may hold
+        the result), then ``(norm(residual), residual)``; one native pass for float32 or bf16 CPU
+        rows, one FlashInfer kernel on CUDA."""
+        if self.fused is not None and (done := self.fused.add_norm_(x, residual, self.weight, self.eps)):
+            return done
         if elementwise.supports(x, residual):  # add_rms_norm_ checks the weight itself
             return elementwise.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual.add_(x)

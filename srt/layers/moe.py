@@ -126,6 +126,7 @@ class MoEExperts(nn.Module):
         self.down: _Bank | None = None
         # > 0: expert matmuls of at most that many rows quantize x to int8 (``use_int8_activations``)
         self.int8_max_rows = 0
+        self.act_fn = SiluAndMul()  # one fused kernel on CUDA
 
     def shard(self, intermediate_size: int) -> None:
         """Tensor parallelism, before loading: keep ``intermediate_size`` rows of gate/up and
@@ -226,7 +227,7 @@ class MoEExperts(nn.Module):
             h = self.gate_up[0].linear(e, x, rows)
         else:
             h = torch.cat([b.linear(e, x, rows) for b in self.gate_up], dim=-1)
-        return self.down.linear(e, _silu_and_mul(h), rows)
+        return self.down.linear(e, self.act_fn(h), rows)
 
     def use_int8_activations(self, max_rows: int) -> None:
         """From now on, expert matmuls of at most ``max_rows`` rows quantize x to int8 per block of
@@ -242,8 +243,8 @@ class MoEExperts(nn.Module):
             self.finalize()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return dense_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
-        banks = self.native_banks()
-        if banks is not None and x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+        banks = None if x.is_cuda or x.dtype != torch.float32 else self.native_banks()
+        if banks is not None and x.is_contiguous():
             return torch.ops.srt_cpu.moe_experts(x, weights, ids, *banks, self.int8_max_rows)
         k = ids.shape[1]
         flat = ids.reshape(-1)

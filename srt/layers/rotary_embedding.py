@@ -10,7 +10,9 @@ call gathers the rows of ``positions`` and rotates every head of q and k:
 
 ``rotary_dim < head_dim`` is partial rotary (``partial_rotary_factor``, e.g. Phi-4-mini's 0.75).
 
-Paths: full rotary on 2-D float32 CPU inputs, or bf16 ones with a bf16 table (a bf16 model's),
+Paths: on CUDA (``fused`` bound by the model runner) FlashInfer's cos/sin-cache rope rotates q and
+k in place in one kernel (every rope type: they differ only in the table; partial rotary too) where
+it takes the inputs (``fused_kernels.FusedKernels.rope_``); full rotary on 2-D float32 CPU inputs, or bf16 ones with a bf16 table (a bf16 model's),
 rotates in place with the native op (``elementwise.rotary_neox_``); everything else (partial rotary, other dtypes, 3-D inputs) takes
 the torch path, which is also the reference.
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from srt.kernels.cpu import elementwise
+from srt.layers.fused_kernels import FusedKernels
 from srt.layers.rope_scaling import (
     SUPPORTED_ROPE_TYPES,
     RopeSpec,
@@ -70,6 +73,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | Non
 
 
 class RotaryEmbedding(nn.Module):
+    fused: FusedKernels | None = None
+
     def __init__(
         self,
         head_dim: int,
@@ -113,7 +118,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64; q ``[T, H*D]`` (or ``[T, H, D]``), k ``[T, H_kv*D]`` ->
         rotated (q, k) of the input shapes and dtype: for full rotary on 2-D float32 or bf16 CPU inputs
-        the inputs themselves, rotated in place by the native op; otherwise new contiguous tensors."""
+        the inputs themselves, rotated in place by the native op, and on CUDA by FlashInfer's;
+        otherwise new contiguous tensors."""
+        if self.fused is not None and self.fused.rope_(positions, q, k, self.head_dim, self.cos_sin_cache):
+            return q, k
         full = self.rotary_dim == self.head_dim
         if full and q.dim() == 2 and elementwise.supports(q, k):
             table = self.table(q.dtype)

@@ -102,14 +102,17 @@ class MHATokenToKVPool:
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
         self.device = torch.device(device)
-        shape = (size + page_size, head_num, head_dim)
-        self.k_buffer: list[torch.Tensor] = [self._new_buffer(shape) for _ in range(layer_num)]
-        self.v_buffer: list[torch.Tensor] = [self._new_buffer(shape) for _ in range(layer_num)]
+        # one tensor per layer holds its keys ([0]) and values ([1]), so a layer's new K and V,
+        # adjacent in the fused qkv output, are stored by one indexed copy (set_kv_buffer)
+        shape = (2, size + page_size, head_num, head_dim)
+        self.kv_buffer: list[torch.Tensor] = [self._new_buffer(shape) for _ in range(layer_num)]
+        self.k_buffer: list[torch.Tensor] = [kv[0] for kv in self.kv_buffer]
+        self.v_buffer: list[torch.Tensor] = [kv[1] for kv in self.kv_buffer]
 
-    def _new_buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
+    def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            buf[: self.page_size].zero_()
+            buf[:, : self.page_size].zero_()
             return buf
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -130,8 +133,29 @@ class MHATokenToKVPool:
         ``k``/``v``: ``[n, head_num, head_dim]`` or ``[n, head_num * head_dim]``; cast to the pool dtype.
         """
         n = loc.numel()
+        pair = self._adjacent_pair(k, v, n)
+        if pair is not None:  # K and V side by side in one tensor (the qkv output): one copy
+            self.kv_buffer[layer_id][:, loc] = pair
+            return
         self.k_buffer[layer_id][loc] = k.reshape(n, self.head_num, self.head_dim).to(self.dtype)
         self.v_buffer[layer_id][loc] = v.reshape(n, self.head_num, self.head_dim).to(self.dtype)
+
+    def _adjacent_pair(self, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor | None:
+        """``[2, n, H, D]``, a view of k and v, when v's rows start where k's end in the same
+        storage (k and v split from one tensor), both 2-D in the pool's dtype; else None."""
+        width = self.head_num * self.head_dim
+        if k.dim() != 2 or v.dim() != 2 or k.shape != (n, width) or v.shape != (n, width):
+            return None
+        if k.dtype != self.dtype or v.dtype != self.dtype or k.stride(1) != 1 or v.stride(1) != 1:
+            return None
+        if n > 1 and k.stride(0) != v.stride(0):  # a single row's stride is arbitrary
+            return None
+        if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() or k.device != v.device:
+            return None
+        if v.storage_offset() != k.storage_offset() + width:
+            return None
+        both = k.as_strided((n, 2, width), (k.stride(0), width, 1))
+        return both.view(n, 2, self.head_num, self.head_dim).transpose(0, 1)
 
     # ---- sizes ----
     @property

@@ -44,6 +44,7 @@ from srt.configs.model_config import ModelConfig
 from srt.distributed import TPInfo, head_shard
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.forward_batch import ForwardBatch
+from srt.layers.fused_kernels import FusedKernels, bind_fused_kernels, fused_kernels_off_reason
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.rotary_embedding import limit_positions
@@ -195,14 +196,23 @@ class ModelRunner:
 
     def _finish_model(self, model: nn.Module) -> None:
         """Once the pools are sized: the rope tables cut to the positions a request can reach,
-        then the native decode layers (they capture the tables)."""
+        then the fused CUDA kernels or the native decode layers (they capture the tables)."""
         positions = self.req_to_token_pool.max_context_len
         freed = limit_positions(model, positions)
         if freed:
             logger.info(
                 "rope tables cut to %d positions (the pool's): %.1f MiB freed", positions, freed / (1 << 20)
             )
+        self._bind_fused_kernels(model)
         self._enable_native_decode(model)
+
+    def _bind_fused_kernels(self, model: nn.Module) -> None:
+        """On CUDA in bf16/fp16, the norms, activations and ropes take FlashInfer's fused kernels."""
+        why = fused_kernels_off_reason(self.device, self.dtype, self.server_args.disable_fused_kernels)
+        if why is not None:
+            (logger.info if self.device.type == "cuda" else logger.debug)("fused kernels off: %s", why)
+            return
+        logger.info("fused kernels (FlashInfer) in %d layers", bind_fused_kernels(model, FusedKernels()))
 
     def _enable_native_decode(self, model: nn.Module) -> None:
         """Hand the model's decode layers to the native call where it applies (llama_native.py);

@@ -11,6 +11,8 @@ are reused):
       h -> pre_feedforward_layernorm -> gate_up_proj -> gelu_tanh(gate) * up -> down_proj
         -> post_feedforward_layernorm -> + h
 
+  (each ``+`` is done by the norm after it, ``forward_with_residual``: one kernel on CUDA);
+
 * attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``)
   and soft-capped (``attn_logit_softcapping``; RadixAttention's ``logit_cap``);
 * sliding-window layers alternate with global ones (``config.layer_types``; without it Gemma 2's
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers.activation import GeluTanhAndMul
+from srt.layers.fused_kernels import FusedKernels
 from srt.layers.linear import Linear, QKVLinear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -54,7 +57,10 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast")
 
 class GemmaRMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32, cast back to
-    the input dtype. ``weight`` is the checkpoint's (zero-centred)."""
+    the input dtype. ``weight`` is the checkpoint's (zero-centred). One FlashInfer kernel on CUDA
+    (``fused``, bound by the model runner)."""
+
+    fused: FusedKernels | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -64,8 +70,33 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> same shape and dtype."""
+        if (
+            self.fused is not None
+            and (out := self.fused.norm(x, self.weight, self.eps, gemma=True)) is not None
+        ):
+            return out
         out = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps)
         return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+    def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``RMSNorm.norm_heads`` with Gemma's scale: in place on CUDA, else a new tensor."""
+        if self.fused is not None:
+            out = self.fused.norm(x, self.weight, self.eps, gemma=True, in_place=True)
+            if out is not None:
+                return out
+        return self.forward(x)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; on CUDA one kernel, in place (``x`` and
+        ``residual`` are the caller's to overwrite)."""
+        if self.fused is not None:
+            done = self.fused.add_norm_(x, residual, self.weight, self.eps, gemma=True)
+            if done is not None:
+                return done
+        residual = residual + x
+        return self.forward(residual), residual
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
@@ -155,8 +186,8 @@ class GemmaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None and self.k_norm is not None:
             t = hidden_states.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+            q = self.q_norm.norm_heads(q.view(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm.norm_heads(k.view(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
@@ -181,13 +212,21 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """The residual stream ``[T, hidden]`` in and out."""
-        h = self.self_attn(positions, self.input_layernorm(hidden_states), forward_batch)
-        hidden_states = hidden_states + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        return hidden_states + self.post_feedforward_layernorm(h)
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(post-norm MLP output, residual stream)``; the caller adds them (the next layer's
+        input norm, or the final norm), so each add rides in a norm (one kernel on CUDA)."""
+        if residual is None:
+            residual, h = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(hidden_states, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, forward_batch))
+        h, residual = self.pre_feedforward_layernorm.forward_with_residual(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class GemmaModel(nn.Module):
@@ -224,9 +263,12 @@ class GemmaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
         hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states, forward_batch)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        if residual is None:
+            return self.norm(hidden_states)
+        return self.norm.forward_with_residual(hidden_states, residual)[0]
 
 
 class Gemma2ForCausalLM(CheckpointLoader, nn.Module):

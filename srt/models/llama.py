@@ -134,9 +134,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
-            num_tokens = qkv.shape[0]
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+            t = qkv.shape[0]
+            q = self.q_norm.norm_heads(q.view(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm.norm_heads(k.view(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v, forward_batch)
         return self.o_proj(attn_output)

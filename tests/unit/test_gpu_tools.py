@@ -1,6 +1,9 @@
 """The GPU tooling's CPU-side behaviour: ``make gpu-check`` without CUDA, the step runner's
 budgets (ok, failed, timeout, skipped, partial results), the benchmark report's arithmetic, the
-model shapes it benchmarks, the wheel list's pins and closure, and bench_forward's new flags."""
+model shapes it benchmarks, the wheel list's pins and closure, bench_forward's new flags, and the
+profile and serving steps: the profiler's kernel count on synthetic and real event lists, the
+per-layer difference, the argv each script accepts, the serving budget arithmetic, bench_serving's
+JSON read into the record, both scripts end to end on the CPU, and the summary's tables."""
 
 from __future__ import annotations
 

@@ -70,3 +70,43 @@ def test_invalid_sizes_raise():
         ReqToTokenPool(0, 8, "cpu")
     with pytest.raises(ValueError):
         MHATokenToKVPool(0, 1, torch.float32, 1, 1, 1, "cpu")
+
+
+def _split_qkv(t: int, heads: int, kv_heads: int, d: int, dtype=torch.float32):
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(dtype)
+    return qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_keys_and_values_side_by_side_are_stored_in_one_copy(tokens):
+    """k and v split from the fused qkv output: one indexed copy into the layer's K/V tensor."""
+    from benchmarks.gpu.census import LaunchCensus
+
+    pool = MHATokenToKVPool(32, 1, torch.float32, 2, 8, 2, "cpu")
+    _, k, v = _split_qkv(tokens, 4, 2, 8)
+    loc = torch.tensor([7, 3, 20, 11, 30][:tokens])
+    with LaunchCensus() as census:
+        pool.set_kv_buffer(1, loc, k, v)
+    assert [name for _, name in census.kernels] == ["index_put_"]
+    assert torch.equal(pool.k_buffer[1][loc], k.reshape(tokens, 2, 8))
+    assert torch.equal(pool.v_buffer[1][loc], v.reshape(tokens, 2, 8))
+    assert pool.k_buffer[1].is_contiguous() and pool.v_buffer[1].is_contiguous()
+    assert pool.k_buffer[1].data_ptr() == pool.kv_buffer[1].data_ptr()
+
+
+@pytest.mark.parametrize("case", ["apart", "swapped", "other dtype", "k normed apart"])
+def test_keys_and_values_not_side_by_side_are_stored_apart(case):
+    pool = MHATokenToKVPool(32, 1, torch.bfloat16, 2, 8, 1, "cpu")
+    _, k, v = _split_qkv(3, 4, 2, 8, torch.bfloat16)
+    if case == "apart":
+        k, v = k.clone(), v.clone()
+    elif case == "swapped":
+        k, v = v, k  # adjacent, in the wrong order
+    elif case == "other dtype":
+        k, v = k.float(), v.float()
+    else:
+        k = k.clone() * 2
+    loc = torch.tensor([4, 9, 2])
+    pool.set_kv_buffer(0, loc, k, v)
+    assert torch.equal(pool.k_buffer[0][loc], k.reshape(3, 2, 8).to(torch.bfloat16))
+    assert torch.equal(pool.v_buffer[0][loc], v.reshape(3, 2, 8).to(torch.bfloat16))

@@ -107,7 +107,7 @@ def _gather_page_ids(
     """``int32 [sum n_i]`` on ``req_to_token``'s device: for each sequence, the page id
     (``slot // P``) of positions ``0, P, .., (n_i - 1) * P``. One gather, no host sync."""
     device = req_to_token.device
-    total = int(kv_indptr[-1])
+    total = sum(num_pages)
     n_t = torch.tensor(num_pages, dtype=torch.int64).to(device, non_blocking=True)
     start_t = kv_indptr[:-1].to(torch.int64).to(device, non_blocking=True)
     rows = torch.repeat_interleave(req_pool_indices.to(device, torch.int64), n_t, output_size=total)

@@ -37,11 +37,20 @@ What the one-step lag changes, and how each case stays exact:
   overlap.
 
 Without overlap the same code runs with the worker inline: launch, then complete at once.
+
+On CUDA the worker runs its forwards on a stream of its own (``ForwardWorker.attach``), which
+first waits for the work the scheduler queued on the default stream (the next batch's inputs and
+slot writes), so the scheduler's copies to the device never queue behind a running forward. The
+sampled ids (and their logprobs) are copied to pinned host memory behind an event on that
+stream; the worker thread waits for the event, so a completed batch holds host tensors and the
+scheduler thread never synchronises with the device.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,6 +126,7 @@ class ForwardWorker:
         self.threaded = threaded
         self.runner: SchedulerModelRunner | None = None
         self.future_ids = torch.zeros(0, dtype=torch.int64)
+        self.stream: Any = None  # the forwards' CUDA stream (threaded, on CUDA)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if threaded:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -133,7 +143,10 @@ class ForwardWorker:
         """The runner the forwards go to; the future map gets one entry per request row."""
         self.runner = runner
         pool = runner.req_to_token_pool
-        self.future_ids = torch.zeros(pool.size, dtype=torch.int64, device=pool.req_to_token.device)
+        device = pool.req_to_token.device
+        self.future_ids = torch.zeros(pool.size, dtype=torch.int64, device=device)
+        if self.threaded and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
 
     def launch(self, batch: ScheduleBatch, forward_batch: ForwardBatch, step_start: float) -> InFlight:
         """Start the forward of ``batch`` (its ``forward_batch`` built on the caller's thread)."""
@@ -150,16 +163,44 @@ class ForwardWorker:
 
     def _run(self, fb: ForwardBatch, resolve: bool, publish: torch.Tensor | None) -> ForwardResult:
         start = time.perf_counter()
-        if resolve:
-            fb.input_ids = resolve_future_ids(fb.input_ids, self.future_ids)
-        assert self.runner is not None, "ForwardWorker.attach was not called"
-        logits_output, sample_output = self.runner.forward_batch_generation(fb)
-        if publish is not None:
-            self.future_ids[publish.to(self.future_ids.device)] = sample_output.next_token_ids.to(
-                self.future_ids.device
-            )
+        with self._on_stream():
+            if resolve:
+                fb.input_ids = resolve_future_ids(fb.input_ids, self.future_ids)
+            assert self.runner is not None, "ForwardWorker.attach was not called"
+            logits_output, sample_output = self.runner.forward_batch_generation(fb)
+            if publish is not None:
+                self.future_ids[publish.to(self.future_ids.device)] = sample_output.next_token_ids.to(
+                    self.future_ids.device
+                )
+            if self.stream is not None:
+                sample_output = self._sampled_to_host(sample_output)
         return ForwardResult(logits_output, sample_output, time.perf_counter() - start)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """The forwards' stream as this thread's current one, after the default stream's work."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+    def _sampled_to_host(self, out: SampleResult) -> SampleResult:
+        """``out`` with its tensors copied to pinned host memory; returns once the stream reached
+        the copies (everything the forward wrote is then done)."""
+        if not dataclasses.is_dataclass(out):  # not the sampler's output: only wait for the stream
+            self.stream.synchronize()
+            return out
+        ids = _pinned_copy(out.next_token_ids)
+        lps = None if out.next_token_logprobs is None else _pinned_copy(out.next_token_logprobs)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        done.synchronize()
+        return dataclasses.replace(out, next_token_ids=ids, next_token_logprobs=lps)
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
