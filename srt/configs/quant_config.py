@@ -100,7 +100,7 @@ def keeps_blocks(quantization: str) -> bool:
 
 
 def resolve_quantization(
-    requested: str, model_path: str | None, load_format: str, device: str, dtype: str, tp_size: int = 1
+    requested: str, model_path: str | None, load_format: str, device: str, dtype: str
 ) -> str:
     """``--quantization`` resolved (``dtype`` is resolved already): auto is gguf for a GGUF model on
     CPU in float32, the checkpoint's method (compressed-tensors, awq, gptq) for an int8 / int4
@@ -113,10 +113,6 @@ def resolve_quantization(
     )  # no path: the default GGUF
     qc = None if gguf_model else read_quantization_config(model_path)
     scheme = None if qc is None else parse_quantization(qc)
-    if scheme is not None and tp_size > 1:
-        raise ConfigError(
-            f"{scheme.describe()}: quantized checkpoints are not served with --tp-size > 1 yet."
-        )
     cpu_float32 = device == "cpu" and dtype == "float32"
     if requested == "auto":
         if gguf_model and cpu_float32:

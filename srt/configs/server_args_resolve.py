@@ -309,9 +309,7 @@ def _resolve_model_location(a: ResolvableArgs) -> None:
 def _resolve_weights(a: ResolvableArgs) -> None:
     if a.load_format == "auto" and a.model_path and a.model_path.endswith(".gguf"):
         a.load_format = "gguf"
-    a.quantization = resolve_quantization(
-        a.quantization, a.model_path, a.load_format, a.device, a.dtype, a.tp_size
-    )
+    a.quantization = resolve_quantization(a.quantization, a.model_path, a.load_format, a.device, a.dtype)
     if a.enable_int8_activations and not keeps_blocks(a.quantization):
         raise ConfigError(
             "--enable-int8-activations needs weights kept quantized (--quantization gguf, "

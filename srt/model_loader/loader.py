@@ -45,6 +45,7 @@ from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
 from srt.model_loader.quantized_checkpoint import convert_weights, quantize_inputs_of, use_int8_kernels
+from srt.model_loader.quantized_shard import sharded_quantized_iterator
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
 from srt.model_loader.sharding import ShardPlan, shard_model
 from srt.model_loader.weight_utils import (
@@ -258,18 +259,19 @@ def _load_weights(
             )
         else:
             model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
-    elif plan is not None:
-        if read_quantization_config(model_config.model_path) is not None:
-            raise ConfigError("quantized HF checkpoints are not served with tensor parallelism yet")
-        model.load_weights(sharded_safetensors_iterator(model_config.model_path, plan))
     else:
-        weights = safetensors_weights_iterator(model_config.model_path)
         qc = read_quantization_config(model_config.model_path)
         scheme = None if qc is None else parse_quantization(qc)
         quantized: set[str] = set()
-        if scheme is not None:  # kept as GGUF blocks, or dequantized (quantization none)
-            keep = quantization in KEPT_METHODS
-            weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
+        keep = quantization in KEPT_METHODS  # kept as GGUF blocks, or dequantized (quantization none)
+        if plan is not None and scheme is not None:
+            weights = sharded_quantized_iterator(model_config.model_path, plan, scheme, keep, quantized)
+        elif plan is not None:
+            weights = sharded_safetensors_iterator(model_config.model_path, plan)
+        else:
+            weights = safetensors_weights_iterator(model_config.model_path)
+            if scheme is not None:
+                weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
         model.load_weights(weights)
         if scheme is not None and scheme.token_quant is not None:
             n = quantize_inputs_of(model, quantized, scheme.token_quant)

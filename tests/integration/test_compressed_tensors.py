@@ -208,15 +208,6 @@ def test_a_quantized_checkpoint_srt_does_not_serve_is_a_startup_error_naming_it(
         Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=1024, log_level="warning")
 
 
-def test_tensor_parallelism_with_a_quantized_checkpoint_is_refused_at_startup(tmp_path):
-    from srt.server_args import ServerArgs
-    from srt.utils.errors import ConfigError
-
-    path = _checkpoint(tmp_path, "w8a16")
-    with pytest.raises(ConfigError, match="--tp-size > 1"):
-        ServerArgs(model_path=path, device="cpu", tp_size=2).resolve()
-
-
 def test_a_tensor_no_parameter_takes_is_a_load_error(tmp_path):
     from safetensors.torch import load_file, save_file
 

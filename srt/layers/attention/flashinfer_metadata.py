@@ -54,11 +54,10 @@ class PagedKVMetadata:
         return int(self.qo_indptr[-1])
 
 
-def _exclusive_cumsum(lengths: Sequence[int]) -> torch.Tensor:
-    """``[0, l0, l0+l1, ...]`` as a CPU int32 tensor of ``len(lengths) + 1`` entries."""
-    out = torch.zeros(len(lengths) + 1, dtype=INDEX_DTYPE)
-    if len(lengths):
-        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` of CPU int64 ``lengths`` as a CPU int32 tensor of ``len + 1`` entries."""
+    out = torch.zeros(lengths.numel() + 1, dtype=INDEX_DTYPE)
+    torch.cumsum(lengths, 0, out=out[1:])
     return out
 
 
@@ -74,22 +73,29 @@ def build_paged_kv_metadata(
     req_to_token: ``int [rows, max_context_len]`` slot table; req_pool_indices: ``int [bs]`` rows of
     the batch's sequences (on ``req_to_token``'s device or the CPU); seq_lens: ``bs`` total lengths
     (prefix + new tokens); extend_lens: ``bs`` new-token counts, or None for a DECODE batch (one
-    query each); page_size: ``P``. Raises ``ValueError`` for inconsistent lengths."""
+    query each); page_size: ``P``. Raises ``ValueError`` for inconsistent lengths.
+
+    Host work is a few tensor ops on the CPU whatever the batch size (no loop over sequences)."""
     bs = len(seq_lens)
     if req_pool_indices.numel() != bs:
         raise ValueError(f"{req_pool_indices.numel()} req_pool_indices for {bs} sequences")
-    if extend_lens is None:
-        extend_lens = [1] * bs
-    if len(extend_lens) != bs:
-        raise ValueError(f"{len(extend_lens)} extend lengths for {bs} sequences")
-    for i, (s, e) in enumerate(zip(seq_lens, extend_lens)):
-        if not 1 <= e <= s:
-            raise ValueError(f"sequence {i}: need 1 <= extend_len ({e}) <= seq_len ({s})")
-    num_pages = [(s + page_size - 1) // page_size for s in seq_lens]
-    last_page_len = torch.tensor([s - (n - 1) * page_size for s, n in zip(seq_lens, num_pages)])
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    ext = (
+        torch.ones(bs, dtype=torch.int64)
+        if extend_lens is None
+        else torch.tensor(extend_lens, dtype=torch.int64)
+    )
+    if ext.numel() != bs:
+        raise ValueError(f"{ext.numel()} extend lengths for {bs} sequences")
+    bad = ((ext < 1) | (ext > seq)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"sequence {i}: need 1 <= extend_len ({int(ext[i])}) <= seq_len ({int(seq[i])})")
+    num_pages = torch.div(seq + (page_size - 1), page_size, rounding_mode="floor")
+    last_page_len = seq - (num_pages - 1) * page_size
     kv_indptr = _exclusive_cumsum(num_pages)
     return PagedKVMetadata(
-        qo_indptr=_exclusive_cumsum(extend_lens),
+        qo_indptr=_exclusive_cumsum(ext),
         kv_indptr=kv_indptr,
         kv_indices=_gather_page_ids(req_to_token, req_pool_indices, num_pages, kv_indptr, page_size),
         kv_last_page_len=last_page_len.to(INDEX_DTYPE),
@@ -100,15 +106,15 @@ def build_paged_kv_metadata(
 def _gather_page_ids(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    num_pages: Sequence[int],
+    num_pages: torch.Tensor,
     kv_indptr: torch.Tensor,
     page_size: int,
 ) -> torch.Tensor:
     """``int32 [sum n_i]`` on ``req_to_token``'s device: for each sequence, the page id
     (``slot // P``) of positions ``0, P, .., (n_i - 1) * P``. One gather, no host sync."""
     device = req_to_token.device
-    total = sum(num_pages)
-    n_t = torch.tensor(num_pages, dtype=torch.int64).to(device, non_blocking=True)
+    total = int(kv_indptr[-1])  # a CPU tensor: no device sync
+    n_t = num_pages.to(device, non_blocking=True)
     start_t = kv_indptr[:-1].to(torch.int64).to(device, non_blocking=True)
     rows = torch.repeat_interleave(req_pool_indices.to(device, torch.int64), n_t, output_size=total)
     page_pos = torch.arange(total, device=device) - torch.repeat_interleave(start_t, n_t, output_size=total)
