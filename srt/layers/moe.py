@@ -31,50 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.kernels.cpu import elementwise
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.activation import SiluAndMul
-from srt.layers.linear import Linear, MergedColumnLinear
+from srt.layers.linear import Linear, MergedColumnLinear, fake_quant_rows
 from srt.layers.linear_backend import LinearBackend
+from srt.layers.moe_reference import dense_moe_reference, route_topk
 from srt.layers.parameter import copy_weight, empty_param
-from srt.layers.quantized_weight import F32_TYPE, GGUFTensor
+from srt.layers.quantized_weight import F32_TYPE, BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.utils.errors import WeightLoadError
 
 PARTS = ("gate", "up", "down")
-
-
-def route_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights float32 [T, k], expert ids int64 [T, k])``: softmax over the experts in float32,
-    the ``top_k`` largest, renormalised to sum 1 when ``renormalize``."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    if elementwise.supports(h):
-        return elementwise.silu_and_mul(h)
-    d = h.shape[-1] // 2
-    return F.silu(h[..., :d]) * h[..., d:]
-
-
-def dense_moe_reference(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """Every expert on every token: ``sum_e routing[:, e] * down_e(silu(gate_e x) * up_e x)`` with
-    ``routing [T, E]`` the top-k ``weights`` scattered at ``ids`` (zeros elsewhere). ``gate_up
-    [E, 2I, H]``, ``down [E, H, I]`` float."""
-    routing = torch.zeros(x.shape[0], gate_up.shape[0], dtype=torch.float32, device=x.device)
-    routing.scatter_(1, ids, weights.to(torch.float32))
-    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
-    for e in range(gate_up.shape[0]):
-        y = F.linear(_silu_and_mul(F.linear(x, gate_up[e])), down[e])
-        out += routing[:, e : e + 1] * y.float()
-    return out.to(x.dtype)
 
 
 class _Bank:
@@ -127,6 +93,8 @@ class MoEExperts(nn.Module):
         # > 0: expert matmuls of at most that many rows quantize x to int8 (``use_int8_activations``)
         self.int8_max_rows = 0
         self.act_fn = SiluAndMul()  # one fused kernel on CUDA
+        # a W8A8 / FP8_DYNAMIC checkpoint's experts: both matmuls' inputs quantized per token
+        self.token_quant: str | None = None
 
     def shard(self, intermediate_size: int) -> None:
         """Tensor parallelism, before loading: keep ``intermediate_size`` rows of gate/up and
@@ -146,7 +114,17 @@ class MoEExperts(nn.Module):
             t = self.gate_up_proj.data.narrow(1, 0 if part == "gate" else i, i)
         return t if expert is None else t[expert]
 
-    def load(self, part: str, expert: int | None, tensor: torch.Tensor | GGUFTensor, name: str) -> None:
+    def load(
+        self,
+        part: str,
+        expert: int | None,
+        tensor: torch.Tensor | GGUFTensor | ScaledRows | BlockScaledCodes,
+        name: str,
+    ) -> None:
+        """One part of one expert (``expert`` None: every expert's, stacked). FP8 codes with their
+        scales are taken as their values (the experts hold float weights or GGUF blocks)."""
+        if isinstance(tensor, ScaledRows | BlockScaledCodes):
+            tensor = tensor.value()
         if part not in (*PARTS, "gate_up") or (expert is not None and not 0 <= expert < self.num_experts):
             raise WeightLoadError(f"{name}: no expert {expert} / part {part!r} in this layer")
         if isinstance(tensor, GGUFTensor) and part != "gate_up":
@@ -227,7 +205,10 @@ class MoEExperts(nn.Module):
             h = self.gate_up[0].linear(e, x, rows)
         else:
             h = torch.cat([b.linear(e, x, rows) for b in self.gate_up], dim=-1)
-        return self.down.linear(e, self.act_fn(h), rows)
+        a = self.act_fn(h)
+        return self.down.linear(
+            e, a if self.token_quant is None else fake_quant_rows(a, self.token_quant), rows
+        )
 
     def use_int8_activations(self, max_rows: int) -> None:
         """From now on, expert matmuls of at most ``max_rows`` rows quantize x to int8 per block of
@@ -242,8 +223,9 @@ class MoEExperts(nn.Module):
         if self.down is None:  # dummy weights: filled in place, never loaded
             self.finalize()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return dense_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
-        banks = None if x.is_cuda or x.dtype != torch.float32 else self.native_banks()
+            return dense_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, self.token_quant)
+        native = not x.is_cuda and x.dtype == torch.float32 and self.token_quant is None
+        banks = self.native_banks() if native else None
         if banks is not None and x.is_contiguous():
             return torch.ops.srt_cpu.moe_experts(x, weights, ids, *banks, self.int8_max_rows)
         k = ids.shape[1]
@@ -252,6 +234,8 @@ class MoEExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         xs = x.index_select(0, tokens)
+        if self.token_quant is not None:  # per row (token): the same as quantizing x first
+            xs = fake_quant_rows(xs, self.token_quant)
         ys = torch.empty(xs.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):

@@ -27,6 +27,7 @@ import torch
 from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
+from srt.layers.moe import MoEExperts
 from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.model_loader import checkpoint_formats as formats
 from srt.models.llama import STACKED_PARAMS
@@ -72,8 +73,6 @@ def convert_weights(
         if not quant:
             yield name, tensor
             continue
-        if ".experts." in prefix:
-            raise WeightLoadError(f"{name}: quantized mixture-of-experts weights are not supported yet")
         if prefix in done:  # a leaf a complete layer does not need, written after it
             _check_late(name, leaf, tensor, scheme)
             continue
@@ -94,9 +93,15 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -
     """A W8A8 / FP8_DYNAMIC scheme: each linear layer made of quantized checkpoint layers quantizes
     its inputs per token (``Linear.token_quant = kind``); returns how many. A fused projection
     (``qkv_proj``, ``gate_up_proj``) is made of the checkpoint modules srt/models/llama.py routes
-    into it."""
+    into it; a MoE layer's experts (``MoEExperts``) when its checkpoint experts were quantized."""
     marked = 0
     for name, module in model.named_modules():
+        if isinstance(module, MoEExperts):
+            layer = name.split(".mlp.")[0] + "."
+            if any(q.startswith(layer) and ".experts." in q for q in quantized):
+                module.token_quant = kind
+                marked += 1
+            continue
         if not isinstance(module, Linear):
             continue
         dotted = f"{name}."

@@ -96,6 +96,8 @@ def _set_moe(stack: torch.ScriptObject, block: SparseMoeBlock, float32: bool) ->
     experts = block.experts
     if experts.down is None:  # dummy weights: filled in place, never loaded
         experts.finalize()
+    if experts.token_quant is not None:
+        return f"has experts whose inputs are quantized per token ({experts.token_quant})"
     banks = experts.native_banks()
     if banks is None:
         return "has experts that are neither float32 nor GGUF blocks of native types"

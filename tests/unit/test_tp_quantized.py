@@ -1,6 +1,8 @@
 """Tensor parallelism over quantized HF checkpoints (srt/model_loader/quantized_shard.py): a tiny
 random Llama written in each format (compressed-tensors W8A8, W4A16 with and without zero points,
-FP8 with row scales and with block scales, AWQ, GPTQ) served by 2 spawned ranks on a gloo group
+FP8 with row scales and with block scales, AWQ, GPTQ), and a tiny Qwen2-MoE whose experts are
+W4A16 or W8A8 (each expert's intermediate rows cut 16 + 16, so its down_proj columns are
+dequantized on the ranks), served by 2 spawned ranks on a gloo group
 gives the greedy tokens of one rank, and its next-token logits within float32 reordering of one
 rank's (the row-parallel sums run in another order), except where the scheme quantizes the
 inputs per token (W8A8 to int8, FP8_DYNAMIC to float8): a row-parallel layer quantizes its own
@@ -29,9 +31,10 @@ from tests.helpers.tp_worker import drive_runner, run_ranks, run_scenarios
 PROMPTS = [[1, 5, 9, 200, 300, 17], [1, 40, 41, 42, 7, 8, 9, 10, 11]]
 DECODE_STEPS = 3
 SCHEMES = ("w8a8", "w4a16", "w4a16_asym", "fp8_dynamic", "fp8_block", "awq", "gptq")
+MOE = ("moe_w4a16", "moe_w8a8")  # a tiny Qwen2-MoE whose experts are quantized (test_moe_quantized)
 # inputs quantized per token by the scheme: the logits' bound, a fraction of their largest
 # (int8 rounds to 1/127 of a token's largest input, float8 e4m3 to 2^-4 of each value)
-TOKEN_QUANT = {"w8a8": 0.05, "fp8_dynamic": 0.1, "fp8_block": 0.02}
+TOKEN_QUANT = {"w8a8": 0.05, "fp8_dynamic": 0.1, "fp8_block": 0.02, "moe_w8a8": 0.05}
 
 
 def _save(kind: str, path, seed: int) -> str:
@@ -39,6 +42,10 @@ def _save(kind: str, path, seed: int) -> str:
     from tests.helpers.compressed_models import save_compressed
     from tests.helpers.tiny_models import build_tiny_hf_model
 
+    if kind in MOE:
+        from tests.unit.test_moe_quantized import save_moe
+
+        return save_moe("qwen2_moe", kind.removeprefix("moe_"), path, seed)[0]
     model = build_tiny_hf_model("llama", seed)
     if kind == "fp8_block":
         return save_block_fp8(model, path)
@@ -62,14 +69,14 @@ def tp_results(tmp_path_factory):
                 num_threads=1,
             ),
         )
-        for i, kind in enumerate(SCHEMES)
+        for i, kind in enumerate(SCHEMES + MOE)
     ]
     ref = {name: drive_runner(args, 0, PROMPTS, DECODE_STEPS) for name, args in scenarios}
     ranks = run_ranks(run_scenarios, 2, scenarios, PROMPTS, DECODE_STEPS, timeout=600)
     return ref, ranks
 
 
-@pytest.mark.parametrize("kind", SCHEMES)
+@pytest.mark.parametrize("kind", SCHEMES + MOE)
 def test_tp2_gives_one_ranks_tokens_and_logits(tp_results, kind):
     ref, ranks = tp_results
     for rank in ranks:
