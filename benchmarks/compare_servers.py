@@ -58,13 +58,10 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,6 +75,7 @@ from benchmarks import model_shapes, quantized_checkpoint  # noqa: E402
 from benchmarks.common import default_model_dir_and_file, format_table  # noqa: E402
 from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.hf_export import cached_export  # noqa: E402
+from benchmarks.server_health import free_port, wait_healthy  # noqa: E402
 from benchmarks.server_stats import GroupRss, fractions, machine_bounds, plot_throughput  # noqa: E402
 
 SERVERS = ("srt", "vllm", "llamacpp")
@@ -177,12 +175,6 @@ def venv_version(python: Path, dist: str) -> str:
 
 
 # ---------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def srt_spec(model: str, port: int, extra: str, flags: list[str] | None = None) -> ServerSpec:
     argv = [
         sys.executable,
@@ -271,26 +263,6 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     proc.wait()
 
 
-def _log_tail(path: Path, n: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> float:
-    """Seconds until ``GET url`` answers 200; raises if the server exits or the time runs out."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}; log tail:\n{_log_tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - t0
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(2.0)
-    raise RuntimeError(f"no healthy answer from {url} in {timeout_s:.0f} s; log tail:\n{_log_tail(log)}")
-
-
 @contextmanager
 def running(
     spec: ServerSpec, port: int, log: Path, rss_interval_s: float = 1.0
@@ -312,7 +284,9 @@ def running(
         )
     try:
         with GroupRss(proc.pid, rss_interval_s) as rss:
-            ready = wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, STARTUP_TIMEOUT_S[spec.name])
+            ready = wait_healthy(
+                f"http://127.0.0.1:{port}/health", proc, STARTUP_TIMEOUT_S[spec.name], log=log, interval_s=2.0
+            )
             print(f"[{spec.name}] ready after {ready:.0f} s, RSS {rss.sample() / 2**30:.2f} GiB", flush=True)
             yield ready, rss
     finally:

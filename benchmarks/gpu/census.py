@@ -191,22 +191,23 @@ def use_cuda_path(runner: Any, census: LaunchCensus) -> None:
     bind_fused_kernels(runner.model, FusedKernels(ops))
 
 
-def decode_batch(runner: Any, batch_size: int, prefix_len: int, seed: int = 0) -> ForwardBatch:
-    """A DECODE batch of ``batch_size`` fresh sequences with ``prefix_len`` random cached tokens."""
+def decode_batch(runner: Any, prefix_lens: list[int], seed: int = 0) -> ForwardBatch:
+    """A DECODE batch of fresh sequences with ``prefix_lens`` random cached tokens (the pools are
+    emptied first) and random next tokens."""
     gen = torch.Generator().manual_seed(seed)
     pool, alloc, kv = runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.token_to_kv_pool
     pool.clear()
     alloc.clear()
-    rows = pool.alloc(batch_size)
+    rows = pool.alloc(len(prefix_lens))
     locs = []
-    for row in rows:
-        slots = alloc.alloc_extend([0], [prefix_len + 1], [-1])
+    for row, p in zip(rows, prefix_lens):
+        slots = alloc.alloc_extend([0], [p + 1], [-1])
         pool.write(row, 0, slots)
         for buf in kv.k_buffer + kv.v_buffer:
-            buf[slots[:prefix_len]] = torch.randn(prefix_len, *buf.shape[1:], generator=gen).to(buf.dtype)
-        locs.append(int(slots[prefix_len]))
-    ids = torch.randint(0, runner.model_config.vocab_size, (batch_size,), generator=gen).tolist()
-    fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, [prefix_len] * batch_size, [1] * batch_size, locs)
+            buf[slots[:p]] = torch.randn(p, *buf.shape[1:], generator=gen).to(buf.dtype)
+        locs.append(int(slots[p]))
+    ids = torch.randint(0, runner.model_config.vocab_size, (len(rows),), generator=gen).tolist()
+    fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, prefix_lens, [1] * len(rows), locs)
     fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = pool, kv, runner.attn_backend
     return fb
 
@@ -215,7 +216,7 @@ def census_decode_step(runner: Any, batch_size: int = 1, prefix_len: int = 16) -
     """One decode step of ``runner``'s model through the CUDA path (``use_cuda_path``), counted."""
     census = LaunchCensus()
     use_cuda_path(runner, census)
-    fb = decode_batch(runner, batch_size, prefix_len)
+    fb = decode_batch(runner, [prefix_len] * batch_size)
     hooks = []
     for i, layer in enumerate(decoder_layers(runner.model)):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(census, "where", f"layer{i}")))
@@ -231,7 +232,8 @@ def census_decode_step(runner: Any, batch_size: int = 1, prefix_len: int = 16) -
 
 def census_runner(model_path: str, dtype: str = "bfloat16", **server_kw: Any) -> Any:
     """A CPU ModelRunner of ``model_path`` making the CUDA path's other choices: ``F.linear``,
-    no native decode layers (``load_format`` etc. in ``server_kw``)."""
+    no native decode layers, torch-native attention until a backend is put in (``load_format``,
+    pool sizes etc. in ``server_kw``)."""
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 

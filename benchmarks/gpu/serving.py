@@ -42,16 +42,14 @@ import json
 import math
 import shlex
 import signal
-import socket
 import string
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from benchmarks.gpu import report
+from benchmarks.server_health import free_port, wait_healthy
 
 CONCURRENCY = (1, 16, 64)
 PROMPTS = (16, 128, 512)
@@ -195,28 +193,6 @@ def bench_argv(
     return argv + ["--max-concurrency", str(conc), "--seed", "1", "--disable-tqdm", "--output-file", str(out)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until ``GET url/health`` answers 200; raises if the server exits or time runs out."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - t0
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
-
-
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
     """SIGTERM to the server (it drains and stops its children), then SIGKILL to whatever is left
     of its process tree after ``grace_s``; its exit status."""
@@ -327,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait = min(STARTUP_S, deadline - time.monotonic() - STOP_S)
-        result["server_start_s"] = round(wait_healthy(url, proc, wait), 1)
+        result["server_start_s"] = round(wait_healthy(url + "/health", proc, wait), 1)
         write_json(args.json_out, result)
         run_plan(args, url, result, deadline)
     except RuntimeError as e:

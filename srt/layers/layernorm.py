@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add of a pre-norm transformer block.
 
 Numerics follow HF Llama: normalize in float32, cast back to the input dtype, then scale
-by the weight.
+by the weight. A subclass with ``gemma`` set scales by ``1 + weight`` instead (Gemma's; its own
+torch code in ``_norm`` and ``_add_norm``); the fused kernels take both.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class RMSNorm(nn.Module):
     FlashInfer kernel on CUDA (``fused``, bound by the model runner), else the torch code."""
 
     fused: FusedKernels | None = None
+    gemma = False  # the scale is 1 + weight (Gemma)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -29,8 +31,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden_size]`` -> same shape and dtype."""
-        if self.fused is not None and (out := self.fused.norm(x, self.weight, self.eps)) is not None:
-            return out
+        if self.fused is not None:
+            out = self.fused.norm(x, self.weight, self.eps, self.gemma)
+            if out is not None:
+                return out
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch code (the CPU path and the reference)."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         xf = x.float()
@@ -42,7 +50,7 @@ class RMSNorm(nn.Module):
         in place on CUDA, so q and k stay views of that output (the KV pool then stores K and V
         in one copy); else a new tensor."""
         if self.fused is not None:
-            out = self.fused.norm(x, self.weight, self.eps, in_place=True)
+            out = self.fused.norm(x, self.weight, self.eps, self.gemma, in_place=True)
             if out is not None:
                 return out
         return self.forward(x)
@@ -53,8 +61,14 @@ class RMSNorm(nn.Module):
         """``residual += x`` (in place; the caller owns ``residual``, and ``x``, which may hold
         the result), then ``(norm(residual), residual)``; one native pass for float32 or bf16 CPU
         rows, one FlashInfer kernel on CUDA."""
-        if self.fused is not None and (done := self.fused.add_norm_(x, residual, self.weight, self.eps)):
-            return done
+        if self.fused is not None:
+            done = self.fused.add_norm_(x, residual, self.weight, self.eps, self.gemma)
+            if done is not None:
+                return done
+        return self._add_norm(x, residual)
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_with_residual`` without the fused kernel."""
         if elementwise.supports(x, residual):  # add_rms_norm_ checks the weight itself
             return elementwise.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual.add_(x)

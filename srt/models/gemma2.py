@@ -34,11 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers.activation import GeluTanhAndMul
-from srt.layers.fused_kernels import FusedKernels
+from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import Linear, QKVLinear
 from srt.layers.linear_backend import LinearBackend
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from srt.layers.parameter import empty_param
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -55,51 +54,21 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast")
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32, cast back to
     the input dtype. ``weight`` is the checkpoint's (zero-centred). One FlashInfer kernel on CUDA
-    (``fused``, bound by the model runner)."""
+    (``fused``, bound by the model runner), as ``RMSNorm``."""
 
-    fused: FusedKernels | None = None
+    gemma = True
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = empty_param(hidden_size, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., hidden_size]`` -> same shape and dtype."""
-        if (
-            self.fused is not None
-            and (out := self.fused.norm(x, self.weight, self.eps, gemma=True)) is not None
-        ):
-            return out
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps)
         return (out * (1.0 + self.weight.float())).to(x.dtype)
 
-    def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``RMSNorm.norm_heads`` with Gemma's scale: in place on CUDA, else a new tensor."""
-        if self.fused is not None:
-            out = self.fused.norm(x, self.weight, self.eps, gemma=True, in_place=True)
-            if out is not None:
-                return out
-        return self.forward(x)
-
-    def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``; on CUDA one kernel, in place (``x`` and
-        ``residual`` are the caller's to overwrite)."""
-        if self.fused is not None:
-            done = self.fused.add_norm_(x, residual, self.weight, self.eps, gemma=True)
-            if done is not None:
-                return done
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``, the add out of place."""
         residual = residual + x
         return self.forward(residual), residual
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
 
 
 class GemmaMLP(LlamaMLP):

@@ -15,7 +15,7 @@ capture and replay hooks rewrite (padded positions -> slot 0, masked), so the ca
 fixed shapes; eager batches take the torch-native path unchanged.
 
 ``make_runner`` builds a CPU ModelRunner of a tiny model whose every op the recorder sees;
-``decode_batch`` a DECODE batch of fresh requests with random cached K/V.
+``decode_batch`` (``benchmarks/gpu/census.py``) a DECODE batch of fresh requests with random cached K/V.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.gpu.census import census_runner, decode_batch  # noqa: F401 (decode_batch: for the tests)
 from srt.layers.attention.base import save_and_read_kv
 from srt.layers.attention.torch_native import TorchNativeAttnBackend
-from srt.layers.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
-from srt.server_args import ServerArgs
 
 aten = torch.ops.aten
 HOST_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default}
@@ -142,42 +142,11 @@ class GraphTorchNative(TorchNativeAttnBackend):
 def make_runner(path: str, graph_backend: bool = True, **kw) -> ModelRunner:
     """A CPU runner of the tiny model (F.linear, torch-native attention, no native decode layers);
     its attention backend is then replaced by a ``GraphTorchNative`` unless ``graph_backend`` is False."""
-    args = dict(
-        model_path=path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch_native",
-        linear_backend="torch",
-        disable_native_decode_layers=True,
-        max_total_tokens=8192,
-        max_running_requests=48,
-    )
-    args.update(kw)
-    runner = ModelRunner(ServerArgs(**args).resolve())
+    kw = {"max_total_tokens": 8192, "max_running_requests": 48} | kw
+    runner = census_runner(path, kw.pop("dtype", "float32"), **kw)
     if graph_backend:
         runner.attn_backend = GraphTorchNative(runner)
     return runner
-
-
-def decode_batch(runner: ModelRunner, prefix_lens: list[int], seed: int) -> ForwardBatch:
-    """A DECODE batch of fresh requests with random cached K/V for their prefixes (the pools are
-    emptied first) and random next tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    pool, alloc, kv = runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.token_to_kv_pool
-    pool.clear()
-    alloc.clear()
-    rows = pool.alloc(len(prefix_lens))
-    locs = []
-    for row, p in zip(rows, prefix_lens):
-        slots = alloc.alloc_extend([0], [p + 1], [-1])
-        pool.write(row, 0, slots)
-        for buf in kv.k_buffer + kv.v_buffer:
-            buf[slots[:p]] = torch.randn(p, *buf.shape[1:], generator=gen)
-        locs.append(int(slots[p]))
-    ids = torch.randint(0, runner.model_config.vocab_size, (len(rows),), generator=gen).tolist()
-    fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, prefix_lens, [1] * len(rows), locs)
-    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = pool, kv, runner.attn_backend
-    return fb
 
 
 def eager_logits(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:

@@ -228,7 +228,7 @@ def test_model_with_fused_kernels_matches_its_torch_code(tiny_paths, kind):
         if fused:
             rec = Recorder()
             assert bind_fused_kernels(runner.model, rec.kernels()) == len(fused_layers(runner.model))
-        fb = decode_batch(runner, 4, 24, seed=7)
+        fb = decode_batch(runner, [24] * 4, seed=7)
         with torch.inference_mode():
             runs[fused] = runner._run_model(fb).next_token_logits.float()
         if fused:
