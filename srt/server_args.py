@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from dataclasses import dataclass
 
 from srt.configs.backends import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from srt.configs.cli_args import add_dataclass_cli_args
+from srt.configs.lora_args import LoRAArgs, arg_field, resolve_lora_args
 from srt.configs.port_args import PortArgs
 from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server_args
 from srt.utils.errors import ConfigError
@@ -29,12 +30,12 @@ __all__ = ["LOAD_BALANCE_METHODS", "ConfigError", "PortArgs", "ServerArgs"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def _f(default: Any, help: str, choices: list[str] | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+_f = arg_field
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(LoRAArgs):
+    # (the LoRA fields, --enable-lora ..., are LoRAArgs': srt/configs/lora_args.py)
     # ---- model ----
     model_path: str | None = _f(
         None,
@@ -244,7 +245,9 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as 'Authorization: Bearer <key>'.")
-    admin_api_key: str | None = _f(None, "Key of the admin routes (flush, abort, profile, weights).")
+    admin_api_key: str | None = _f(
+        None, "Key of the admin routes (flush, abort, profile, weights, LoRA adapter loads)."
+    )
     ssl_keyfile: str | None = _f(None, "TLS private key (PEM); with --ssl-certfile serves HTTPS.")
     ssl_certfile: str | None = _f(None, "TLS certificate chain (PEM); with --ssl-keyfile serves HTTPS.")
     disable_web_ui: bool = _f(False, "Do not serve the built-in web page (chat, dashboard) at GET /.")
@@ -362,28 +365,17 @@ class ServerArgs:
         (srt/configs/server_args_resolve.py, one concern at a time)."""
         a = dataclasses.replace(self)
         resolve_server_args(a)
+        resolve_lora_args(a)
         return a
 
     @property
     def model_override_args(self) -> dict:
         return json.loads(self.json_model_override_args) if self.json_model_override_args else {}
 
-    # ---- CLI generated from the fields ----
+    # ---- CLI generated from the fields (srt/configs/cli_args.py) ----
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata.get("help", "")
-            choices = f.metadata.get("choices")
-            hint = hints[f.name]
-            if hint is bool:
-                # a flag that defaults to True also gets its --no-... form
-                action = argparse.BooleanOptionalAction if f.default else "store_true"
-                parser.add_argument(flag, action=action, default=f.default, help=help_)
-                continue
-            base = _base_type(hint)
-            parser.add_argument(flag, type=base, default=f.default, choices=choices, help=help_)
+        add_dataclass_cli_args(cls, parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -392,8 +384,3 @@ class ServerArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
-
-
-def _base_type(hint: Any):
-    """``X`` of ``X | None``; other hints as they are."""
-    return next((a for a in getattr(hint, "__args__", None) or () if a is not type(None)), hint)

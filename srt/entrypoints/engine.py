@@ -20,7 +20,9 @@ either way. ``priority`` needs ``enable_priority_scheduling=True``. Invalid requ
 ``timeout`` (seconds from the call) aborts the request wherever it is once passed: a
 non-streaming call raises `RequestTimeoutError`, a stream ends with a chunk whose
 ``finish_reason`` is ``{"type": "timeout", ...}``. ``meta_info`` carries the phase timings
-(`srt.managers.tokenizer.req_output`).
+(`srt.managers.tokenizer.req_output`). With LoRA (``enable_lora``, ``lora_paths``) ``lora_path``
+names the adapter of every prompt, or of each (None: the base model); ``load_lora_adapter`` and
+``unload_lora_adapter`` change the loaded set at run time.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from srt.entrypoints.launch import launch_subprocesses
 from srt.entrypoints.openai.serving_embedding import encode_native
 from srt.managers.data_parallel.replies import split_dp_state
+from srt.managers.io_struct import LoRAAdapterReqOutput
 from srt.managers.tokenizer.generate_fields import check_extra_fields
 from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
-from srt.utils.errors import ConfigError, EngineDeadError, RequestTimeoutError
+from srt.utils.errors import ConfigError, EngineDeadError, RequestError, RequestTimeoutError
 
 _Prompt = str | list[str] | None
 _Ids = list[int] | list[list[int]] | None
@@ -81,12 +84,15 @@ def generate_request(
     rid: str | list[str] | None = None,
     priority: int | list[int] | None = None,
     timeout: float | None = None,
+    lora_path: str | list[str | None] | None = None,
     **unsupported: Any,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
     ``Engine.generate`` parameters, written here once (the two methods take exactly these).
-    SGLang's other parameters (``image_data``, ``lora_path`` ...) raise `RequestError` naming them
-    unless off (`srt.managers.tokenizer.generate_fields`), as do unknown ones."""
+    ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list with one entry per
+    prompt (None: the base model). SGLang's other parameters (``image_data``, ``lora_id`` ...)
+    raise `RequestError` naming them unless off (`srt.managers.tokenizer.generate_fields`), as do
+    unknown ones."""
     if unsupported:
         params = inspect.signature(generate_request).parameters.values()
         check_extra_fields(unsupported, [p.name for p in params if p.kind is not p.VAR_KEYWORD])
@@ -101,6 +107,7 @@ def generate_request(
         stream=stream,
         priority=priority,
         timeout=timeout,
+        lora_path=lora_path,
     )
 
 
@@ -128,6 +135,13 @@ def _with_generate_params(
         return call
 
     return decorate
+
+
+def _lora_reply(out: LoRAAdapterReqOutput, param: str) -> dict[str, Any]:
+    """A load / unload reply as a dict; `RequestError` (naming ``param``) when it failed."""
+    if not out.success:
+        raise RequestError(out.message or "the scheduler refused the LoRA request", param=param)
+    return {"success": True, "message": out.message, "loaded_adapters": dict(out.loaded_adapters)}
 
 
 _END = object()  # what _next_or_end gives once a stream is exhausted
@@ -267,6 +281,19 @@ class Engine:
         """Drop the prefix cache (only succeeds when no request is running)."""
         out = self._call(self.tokenizer_manager.flush_cache())
         return {"success": out.success, "message": out.message}
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        """Load the PEFT adapter at ``lora_path`` under ``lora_name`` (``pinned``: never evicted
+        from its slot); requests may name it once this returns ``{"success", "message",
+        "loaded_adapters": {name: path}}``. `RequestError` when it was not loaded (why)."""
+        out = self._call(self.tokenizer_manager.lora_registry.load(lora_name, lora_path, pinned))
+        return _lora_reply(out, "lora_path")
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload adapter ``lora_name`` (refused while requests use it); the reply as
+        `load_lora_adapter`'s. `RequestError` when it was not unloaded (why)."""
+        out = self._call(self.tokenizer_manager.lora_registry.unload(lora_name))
+        return _lora_reply(out, "lora_name")
 
     def abort_request(self, rid: str = "") -> int:
         """Abort request ``rid`` (``""``: every request). Returns the number of rids aborted."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -126,6 +126,8 @@ class ForwardBatch:
     # whose next-token logprobs it wants (empty: none)
     pool_methods: list[str] | None = None
     label_token_ids: list[list[int]] | None = None
+    # per sequence, the LoRA adapter slot it runs under (-1: the base model); None: none runs one
+    lora_slots: list[int] | None = None
 
     sampling_info: SamplingBatchInfo | None = None
 
@@ -133,6 +135,8 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: KVPool | None = None
     attn_backend: BatchAttention | None = None
+    # the step's rows per adapter slot (srt/lora/layer.py LoRABatch), None when no row runs one
+    lora: Any = None
 
     @property
     def num_tokens(self) -> int:

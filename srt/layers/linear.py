@@ -31,6 +31,8 @@ the blocks (``srt/layers/quantized_weight.py``), and the bias stays float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -99,8 +101,14 @@ class Linear(nn.Module):
         # weight's scale grid, float32 [ceil(out / rows), ceil(in / cols)], and the block (rows, cols)
         self.block_scale: torch.Tensor | None = None
         self.fp8_block: tuple[int, int] | None = None
+        # the LoRA adapters' updates of this layer (srt/lora/layer.py), set once an adapter targets it
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base_forward(x)
+        return out if self.lora is None else self.lora(x, out)
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_quant is not None and not (self.qweight is not None and self.qweight.token_int8):
             x = fake_quant_rows(x, self.token_quant)  # else the int8 kernel quantizes x itself
         if self.qweight is not None:

@@ -5,11 +5,11 @@ Token ids travel as ``list[int]``; batched outputs are parallel arrays (index i 
 list belongs to ``rids[i]``).
 
     tokenizer manager --TokenizedGenerateReqInput/AbortReq/FlushCacheReq/GetInternalStateReq--> scheduler
-                        ProfileReq/UpdateWeightsFromDiskReq
+                        ProfileReq/UpdateWeightsFromDiskReq/LoadLoRAAdapterReq/UnloadLoRAAdapterReq
     detokenizer       --StopStringHit----------------------------------------------------------> scheduler
     scheduler         --BatchTokenIDOut---------------------------------------------------------> detokenizer
     scheduler         --FlushCacheReqOutput/GetInternalStateReqOutput/SchedulerReady------------> detokenizer
-                        ProfileReqOutput/UpdateWeightsFromDiskReqOutput
+                        ProfileReqOutput/UpdateWeightsFromDiskReqOutput/LoRAAdapterReqOutput
                          (the detokenizer forwards non-token messages to the tokenizer manager unchanged)
     detokenizer       --BatchStrOut (+ forwarded messages)--------------------------------------> tokenizer manager
 
@@ -99,6 +99,8 @@ class TokenizedGenerateReqInput(_Msg):
     # states ("last" | "mean" | "cls"; "" none), and/or return the next-token logprobs of these ids
     pooling: str = ""
     label_token_ids: list[int] = []
+    # the LoRA adapter the request runs under (its name as loaded; "" the base model alone)
+    lora_name: str = ""
 
 
 class AbortReq(_Msg):
@@ -130,6 +132,21 @@ class UpdateWeightsFromDiskReq(_Msg):
 
     model_path: str
     load_format: str | None = None  # None: "auto" (the file's format)
+
+
+class LoadLoRAAdapterReq(_Msg):
+    """Load a PEFT adapter (a folder with adapter_config.json) under ``lora_name``; requests may
+    name it once the reply says so. Loading runs beside the running requests."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # never evicted from its adapter slot
+
+
+class UnloadLoRAAdapterReq(_Msg):
+    """Forget the adapter ``lora_name``; refused while requests (queued or running) use it."""
+
+    lora_name: str
 
 
 class StopStringHit(_Msg):
@@ -207,6 +224,15 @@ class UpdateWeightsFromDiskReqOutput(_Msg):
     message: str = ""
 
 
+class LoRAAdapterReqOutput(_Msg):
+    """The reply to a LoadLoRAAdapterReq or UnloadLoRAAdapterReq: the adapters loaded afterwards
+    (name -> path), whatever the outcome."""
+
+    success: bool
+    message: str = ""
+    loaded_adapters: dict[str, str] = {}
+
+
 # ---------------- detokenizer -> tokenizer manager ----------------
 class BatchStrOut(_Msg):
     rids: list[str]
@@ -236,11 +262,17 @@ SchedulerInput = Union[
     GetInternalStateReq,
     ProfileReq,
     UpdateWeightsFromDiskReq,
+    LoadLoRAAdapterReq,
+    UnloadLoRAAdapterReq,
     StopStringHit,
 ]
 # the scheduler's replies to control requests (forwarded unchanged by the detokenizer)
 ControlReply = Union[
-    FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput, UpdateWeightsFromDiskReqOutput
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    ProfileReqOutput,
+    UpdateWeightsFromDiskReqOutput,
+    LoRAAdapterReqOutput,
 ]
 # control request type -> the type of its reply
 REPLY_TYPE: dict[type, type] = {
@@ -248,6 +280,8 @@ REPLY_TYPE: dict[type, type] = {
     GetInternalStateReq: GetInternalStateReqOutput,
     ProfileReq: ProfileReqOutput,
     UpdateWeightsFromDiskReq: UpdateWeightsFromDiskReqOutput,
+    LoadLoRAAdapterReq: LoRAAdapterReqOutput,
+    UnloadLoRAAdapterReq: LoRAAdapterReqOutput,
 }
 DetokenizerInput = Union[
     BatchTokenIDOut,
@@ -256,6 +290,7 @@ DetokenizerInput = Union[
     GetInternalStateReqOutput,
     ProfileReqOutput,
     UpdateWeightsFromDiskReqOutput,
+    LoRAAdapterReqOutput,
 ]
 TokenizerInput = Union[
     BatchStrOut,
@@ -264,6 +299,7 @@ TokenizerInput = Union[
     GetInternalStateReqOutput,
     ProfileReqOutput,
     UpdateWeightsFromDiskReqOutput,
+    LoRAAdapterReqOutput,
 ]
 
 

@@ -70,21 +70,23 @@ class PrefixCacheReq(Protocol):
     last_node: Any  # the handle of MatchResult.last_node (None once released)
     kv_committed_len: int
     kv_allocated_len: int
+    lora_name: str  # the namespace of its KV: the LoRA adapter it runs ("" the base model)
 
 
 class BasePrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` (length a multiple of page_size).
+    def match_prefix(self, key: list[int], namespace: str = "") -> MatchResult:
+        """Longest cached prefix of ``key`` (length a multiple of page_size) among the KV of
+        ``namespace`` (the LoRA adapter that computed it; "" the base model).
 
         Refreshes the LRU time of the matched path. Does not lock: a caller that will
         use the slots must ``inc_lock_ref(last_node)`` before anything may evict."""
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert key -> value (len(key) == len(value), a multiple of page_size).
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str = "") -> int:
+        """Insert key -> value into ``namespace`` (len(key) == len(value), a multiple of page_size).
 
         Returns the length of the prefix of ``key`` that was already cached. For that part the
         tree keeps its own slots; the caller's slots ``value[:returned]`` that differ are
@@ -150,6 +152,10 @@ class BasePrefixCache(ABC):
     def total_size(self) -> int:
         """Slots held by the cache (evictable + protected)."""
         return self.evictable_size() + self.protected_size()
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Forget the KV cached under ``namespace`` (no request may hold it); returns the slots freed."""
+        return 0
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """Human-readable dump of the cache (debugging)."""

@@ -35,11 +35,11 @@ class ChunkCache(BasePrefixCache):
         self.page_size = page_size
         self._empty = torch.empty(0, dtype=torch.int64, device=token_to_kv_pool_allocator.device)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str = "") -> MatchResult:
         """Always the empty prefix; last_node is None."""
         return MatchResult(self._empty, None)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str = "") -> int:
         """There is no tree: the slots handed over are freed at once (as if inserted and
         evicted immediately). Returns 0."""
         if len(value):

@@ -10,6 +10,12 @@ P == 1, a tuple of P ids otherwise), so siblings never share a first page. Split
 only on page boundaries. A path from the root spells a cached prefix; its slots are the
 concatenation of the values on the path.
 
+Namespaces. KV depends on the weights that computed it, so requests running a LoRA adapter share
+prefixes only with requests of the same adapter: each namespace (``req.lora_name``; "" the base
+model) has a root of its own (``match_prefix(key, namespace)``), and the trees never meet.
+``drop_namespace`` frees a namespace's tree (an adapter unloaded: a later one of the same name
+must not find its KV). Roots have no parent; every other node has one.
+
 Locking. ``inc_lock_ref(node)`` adds 1 to ``lock_ref`` of node and of every ancestor (the
 root excluded), so ``lock_ref`` of a node >= the sum over its children. A node with
 ``lock_ref > 0`` is *protected*, otherwise *evictable*; ``evictable_size()`` and
@@ -74,6 +80,7 @@ class RadixCache(BasePrefixCache):
     def _init_tree(self) -> None:
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.root = TreeNode([], self._empty, None, 0)
+        self._roots: dict[str, TreeNode] = {"": self.root}  # namespace -> its root
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -113,7 +120,7 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ heap of evictable leaves
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return node.lock_ref == 0 and not node.children and node is not self.root
+        return node.lock_ref == 0 and not node.children and node.parent is not None
 
     def _push(self, node: TreeNode) -> None:
         self._heap_seq += 1
@@ -129,12 +136,18 @@ class RadixCache(BasePrefixCache):
             self._push(node)
 
     # ------------------------------------------------------------------ match / insert
-    def _walk(self, key: list[int], end: int) -> tuple[list[torch.Tensor], TreeNode, int]:
+    def _root_of(self, namespace: str) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode([], self._empty, None, 0)
+        return root
+
+    def _walk(self, key: list[int], end: int, namespace: str) -> tuple[list[torch.Tensor], TreeNode, int]:
         """The one tree walk of match and insert: tick the clock and follow key[:end] (end
-        page-aligned) from the root, splitting the node where the match ends inside it and
-        stamping every node on the path. Returns (values on the path, deepest node, matched length)."""
+        page-aligned) from the namespace's root, splitting the node where the match ends inside it
+        and stamping every node on the path. Returns (values on the path, deepest node, matched length)."""
         self._clock += 1
-        node, pos = self.root, 0
+        node, pos = self._root_of(namespace), 0
         values: list[torch.Tensor] = []
         while pos < end:
             child = node.children.get(self._child_key(key, pos))
@@ -148,7 +161,7 @@ class RadixCache(BasePrefixCache):
             node, pos = child, pos + m
         return values, node, pos
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str = "") -> MatchResult:
         """Longest cached prefix of ``key`` (see BasePrefixCache.match_prefix).
 
         Returns ``MatchResult(device_indices [m] int64, last_node)`` with m a multiple of
@@ -156,19 +169,21 @@ class RadixCache(BasePrefixCache):
         one token of a prompt to compute (match ``ids[:-1]``): logits need a forward."""
         key = key if isinstance(key, list) else list(key)
         end = page_floor(len(key), self.page_size)
-        values, node, _ = self._walk(key, end)
+        values, node, _ = self._walk(key, end, namespace)
         self._touch_leaf(node)
         value = torch.cat(values) if values else self._empty
         self._looked_up_tokens += len(key)
         self._matched_tokens += len(value)
         return MatchResult(value, node)
 
-    def _insert(self, key: list[int], value: torch.Tensor) -> tuple[int, TreeNode, list[torch.Tensor]]:
+    def _insert(
+        self, key: list[int], value: torch.Tensor, namespace: str = ""
+    ) -> tuple[int, TreeNode, list[torch.Tensor]]:
         """Insert; return (already-cached length, node ending at len(key), values on the path)."""
         key = key if isinstance(key, list) else list(key)
         n = len(key)
         require(n == len(value) and n % self.page_size == 0, "insert: key/value not page-aligned")
-        values, node, pos = self._walk(key, n)
+        values, node, pos = self._walk(key, n, namespace)
         prefix_len = pos
         if pos < n:
             new = TreeNode(list(key[pos:]), value[pos:].to(torch.int64).clone(), node, self._clock)
@@ -179,9 +194,9 @@ class RadixCache(BasePrefixCache):
         self._touch_leaf(node)
         return prefix_len, node, values
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str = "") -> int:
         """Insert key -> value (see BasePrefixCache.insert); returns the already-cached length."""
-        return self._insert(key, value)[0]
+        return self._insert(key, value, namespace)[0]
 
     # ------------------------------------------------------------------ requests
     def cache_finished_req(self, req: PrefixCacheReq) -> None:
@@ -196,7 +211,7 @@ class RadixCache(BasePrefixCache):
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :allocated]
         token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
         require(len(token_ids) == aligned, "cache_finished_req: kv_committed_len exceeds the token ids")
-        new_prefix_len, _, _ = self._insert(token_ids, kv[:aligned])
+        new_prefix_len, _, _ = self._insert(token_ids, kv[:aligned], req.lora_name)
         # kv[tree_len:new_prefix_len]: the tree already had these tokens (another request
         # inserted them meanwhile) -> duplicates; kv[aligned:]: the unaligned tail and any
         # slots allocated past the computed tokens.
@@ -217,7 +232,7 @@ class RadixCache(BasePrefixCache):
         tree_len = page_floor(len(req.prefix_indices), P)
         require(tree_len <= aligned, "cache_unfinished_req: fill_ids shorter than the prefix")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        new_prefix_len, new_last, values = self._insert(req.fill_ids[:aligned], row[:aligned])
+        new_prefix_len, new_last, values = self._insert(req.fill_ids[:aligned], row[:aligned], req.lora_name)
         if new_prefix_len > tree_len:
             self.allocator.free(row[tree_len:new_prefix_len].clone())
         tree_slots = torch.cat(values) if values else self._empty
@@ -232,7 +247,7 @@ class RadixCache(BasePrefixCache):
         """Protect node and its ancestors from eviction (O(depth))."""
         if node is None:
             return
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -244,7 +259,7 @@ class RadixCache(BasePrefixCache):
         if node is None:
             return
         deepest = node
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise AssertionError(f"dec_lock_ref below zero on {node}")
             if node.lock_ref == 1:
@@ -277,6 +292,23 @@ class RadixCache(BasePrefixCache):
             self.allocator.free(torch.cat(to_free))
         return freed
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Free the whole tree of ``namespace`` (none of it may be locked); returns the slots freed."""
+        root = self._roots.pop(namespace, None) if namespace else None
+        if root is None:
+            return 0
+        nodes = tree_nodes(root)
+        if any(n.lock_ref for n in nodes):
+            self._roots[namespace] = root
+            raise RuntimeError(f"drop_namespace({namespace!r}) while requests hold its prefixes")
+        freed = sum(len(n.key) for n in nodes)
+        if nodes:
+            self.allocator.free(torch.cat([n.value for n in nodes]))
+        for n in nodes:
+            n.parent = None  # stale heap entries are no evictable leaves any more
+        self._evictable -= freed
+        return freed
+
     # ------------------------------------------------------------------ sizes / stats
     def evictable_size(self) -> int:
         return self._evictable
@@ -296,7 +328,7 @@ class RadixCache(BasePrefixCache):
         """Free every cached slot and drop the tree. Only valid with no locks held."""
         if self._protected:
             raise RuntimeError(f"reset() while {self._protected} cached slots are locked by requests")
-        values = [n.value for n in tree_nodes(self.root)]
+        values = [n.value for root in self._roots.values() for n in tree_nodes(root)]
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
@@ -313,7 +345,7 @@ class RadixCache(BasePrefixCache):
         evictable = protected = 0
         values: list[torch.Tensor] = []
         live = {e[2].id for e in self._heap if e[1] == e[2].heap_seq}
-        for node in tree_nodes(self.root):
+        for node in (n for root in self._roots.values() for n in tree_nodes(root)):
             n, parent = len(node.key), node.parent
             if parent is None or parent.children.get(self._child_key(node.key, 0)) is not node:
                 raise AssertionError(f"{node}: not reachable under its first-page key")
@@ -321,7 +353,7 @@ class RadixCache(BasePrefixCache):
                 raise AssertionError(f"{node}: key/value not whole pages")
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()) or node.lock_ref < 0:
                 raise AssertionError(f"{node}: lock_ref below its children's sum (or negative)")
-            if parent is not self.root and node.last_access_time > parent.last_access_time:
+            if parent.parent is not None and node.last_access_time > parent.last_access_time:
                 raise AssertionError(f"{node}: accessed later than its parent")
             if node.lock_ref:
                 protected += n
@@ -354,6 +386,7 @@ class RadixCache(BasePrefixCache):
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """The tree as indented text, one node per line (first max_tokens ids of each key)."""
-        return format_tree(
-            self.root, f"root (evictable={self._evictable}, protected={self._protected})", max_tokens
-        )
+        head = f"root (evictable={self._evictable}, protected={self._protected})"
+        trees = [format_tree(self.root, head, max_tokens)]
+        trees += [format_tree(r, f"namespace {ns!r}", max_tokens) for ns, r in self._roots.items() if ns]
+        return "\n".join(trees)

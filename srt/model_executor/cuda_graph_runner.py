@@ -307,10 +307,14 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """Whether ``forward_batch`` replays a graph: DECODE, 1 .. max captured sequences."""
+        """Whether ``forward_batch`` replays a graph: DECODE, 1 .. max captured sequences, no LoRA
+        adapter (the graphs hold the base model's kernels only)."""
         fb = forward_batch
         return (
-            bool(self.capture_bs) and fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.capture_bs[-1]
+            bool(self.capture_bs)
+            and fb.forward_mode.is_decode()
+            and 0 < fb.batch_size <= self.capture_bs[-1]
+            and fb.lora_slots is None
         )
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

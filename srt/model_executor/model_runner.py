@@ -44,16 +44,16 @@ from srt.configs.model_config import ModelConfig
 from srt.distributed import TPInfo, head_shard
 from srt.layers.attention.registry import create_attention_backend
 from srt.layers.forward_batch import ForwardBatch
-from srt.layers.fused_kernels import FusedKernels, bind_fused_kernels, fused_kernels_off_reason
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
-from srt.layers.rotary_embedding import limit_positions
 from srt.layers.sampler import SampleOutput, Sampler
+from srt.lora.manager import create_lora_manager
 from srt.mem_cache import pool_size
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.activation_profile import profile_activation_peak
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_off_reason
+from srt.model_executor.finish_model import finish_model
 from srt.model_loader import get_model
 from srt.model_loader.loader import float32_copy_bytes
 from srt.model_loader.reload import replacement_config, shape_mismatch
@@ -113,6 +113,8 @@ class ModelRunner:
         self.load_time_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)
         self.loaded_model_path: str = self.model_config.model_path  # changed by update_weights_from_disk
+        # the LoRA adapters (--enable-lora; srt/lora/manager.py), None without
+        self.lora = create_lora_manager(self.model, server_args, self.dtype, self.device)
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
@@ -195,37 +197,17 @@ class ModelRunner:
         )
 
     def _finish_model(self, model: nn.Module) -> None:
-        """Once the pools are sized: the rope tables cut to the positions a request can reach,
-        then the fused CUDA kernels or the native decode layers (they capture the tables)."""
+        a = self.server_args
         positions = self.req_to_token_pool.max_context_len
-        freed = limit_positions(model, positions)
-        if freed:
-            logger.info(
-                "rope tables cut to %d positions (the pool's): %.1f MiB freed", positions, freed / (1 << 20)
-            )
-        self._bind_fused_kernels(model)
-        self._enable_native_decode(model)
-
-    def _bind_fused_kernels(self, model: nn.Module) -> None:
-        """On CUDA in bf16/fp16, the norms, activations and ropes take FlashInfer's fused kernels."""
-        why = fused_kernels_off_reason(self.device, self.dtype, self.server_args.disable_fused_kernels)
-        if why is not None:
-            (logger.info if self.device.type == "cuda" else logger.debug)("fused kernels off: %s", why)
-            return
-        logger.info("fused kernels (FlashInfer) in %d layers", bind_fused_kernels(model, FusedKernels()))
-
-    def _enable_native_decode(self, model: nn.Module) -> None:
-        """Hand the model's decode layers to the native call where it applies (llama_native.py);
-        the native stack holds its own references to the blocks, so a new model needs its own."""
-        enable_native = getattr(model, "enable_native_decode", None)
-        if enable_native is None:
-            return
-        if self.server_args.disable_native_decode_layers:
-            logger.info("native decode layers off: --disable-native-decode-layers")
-        elif self.tp.enabled:
-            logger.info("native decode layers off: tensor parallelism all-reduces between layers")
-        else:
-            logger.info(enable_native())
+        finish_model(
+            model,
+            positions,
+            self.device,
+            self.dtype,
+            self.tp,
+            a.disable_fused_kernels,
+            a.disable_native_decode_layers,
+        )
 
     # ------------------------------------------------------------------ weight updates
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
@@ -256,6 +238,8 @@ class ModelRunner:
             logger.exception("weight update from %s failed", model_path)
             return False, f"weights not updated: {type(e).__name__}: {e}"
         self._finish_model(model)
+        if self.lora is not None:
+            self.lora.rebind(model)
         self.model = model  # the old model (and its native decode stack) is freed here
         release_free_memory()
         if self.cuda_graph_runner is not None:  # the graphs read the old weights' memory
@@ -306,6 +290,8 @@ class ModelRunner:
         # (re)allocated during the CUDA-graph warm-up, which runs in inference mode, and an
         # in-place update of an inference tensor outside inference mode is an error
         with torch.inference_mode():
+            if self.lora is not None:
+                self.lora.prepare(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

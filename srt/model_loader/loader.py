@@ -118,8 +118,8 @@ def get_model(
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
     _load_weights(model, model_config, fmt, quantization, seed, plan)
-    model.eval()
-    model.requires_grad_(False)
+    model.shard_plan = plan  # what LoRA adapters are cut by (srt/lora/adapter.py)
+    model.eval().requires_grad_(False)
     prepare_weights(model)
     if linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16:
         _store_embeddings_bf16(model)

@@ -30,7 +30,7 @@ from srt.layers.linear import Linear
 from srt.layers.moe import MoEExperts
 from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
 from srt.model_loader import checkpoint_formats as formats
-from srt.models.llama import STACKED_PARAMS
+from srt.models.checkpoint_loader import STACKED_PARAMS
 from srt.utils.errors import WeightLoadError
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml types

@@ -41,8 +41,9 @@ from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+from srt.models.checkpoint_loader import CheckpointLoader
 from srt.models.config_check import ConfigRequirement, check_config
-from srt.models.llama import CheckpointLoader, LlamaMLP, head_dim_of
+from srt.models.llama import LlamaMLP, head_dim_of
 from srt.utils.errors import ConfigError
 
 if TYPE_CHECKING:

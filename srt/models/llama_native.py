@@ -26,6 +26,12 @@ Each layer's sliding window and logit soft-cap (its ``RadixAttention``'s ``slidi
 and ``logit_cap``, e.g. Mistral's ``sliding_window``) go to the native stack with the layer, whose
 paged decode kernel applies them as the layer-by-layer path does; a layer whose softmax scale
 differs from layer 0's keeps the whole model on the Python path.
+
+A batch running LoRA adapters (``forward_batch.lora``, its rows grouped by adapter in runs) hands
+the stack each projection's update per group (``_lora_args``: the layers' ``Linear.lora`` tables,
+built once per set of groups and adapter version), which it adds after the projection with the
+ops of the Python path (``lora_segments_``); a batch whose groups are not runs of rows takes the
+Python path.
 """
 
 from __future__ import annotations
@@ -84,6 +90,13 @@ def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, i
         return None
     qtype = PACKED_FP8 if fp8 else PACKED_BF16 if packed.dtype == torch.bfloat16 else PACKED_F32
     return [(packed, qtype, linear.out_features)]
+
+
+def _projections(layer: nn.Module) -> tuple[Linear | None, ...]:
+    """A layer's (qkv, o, gate_up, down) projections; the MLP's None in a mixture-of-experts layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    dense = isinstance(getattr(mlp, "gate_up_proj", None), Linear)
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj if dense else None, mlp.down_proj if dense else None
 
 
 def _int8_rows(linear: Linear) -> int:
@@ -178,6 +191,10 @@ class NativeDecodeLayers:
         # as QuantizedWeight.linear takes them from that many rows on
         self.float32_stack = float32_stack
         self.float32_rows = float32_rows
+        # per layer, its (qkv, o, gate_up, down) Linears (None for a MoE layer's MLP): LoRA updates
+        self.linears: list[tuple[Linear | None, ...]] = []
+        self._lora_key: tuple | None = None
+        self._lora_ab: list[torch.Tensor] = []
 
     @classmethod
     def build(cls, model: nn.Module) -> tuple[NativeDecodeLayers | None, str]:
@@ -192,12 +209,17 @@ class NativeDecodeLayers:
             return None, why
         rows = {m.float32_rows for layer in layers for m in layer.modules() if isinstance(m, QuantizedWeight)}
         if len(rows) != 1 or not min(rows):
-            return cls(stack, len(layers), dtype=layers[0].input_layernorm.weight.dtype), why
-        float32_stack, why32 = cls._build_stack(layers, float32=True)
-        if float32_stack is None:
-            return cls(stack, len(layers)), f"{why}; the float32 copies not: {why32}"
-        n = rows.pop()
-        return cls(stack, len(layers), float32_stack, n), f"{why} (from {n} sequences on the float32 copies)"
+            native = cls(stack, len(layers), dtype=layers[0].input_layernorm.weight.dtype)
+        else:
+            float32_stack, why32 = cls._build_stack(layers, float32=True)
+            if float32_stack is None:
+                native, why = cls(stack, len(layers)), f"{why}; the float32 copies not: {why32}"
+            else:
+                n = rows.pop()
+                native = cls(stack, len(layers), float32_stack, n)
+                why = f"{why} (from {n} sequences on the float32 copies)"
+        native.linears = [_projections(layer) for layer in layers]
+        return native, why
 
     @staticmethod
     def _build_stack(layers: list[nn.Module], float32: bool) -> tuple[torch.ScriptObject | None, str]:
@@ -264,6 +286,10 @@ class NativeDecodeLayers:
         if args is None or pool is None or args[1].numel() != hidden_states.shape[0]:
             return None
         req_to_token, rows, lens = args
+        lora = forward_batch.lora
+        if lora is not None and not lora.runs_only:
+            return None
+        lora_ab, starts, ends = self._lora_args(lora) if lora is not None else ([], [], [])
         stack = self.stack
         if self.float32_stack is not None and hidden_states.shape[0] >= self.float32_rows:
             stack = self.float32_stack
@@ -276,5 +302,28 @@ class NativeDecodeLayers:
             req_to_token,
             rows,
             lens,
+            lora_ab,
+            starts,
+            ends,
         )
         return out[0], out[1]
+
+    def _lora_args(self, batch) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The stack's LoRA arguments for ``batch`` (a LoRABatch of runs; decode_layers.cpp)."""
+        slots = tuple(slot for slot, _ in batch.groups)
+        key = (slots, batch.version)
+        if key != self._lora_key:
+            none = torch.empty(0)
+            ab: list[torch.Tensor] = []
+            for projections in self.linears:
+                for linear in projections:
+                    table = linear.lora.slots if linear is not None and linear.lora is not None else {}
+                    for slot in slots:
+                        w = table.get(slot)
+                        ab += (w.A, w.B) if w is not None else (none, none)
+            self._lora_key, self._lora_ab = key, ab
+        return (
+            self._lora_ab,
+            [rows.start for _, rows in batch.groups],
+            [rows.stop for _, rows in batch.groups],
+        )

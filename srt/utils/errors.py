@@ -54,6 +54,11 @@ class GGUFError(ValueError):
     """The GGUF file is not one srt can load (bad header, unsupported architecture or tensor)."""
 
 
+class LoRAError(ConfigError):
+    """A LoRA adapter srt cannot serve over this model (bad folder, unsupported PEFT option, a
+    target the model lacks, a rank above --max-lora-rank, shapes of another base model)."""
+
+
 class SrtError(Exception):
     """Base class of srt's serving errors. ``status_code`` is the matching HTTP status."""
 

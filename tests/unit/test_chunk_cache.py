@@ -24,6 +24,7 @@ class FakeReq:
     last_node: Any = None
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
+    lora_name: str = ""
 
 
 def make(P: int, pages: int = 32, disable_radix: bool = False):

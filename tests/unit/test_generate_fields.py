@@ -19,7 +19,7 @@ ASKING = {
     "video_data": ["v.mp4"],
     "audio_data": "a.wav",
     "input_embeds": [[0.1, 0.2]],
-    "lora_path": "adapter",
+    "lora_id": "adapter-id",
     "custom_logit_processor": "{}",
     "session_params": {"id": "s"},
     "bootstrap_host": "10.0.0.1",
@@ -78,7 +78,7 @@ def test_engine_generate_takes_the_same_keywords():
     assert "sampling_params" in params and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-@pytest.mark.parametrize("extra", [{"lora_path": "adapter"}, {"image_data": "cat.png"}, {"temprature": 0.5}])
+@pytest.mark.parametrize("extra", [{"lora_id": "adapter"}, {"image_data": "cat.png"}, {"temprature": 0.5}])
 def test_engine_generate_raises_before_sending(extra):
     """The keywords are checked when the call is made, before the engine is involved."""
     engine = object.__new__(Engine)  # never started: a request reaching it would fail differently

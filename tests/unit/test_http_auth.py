@@ -15,6 +15,7 @@ from srt.configs.tls import check_tls_files
 from srt.entrypoints.http.app import create_app
 from srt.entrypoints.http.auth import ADMIN_PATHS, PUBLIC_PATHS, redacted_args
 from srt.entrypoints.http.web_routes import is_public_path
+from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError
 
@@ -22,7 +23,7 @@ USER, ADMIN = "sk-user", "sk-admin"
 
 
 def _app(**args):
-    tm = SimpleNamespace(server_args=ServerArgs(**args), model_name="tiny")
+    tm = SimpleNamespace(server_args=ServerArgs(**args), model_name="tiny", lora_registry=LoRARegistry())
     return create_app(tm)
 
 

@@ -13,6 +13,7 @@ from srt.sampling.sampling_params import SamplingParams
 SAMPLES: list[io._Msg] = [
     io.TokenizedGenerateReqInput(
         rid="r1",
+        lora_name="sql",
         input_ids=[1, 2, 3, 49151],
         sampling_params=SamplingParams(
             max_new_tokens=7,
@@ -41,6 +42,8 @@ SAMPLES: list[io._Msg] = [
     io.ProfileReq(action="start", output_dir="/tmp/p", num_steps=5, activities=["CPU"]),
     io.ProfileReq(action="stop"),
     io.UpdateWeightsFromDiskReq(model_path="/models/m.gguf", load_format="gguf"),
+    io.LoadLoRAAdapterReq(lora_name="sql", lora_path="/adapters/sql", pinned=True),
+    io.UnloadLoRAAdapterReq(lora_name="sql"),
     io.StopStringHit(rid="r1", matched="\n\n"),
     io.BatchTokenIDOut(
         rids=["a", "b"],
@@ -71,6 +74,7 @@ SAMPLES: list[io._Msg] = [
     io.GetInternalStateReqOutput(state={"num_running_reqs": 3, "token_usage": 0.25, "policy": "fcfs"}),
     io.ProfileReqOutput(success=True, message="started", trace_path="/tmp/p/srt-1.trace.json.gz"),
     io.UpdateWeightsFromDiskReqOutput(success=False, message="shapes differ"),
+    io.LoRAAdapterReqOutput(success=True, message="loaded", loaded_adapters={"sql": "/adapters/sql"}),
     io.BatchStrOut(
         rids=["a"],
         output_strs=["🎉 ok"],
@@ -104,6 +108,8 @@ DECODERS = {
     io.GetInternalStateReq: io.scheduler_input_decoder,
     io.ProfileReq: io.scheduler_input_decoder,
     io.UpdateWeightsFromDiskReq: io.scheduler_input_decoder,
+    io.LoadLoRAAdapterReq: io.scheduler_input_decoder,
+    io.UnloadLoRAAdapterReq: io.scheduler_input_decoder,
     io.StopStringHit: io.scheduler_input_decoder,
     io.BatchTokenIDOut: io.detokenizer_input_decoder,
     io.SchedulerReady: io.detokenizer_input_decoder,
@@ -111,6 +117,7 @@ DECODERS = {
     io.GetInternalStateReqOutput: io.detokenizer_input_decoder,
     io.ProfileReqOutput: io.detokenizer_input_decoder,
     io.UpdateWeightsFromDiskReqOutput: io.detokenizer_input_decoder,
+    io.LoRAAdapterReqOutput: io.detokenizer_input_decoder,
     io.BatchStrOut: io.tokenizer_input_decoder,
     io.DpLoadReport: io.dp_controller_input_decoder,
     io.DpControlReply: io.dp_controller_input_decoder,

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from srt.entrypoints.http.app import create_app
+from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.metrics import TokenizerMetrics
 from srt.server_args import ServerArgs
 
@@ -43,6 +44,7 @@ def _client(**args) -> TestClient:
         metrics=metrics,
         num_in_flight=3,
         get_internal_state=get_internal_state,
+        lora_registry=LoRARegistry(),
     )
     return TestClient(create_app(tm))
 

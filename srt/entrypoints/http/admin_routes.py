@@ -1,5 +1,6 @@
 """Admin and metrics routes: /flush_cache (GET or POST), POST /abort_request, GET /metrics,
-POST /start_profile, /stop_profile, /update_weights_from_disk.
+POST /start_profile, /stop_profile, /update_weights_from_disk, /load_lora_adapter,
+/unload_lora_adapter.
 
     POST /start_profile  {"output_dir"?, "num_steps"?, "activities"?: ["CPU"]}
                          -> {"message", "trace_path"}: a torch profiler runs around the scheduler's
@@ -11,6 +12,14 @@ POST /start_profile, /stop_profile, /update_weights_from_disk.
                          weights, flushes the prefix cache, resumes; 400 (old weights kept, the
                          body also carries OpenAI's "error") when the path is missing or the
                          checkpoint's architecture or shapes differ
+    POST /load_lora_adapter {"lora_name", "lora_path", "pinned"?}
+                         -> {"success", "message", "error_message", "loaded_adapters": {name: path}}
+                         (SGLang's shape): requests may name the adapter once it answers; 400 when
+                         --enable-lora is off, a field is missing or empty, the name is loaded
+                         already, or the scheduler refused the adapter (the body then also carries
+                         OpenAI's "error")
+    POST /unload_lora_adapter {"lora_name"} -> the same shape; requests naming the adapter are
+                         refused from the start; 400 (the adapter kept) while requests use it
 """
 
 from __future__ import annotations
@@ -22,8 +31,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from srt.entrypoints.http.deps import Ctx
 from srt.entrypoints.http.serving import parse_body
 from srt.entrypoints.openai.common import error_body, error_response, json_response
-from srt.entrypoints.openai.protocol import AbortRequest, ProfileRequest, UpdateWeightsFromDiskRequest
-from srt.managers.io_struct import ProfileReq, ProfileReqOutput
+from srt.entrypoints.openai.protocol import (
+    AbortRequest,
+    LoadLoRAAdapterRequest,
+    ProfileRequest,
+    UnloadLoRAAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+)
+from srt.managers.io_struct import LoRAAdapterReqOutput, ProfileReq, ProfileReqOutput
 from srt.utils.errors import RequestError
 
 router = APIRouter()
@@ -84,3 +99,28 @@ async def update_weights_from_disk(request: Request, ctx: Ctx) -> Response:
     if out.success:
         return json_response(body)
     return json_response({**body, **error_body(out.message, 400, "model_path", "weights_not_updated")}, 400)
+
+
+def _lora_response(out: LoRAAdapterReqOutput, param: str) -> Response:
+    body = {
+        "success": out.success,
+        "message": out.message,
+        "error_message": None if out.success else out.message,
+        "loaded_adapters": dict(out.loaded_adapters),
+    }
+    if out.success:
+        return json_response(body)
+    return json_response({**body, **error_body(out.message, 400, param, "lora_not_updated")}, 400)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, LoadLoRAAdapterRequest)
+    out = await ctx.tm.lora_registry.load(req.lora_name, req.lora_path, req.pinned)
+    return _lora_response(out, "lora_path")
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, ctx: Ctx) -> Response:
+    req = await parse_body(request, UnloadLoRAAdapterRequest)
+    return _lora_response(await ctx.tm.lora_registry.unload(req.lora_name), "lora_name")

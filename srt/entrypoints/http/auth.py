@@ -30,6 +30,8 @@ ADMIN_PATHS = frozenset(
         "/start_profile",
         "/stop_profile",
         "/update_weights_from_disk",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     }
 )
 _SECRET_FIELDS = ("api_key", "admin_api_key")

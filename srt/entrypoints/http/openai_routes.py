@@ -4,6 +4,12 @@ GET /v1/models.
 Each request body is validated strictly (`serving.parse_body`), its ``model`` checked against the
 served names (404 ``model_not_found`` otherwise), turned into a `GenerateReqInput` by the OpenAI
 serving object and run by `serving.serve` (SSE with ``"stream": true``).
+
+LoRA: ``model`` ``"<served>:<adapter>"`` (SGLang's syntax) or ``"<adapter>"`` (vLLM's), or the
+``lora_path`` field (SGLang's, ``extra_body`` in the openai client), select a loaded adapter
+(`ServerContext.request_adapter`); the response's ``model`` is the one the request sent.
+/v1/models lists the base model, then each loaded adapter (``root`` its path, ``parent`` the
+served name).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ async def _serve_openai(
         return not_found
     reject_unsupported_fields(req)
     obj = serving.build_input(req)
+    obj.lora_path = ctx.request_adapter(req.model, req.lora_path)
     return await serve(
         request, ctx.tm, obj, partial(serving.build_response, req), partial(serving.stream, req)
     )
@@ -63,6 +70,7 @@ async def v1_responses(request: Request, ctx: Ctx) -> Response:
         return not_found
     serving = OpenAIServingResponses(ctx.chat)
     chat_req, obj = serving.build_input(req)
+    obj.lora_path = ctx.request_adapter(req.model, req.lora_path)
     build, stream = partial(serving.build_response, req, chat_req), partial(serving.stream, req, chat_req)
     return await serve(request, ctx.tm, obj, build, stream)
 
@@ -70,12 +78,18 @@ async def v1_responses(request: Request, ctx: Ctx) -> Response:
 @router.get("/v1/models")
 async def v1_models(ctx: Ctx) -> Response:
     tm = ctx.tm
-    card = {
-        "id": tm.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "srt",
-        "root": tm.server_args.model_path or tm.model_name,
-        "max_model_len": tm.context_len,
-    }
-    return json_response({"object": "list", "data": [card]})
+
+    def card(name: str, root: str, parent: str | None) -> dict[str, object]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "srt",
+            "root": root,
+            "parent": parent,
+            "max_model_len": tm.context_len,
+        }
+
+    base = card(tm.model_name, tm.server_args.model_path or tm.model_name, None)
+    adapters = [card(name, path, tm.model_name) for name, path in ctx.lora.adapters.items()]
+    return json_response({"object": "list", "data": [base, *adapters]})

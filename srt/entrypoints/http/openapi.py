@@ -10,7 +10,9 @@ module completes its document once, when first asked:
 - responses: every operation may answer ``4XX`` and ``503`` with OpenAI's error body
   (``ErrorResponse``); routes that stream or answer text declare those media types too
   (`_MEDIA`);
-- ``model``: the names this server accepts (anything else is a 404), as an enum;
+- ``model``: the names this server always accepts, as an enum (LoRA adapters, loaded and
+  unloaded at run time, are not pinned: ``"<served>:<adapter>"`` and ``"<adapter>"`` are accepted
+  while the adapter is loaded; any other name is a 404);
 - links: the tokens of POST /tokenize feed POST /detokenize (a stateful fuzzer follows them).
 
 A POST route whose body is not in `BODIES` and not in `NO_BODY` is a gap the tests report.
@@ -30,8 +32,10 @@ from srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ProfileRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
 )
 from srt.entrypoints.openai.protocol_embedding import (
@@ -60,6 +64,8 @@ BODIES: dict[str, Any] = {
     "/abort_request": AbortRequest,
     "/start_profile": ProfileRequest,
     "/update_weights_from_disk": UpdateWeightsFromDiskRequest,
+    "/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 # (request type, field) -> the type its dict (or list of dicts) is checked against
 _FREE_FORM: dict[tuple[str, str], Any] = {("GenerateReqInput", "sampling_params"): SamplingParams}

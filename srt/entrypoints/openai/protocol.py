@@ -15,7 +15,7 @@ Besides OpenAI's fields the requests take SGLang's sampling extras: ``top_k``, `
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``no_stop_trim``, ``stop_token_ids``, the constraints
 ``regex`` and ``ebnf`` (``response_format`` is OpenAI's way to ask for JSON), and the request's
-queue ``priority`` (with ``--enable-priority-scheduling``).
+queue ``priority`` (with ``--enable-priority-scheduling``) and the LoRA adapter ``lora_path``.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     rid: str | None = None
     priority: int | None = None  # SGLang extra: queue priority (--enable-priority-scheduling)
+    # SGLang extra: a loaded LoRA adapter's name (one per prompt in a list; ``model`` may name it too)
+    lora_path: str | list[str | None] | None = None
     # srt extras: a deadline in seconds from receipt (finish_reason "timeout" past it; the
     # X-Request-Timeout header when absent) and the per-choice phase timings ("metrics")
     timeout: float | None = None
@@ -206,7 +208,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_cache_retention": (None, "in_memory"),
     "prompt_cache_options": (None, {}),
     # SGLang extras srt does not implement
-    "lora_path": (None,),
     "session_params": (None,),
     "return_hidden_states": (None, False),
     "separate_reasoning": (None, True),
@@ -303,3 +304,17 @@ class UpdateWeightsFromDiskRequest(_Model):
 
     model_path: str
     load_format: str | None = None
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """Body of POST /load_lora_adapter (SGLang's shape)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """Body of POST /unload_lora_adapter (SGLang's shape)."""
+
+    lora_name: str

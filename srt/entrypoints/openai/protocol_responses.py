@@ -18,7 +18,7 @@ srt keeps no state between requests, so a Responses request is served as one cha
                                         sets enable_thinking false); needs --reasoning-parser
 
 ``temperature``, ``top_p``, ``parallel_tool_calls``, ``stream`` and SGLang's sampling extras keep
-their names. ``model``, ``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` are
+their names; ``lora_path`` and ``model`` select a LoRA adapter as on the chat route. ``model``, ``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` are
 echoed in the response (prefix caching is automatic). Every other field of OpenAI's request is in
 ``REJECTED_FIELDS`` with the values srt can accept (the default, or "off"); any other value, and any
 field srt does not know, is a 400 naming it. Items echoing earlier outputs may carry bookkeeping
@@ -91,6 +91,7 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool | None = None
     priority: int | None = None
     timeout: float | None = None
+    lora_path: str | None = None  # SGLang's: a loaded LoRA adapter (``model`` may name it too)
 
 
 # OpenAI request fields srt cannot honour and the values it accepts for them (absent, the default,

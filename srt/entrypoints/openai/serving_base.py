@@ -23,8 +23,11 @@ class OpenAIServing:
     def __init__(self, tokenizer_manager: Any) -> None:
         self.tm = tokenizer_manager
 
-    def _envelope(self, obj: str) -> Envelope:
-        return Envelope(self.id_prefix, obj, self.tm.model_name, self.tm.server_args.enable_cache_report)
+    def _envelope(self, req: _OpenAIRequest, obj: str) -> Envelope:
+        """The response envelope; its ``model`` is the request's (a LoRA adapter it named too), else
+        the served name."""
+        model = req.model or self.tm.model_name
+        return Envelope(self.id_prefix, obj, model, self.tm.server_args.enable_cache_report)
 
     def _generate_input(
         self,
@@ -52,7 +55,7 @@ class OpenAIServing:
         self, req: _OpenAIRequest, outputs: list[dict[str, Any]], choices: list[dict[str, Any]], obj: str
     ) -> dict[str, Any]:
         """The non-streaming response of ``choices`` (usage of ``outputs``, their timings when asked)."""
-        env = self._envelope(obj)
+        env = self._envelope(req, obj)
         return with_timings(env.body(choices, env.usage_of(outputs, req.n)), outputs, req.return_timings)
 
     @staticmethod

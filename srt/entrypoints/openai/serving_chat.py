@@ -320,7 +320,7 @@ class OpenAIServingChat(OpenAIServing):
         """The ``chat.completion.chunk`` payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
         cs = ChunkStream(
-            self._envelope("chat.completion.chunk"), req.stream_options, req.n, req.return_timings
+            self._envelope(req, "chat.completion.chunk"), req.stream_options, req.n, req.return_timings
         )
         plan = self.output_plan(req)
         plain = plan.tools is None and plan.reasoning is None

@@ -120,7 +120,9 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``text_completion`` chunk payloads of ``chunks`` (raises the error of an output
         aborted with a status)."""
-        cs = ChunkStream(self._envelope("text_completion"), req.stream_options, req.n, req.return_timings)
+        cs = ChunkStream(
+            self._envelope(req, "text_completion"), req.stream_options, req.n, req.return_timings
+        )
         builders: dict[int, CompletionLogprobs | None] = {}
         async for out in chunks:
             idx = out["index"]

@@ -73,14 +73,16 @@ class OpenAIServingResponses:
         output = output_of_message(message, choice["logprobs"], status)
         reasoning = message.get("reasoning_content")
         usage = responses_usage(body["usage"], self._count_tokens(reasoning) if reasoning else 0)
-        return ResponseShell(req, self.tm.model_name).body(status, output, usage, reason)
+        return ResponseShell(req, req.model or self.tm.model_name).body(status, output, usage, reason)
 
     async def stream(
         self, req: ResponsesRequest, chat_req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
         """The SSE events of the output stream ``chunks`` (module docstring)."""
         with_logprobs = bool(chat_req.logprobs)
-        events = ResponseEvents(ResponseShell(req, self.tm.model_name), with_logprobs, self._count_tokens)
+        events = ResponseEvents(
+            ResponseShell(req, req.model or self.tm.model_name), with_logprobs, self._count_tokens
+        )
         for ev in events.start():
             yield sse_event(ev)
         try:

@@ -46,6 +46,7 @@ SOURCES = (
     "gguf_linear.cpp",
     "gguf_q8act.cpp",
     "gguf_simple.cpp",
+    "lora.cpp",
     "moe.cpp",
     "packed_linear.cpp",
     "small_linear.cpp",

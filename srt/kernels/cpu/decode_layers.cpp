@@ -329,11 +329,17 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // lora_ab: the LoRA adapters' updates (srt/lora/layer.py), empty without: for layer i, projection p
+  // (qkv, o, gate_up, down) and row group g (rows lora_starts[g] .. lora_ends[g] - 1 run one adapter),
+  // A at lora_ab[((i * 4 + p) * G + g) * 2] and B after it, both of zero elements where that
+  // projection has no update for the group's adapter; out += (x @ A.T) @ B.T, as lora_segments_.
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& positions,
                                              const std::vector<at::Tensor>& k_buffers,
                                              const std::vector<at::Tensor>& v_buffers, const at::Tensor& out_cache_loc,
                                              const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                             const at::Tensor& seq_lens) const {
+                                             const at::Tensor& seq_lens, const std::vector<at::Tensor>& lora_ab,
+                                             const std::vector<int64_t>& lora_starts,
+                                             const std::vector<int64_t>& lora_ends) const {
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0, "DecodeLayers: no layers");
     const at::ScalarType act = layers_[0].input_norm.scalar_type();
@@ -349,6 +355,19 @@ class DecodeLayers : public torch::CustomClassHolder {
     check_index(positions, B, "positions");
     check_index(out_cache_loc, B, "out_cache_loc");
     const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
+    const int64_t G = static_cast<int64_t>(lora_starts.size());
+    TORCH_CHECK(lora_ends.size() == lora_starts.size() &&
+                    static_cast<int64_t>(lora_ab.size()) == (G > 0 ? L * 4 * G * 2 : 0),
+                "DecodeLayers: lora_ab holds A and B per layer, projection and row group");
+    // out += the adapters' update of projection p of layer i on input x
+    auto lora = [&](at::Tensor& out, const at::Tensor& x_in, int64_t i, int64_t p) {
+      for (int64_t g = 0; g < G; ++g) {
+        const at::Tensor& A = lora_ab[((i * 4 + p) * G + g) * 2];
+        if (A.numel() == 0) continue;
+        const int64_t start = lora_starts[g], n = lora_ends[g] - start;
+        out.narrow(0, start, n).addmm_(at::mm(x_in.narrow(0, start, n), A.t()), lora_ab[((i * 4 + p) * G + g) * 2 + 1].t());
+      }
+    };
 
     at::Tensor residual = hidden;
     at::Tensor x = bf16 ? rms_norm_like_python(hidden, layers_[0].input_norm, eps_)
@@ -357,7 +376,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers_[i];
       if (i > 0) x = add_rms_norm_(mlp_out, residual, layer.input_norm, eps_);
-      const at::Tensor qkv = layer.qkv.apply(x, int8_max_rows_);
+      at::Tensor qkv = layer.qkv.apply(x, int8_max_rows_);
+      if (G > 0) lora(qkv, x, i, 0);
       at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
       if (layer.q_norm.has_value() && bf16) {
@@ -374,13 +394,19 @@ class DecodeLayers : public torch::CustomClassHolder {
                                                req_to_token, req_pool_indices, seq_lens, scaling_, 0, "",
                                                layer.window_left, layer.logit_cap);
       if (bf16) attn = attn.to(act);
-      x = add_rms_norm_(layer.o.apply(attn.view({B, q_size}), int8_max_rows_), residual, layer.post_attention_norm,
-                        eps_);
+      const at::Tensor attn_rows = attn.view({B, q_size});
+      at::Tensor o = layer.o.apply(attn_rows, int8_max_rows_);
+      if (G > 0) lora(o, attn_rows, i, 1);
+      x = add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
       if (layer.moe) {
         mlp_out = layer.moe->apply(x);
       } else {
         TORCH_CHECK(!layer.gate_up.segments.empty(), "DecodeLayers: layer ", i, " has neither an MLP nor set_moe");
-        mlp_out = layer.down.apply(silu_and_mul(layer.gate_up.apply(x, int8_max_rows_)), int8_max_rows_);
+        at::Tensor gate_up = layer.gate_up.apply(x, int8_max_rows_);
+        if (G > 0) lora(gate_up, x, i, 2);
+        const at::Tensor act_rows = silu_and_mul(gate_up);
+        mlp_out = layer.down.apply(act_rows, int8_max_rows_);
+        if (G > 0) lora(mlp_out, act_rows, i, 3);
       }
     }
     return {mlp_out, residual};

@@ -6,7 +6,8 @@ and N scheduler groups, and nothing else (it starts and owns no process).
         AbortReq(rid), StopStringHit -> the group that owns rid (dropped once it finished; an
                                       aborted rid is forgotten once its abort is sent)
         AbortReq("")               -> every group (every rid forgotten)
-        FlushCacheReq, GetInternalStateReq, ProfileReq, UpdateWeightsFromDiskReq -> every group
+        FlushCacheReq, GetInternalStateReq, ProfileReq, UpdateWeightsFromDiskReq,
+        LoadLoRAAdapterReq, UnloadLoRAAdapterReq -> every group (`REPLY_TYPE`'s requests)
     controller --PUSH--> group g's scheduler_input_ipc_name (the raw message, not re-encoded)
     groups --PUSH--> [PULL dp_controller_ipc_name] controller
         DpLoadReport    -> `DpRouter.on_report` (load, finished rids)

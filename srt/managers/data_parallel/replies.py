@@ -1,7 +1,7 @@
 """Merging the scheduler groups' replies to a control request into one (pure, no I/O).
 
 The data-parallel controller sends every control request (flush_cache, get_internal_state,
-profile, update weights) to all N groups. Each group answers each request type in order, so the
+profile, update weights, load / unload a LoRA adapter) to all N groups. Each group answers each request type in order, so the
 k-th reply of a type from group g belongs to the k-th request of that type: `ReplyMerger` keeps,
 per reply type, a FIFO of requests waiting for replies, fills each with one reply per group and
 releases merged replies in request order. The tokenizer manager then sees exactly one reply per
@@ -10,6 +10,9 @@ request, as with a single scheduler.
 Merged shapes:
     FlushCacheReqOutput / ProfileReqOutput / UpdateWeightsFromDiskReqOutput
         success = every group succeeded; message (and trace_path) the groups' joined, "dp<r>: ..."
+    LoRAAdapterReqOutput
+        success and message as above; loaded_adapters = the adapters every group holds (a
+        request may be routed to any group), with group 0's paths
     GetInternalStateReqOutput
         state = `merge_internal_states`: counts summed over the groups, other values group 0's,
         plus ``dp_states`` (each group's own state, index = dp rank)
@@ -21,7 +24,13 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from srt.managers.io_struct import REPLY_TYPE, ControlReply, GetInternalStateReqOutput, ProfileReqOutput
+from srt.managers.io_struct import (
+    REPLY_TYPE,
+    ControlReply,
+    GetInternalStateReqOutput,
+    LoRAAdapterReqOutput,
+    ProfileReqOutput,
+)
 
 __all__ = ["REPLY_TYPE", "ReplyMerger", "merge_internal_states", "merge_replies", "split_dp_state"]
 
@@ -60,6 +69,10 @@ def merge_replies(replies: Sequence[ControlReply]) -> ControlReply:
     if isinstance(first, ProfileReqOutput):
         paths = ",".join(r.trace_path for r in replies if r.trace_path)
         return ProfileReqOutput(success=success, message=message, trace_path=paths)
+    if isinstance(first, LoRAAdapterReqOutput):
+        held = [r.loaded_adapters for r in replies]
+        common = {name: path for name, path in held[0].items() if all(name in h for h in held[1:])}
+        return LoRAAdapterReqOutput(success=success, message=message, loaded_adapters=common)
     return type(first)(success=success, message=message)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from srt.managers.scheduler.lora_slots import LoRASlots
     from srt.managers.scheduler.req import Req
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -41,6 +42,8 @@ class CacheManager:
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
     page_size: int
+    # the LoRA adapter slots requests hold while admitted (None without --enable-lora)
+    lora_slots: LoRASlots | None = None
 
     @classmethod
     def create(
@@ -81,7 +84,7 @@ class CacheManager:
     def match(self, req: Req, key: list[int]) -> int:
         """Match ``key`` (``req.prefix_match_key()``) against the cache; sets
         ``req.prefix_indices`` / ``req.last_node`` (not locked) and returns the prefix length."""
-        m = self.tree_cache.match_prefix(key)
+        m = self.tree_cache.match_prefix(key, req.lora_name)
         req.prefix_indices, req.last_node = m.device_indices, m.last_node
         return len(m.device_indices)
 
@@ -108,12 +111,16 @@ class CacheManager:
         the request becomes FINISHED."""
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
         req.mark_released()
 
     def retract(self, req: Req) -> None:
         """Take a running (or mid-prompt) request's KV back (into the prefix cache, so
         re-admission can reuse it); the request becomes WAITING with its output kept."""
         self.tree_cache.cache_finished_req(req)
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
         req.retract()
         req.fill_ids = []
 

@@ -17,10 +17,13 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     ProfileReq,
     SchedulerReady,
     StopStringHit,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.cache import CacheManager
     from srt.managers.scheduler.deadlines import DeadlineTracker
     from srt.managers.scheduler.decode import DecodeManager
+    from srt.managers.scheduler.lora_slots import LoRASlots
     from srt.managers.scheduler.metrics import SchedulerMetrics
     from srt.managers.scheduler.overlap import ForwardWorker
     from srt.managers.scheduler.profiler import SchedulerProfiler
@@ -52,6 +56,7 @@ class Scheduler(Protocol):
     decode: DecodeManager
     requests: RequestTable
     weight_gate: WeightUpdateGate
+    lora: LoRASlots | None
     metrics: SchedulerMetrics
     deadlines: DeadlineTracker
     profiler: SchedulerProfiler
@@ -107,6 +112,18 @@ def message_handlers(s: Scheduler) -> dict[type, Callable[[Any], list[ControlRep
             return [refused]
         return [update_weights(s)] if s.is_idle() else []
 
+    def load_lora(msg: LoadLoRAAdapterReq) -> list[ControlReply]:
+        if s.lora is None:
+            return [LoRAAdapterReqOutput(success=False, message="LoRA adapters need --enable-lora")]
+        return list(s.lora.load(msg, s.is_idle()))
+
+    def unload_lora(msg: UnloadLoRAAdapterReq) -> list[ControlReply]:
+        if s.lora is None:
+            return [LoRAAdapterReqOutput(success=False, message="LoRA adapters need --enable-lora")]
+        users = s.requests.users_of_adapter(msg.lora_name)
+        users += sum(1 for m in s.weight_gate.held if m.lora_name == msg.lora_name)
+        return [s.lora.unload(msg, users, s.cache.tree_cache)]
+
     return {
         TokenizedGenerateReqInput: generate,
         AbortReq: abort,
@@ -115,6 +132,8 @@ def message_handlers(s: Scheduler) -> dict[type, Callable[[Any], list[ControlRep
         GetInternalStateReq: lambda msg: [GetInternalStateReqOutput(state=s.get_internal_state())],
         ProfileReq: lambda msg: [s.profiler.handle(msg)],
         UpdateWeightsFromDiskReq: weights,
+        LoadLoRAAdapterReq: load_lora,
+        UnloadLoRAAdapterReq: unload_lora,
     }
 
 
@@ -182,6 +201,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "num_timeouts": s.deadlines.num_timeouts,
         "num_queue_time_refusals": s.deadlines.num_queue_refusals,
         "step_histograms": s.step_timings.snapshot(),
+        **(s.lora.state() if s.lora is not None else {}),
     }
 
 

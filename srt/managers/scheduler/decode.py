@@ -86,9 +86,11 @@ class DecodeManager:
         if spec is not None and len(self.running) <= spec.max_batch_size:
             batch = spec.prepare_batch(self.running, self.cache)
         elif in_flight_subset is None:
-            batch = ScheduleBatch.prepare_decode(self.running, self.cache)
+            batch = ScheduleBatch.prepare_decode(by_adapter(self.running), self.cache)
         else:
-            batch = ScheduleBatch.prepare_decode(in_flight_subset, self.cache, batch_in_flight=True)
+            batch = ScheduleBatch.prepare_decode(
+                by_adapter(in_flight_subset), self.cache, batch_in_flight=True
+            )
         self.metrics.on_decode_step(
             len(self.running),
             self.max_total_num_tokens - self.cache.available(),
@@ -139,3 +141,11 @@ class DecodeManager:
             "--schedule-conservativeness.",
             503,
         )
+
+
+def by_adapter(reqs: list[Req]) -> list[Req]:
+    """``reqs`` with the rows of each LoRA adapter slot together (a stable sort; the list itself when
+    no request runs an adapter), so each adapter's update is one matmul pair on a run of rows."""
+    if not any([r.lora_slot >= 0 for r in reqs]):
+        return reqs
+    return sorted(reqs, key=lambda r: r.lora_slot)

@@ -40,6 +40,7 @@ from srt.utils.pages import page_floor
 
 if TYPE_CHECKING:
     from srt.managers.scheduler.cache import CacheManager
+    from srt.managers.scheduler.lora_slots import LoRASlots
     from srt.managers.scheduler.metrics import SchedulerMetrics
 
 # stop scanning the waiting queue after passing over this many requests (not fitting, or
@@ -94,6 +95,7 @@ class PrefillManager:
         self.config = config
         self.waiting_queue: list[Req] = []
         self.chunked_req: Req | None = None
+        self.lora_slots: LoRASlots | None = None  # the adapter slots (None without --enable-lora)
 
     # ------------------------------------------------------------------ the queue
     def has_work(self) -> bool:
@@ -246,11 +248,14 @@ class PrefillManager:
             self.cache.match(req, key)
             rnd.matched.append(req)
         prefix_len = len(req.prefix_indices)
+        if self.lora_slots is not None and not self.lora_slots.acquire(req):
+            return False  # no adapter slot free: the requests behind it wait too (lora_slots.py)
         if (
             rnd.in_batch is not None
             and rnd.in_batch.shared_len(key) - prefix_len >= IN_BATCH_PREFIX_THRESHOLD
         ):
             # an earlier admission computes this prefix now: reuse it from the cache next step
+            self._release_slot(req)
             return not rnd.skip()
         d = adder.add(
             prefix_len=prefix_len,
@@ -263,9 +268,14 @@ class PrefillManager:
         )
         if not d.admitted:
             self.cache.unlock(req)
+            self._release_slot(req)
             return d.result != AddResult.STOP and not rnd.skip()
         self._admit(req, d, prefix_len, key, rnd)
         return True
+
+    def _release_slot(self, req: Req) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
 
     def _admit(self, req: Req, d: AddDecision, prefix_len: int, key: list[int], rnd: _Round) -> None:
         """Book an admitted request: its extend of this step, counters, the in-batch filter."""

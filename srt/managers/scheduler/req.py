@@ -130,6 +130,8 @@ class Req:
         "label_token_ids",
         "pooled_acc",
         "pooled_out",
+        "lora_name",
+        "lora_slot",
     )
 
     def __init__(
@@ -151,6 +153,7 @@ class Req:
         queue_seq: int = 0,
         pooling: str = "",
         label_token_ids: list[int] | None = None,
+        lora_name: str = "",
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -172,6 +175,10 @@ class Req:
         self.label_token_ids: list[int] = list(label_token_ids or ())
         self.pooled_acc: Any = None
         self.pooled_out: list[float] | None = None
+        # the LoRA adapter it runs ("" the base model) and the adapter slot it holds while admitted
+        # (-1: none; srt/managers/scheduler/lora_slots.py)
+        self.lora_name = lora_name
+        self.lora_slot = -1
         self._init_sampling(sampling_params, eos_token_ids)
         self._init_progress()
 
@@ -272,6 +279,7 @@ class Req:
             queue_seq=queue_seq,
             pooling=msg.pooling,
             label_token_ids=msg.label_token_ids,
+            lora_name=msg.lora_name,
         )
 
     # ------------------------------------------------------------------ state machine

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.deadlines import DeadlineTracker
     from srt.managers.scheduler.decode import DecodeManager
     from srt.managers.scheduler.grammar import GrammarManager
+    from srt.managers.scheduler.lora_slots import LoRASlots
     from srt.managers.scheduler.metrics import SchedulerMetrics
     from srt.managers.scheduler.prefill import PrefillManager
 
@@ -77,6 +78,7 @@ class RequestTable:
         self.deadlines = deadlines
         self.metrics = metrics
         self.rng = rng  # draws the seed of a request that gave none
+        self.lora: LoRASlots | None = None  # the loaded LoRA adapters (None without --enable-lora)
         self.reqs_by_rid: dict[str, Req] = {}  # every request not yet reported finished
         self.finished_outside: list[Req] = []  # finished between steps (abort, reject, stop string)
         self._finished_reqs: list[Req] = []  # released since the last output was built
@@ -105,7 +107,7 @@ class RequestTable:
             self.metrics.num_rejected += 1
             return
         self.reqs_by_rid[req.rid] = req
-        error = self._arrival_error(msg.input_ids, req.max_new_tokens)
+        error = self._arrival_error(msg.input_ids, req.max_new_tokens) or self._lora_error(msg.lora_name)
         if error is not None:
             self.reject(req, error)
             return
@@ -127,6 +129,19 @@ class RequestTable:
         if error is None and (min(input_ids) < 0 or max(input_ids) >= lim.vocab_size):
             error = f"Input token ids must be in [0, {lim.vocab_size}) for this model."
         return error
+
+    def _lora_error(self, name: str) -> str | None:
+        if not name or (self.lora is not None and self.lora.is_loaded(name)):
+            return None
+        if self.lora is None:
+            return f"LoRA adapter {name!r} requested, but the server runs without --enable-lora"
+        return f"LoRA adapter {name!r} is not loaded"
+
+    def users_of_adapter(self, name: str) -> int:
+        """Requests not finished that run the LoRA adapter ``name``."""
+        return sum(
+            1 for r in self.reqs_by_rid.values() if r.lora_name == name and r.state != ReqStatus.FINISHED
+        )
 
     def reject(self, req: Req, message: str) -> None:
         req.finish(FinishReason.of_abort(message, 400))

@@ -296,6 +296,8 @@ class ScheduleBatch:
             kw["extend_logprob_next_token_ids_cpu"] = next_ids
         if self.num_extend_reqs:
             kw.update(pooling.forward_kwargs(reqs, self.num_extend_reqs))
+        if any([r.lora_slot >= 0 for r in reqs]):
+            kw["lora_slots"] = [r.lora_slot for r in reqs]
         if self.forward_mode == ForwardMode.DECODE and self.positions_t is not None:
             fb = self._decode_forward_batch(device, kw)
         else:

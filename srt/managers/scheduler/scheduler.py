@@ -21,7 +21,7 @@ after that step launched its own batch: the forward runs while the scheduler doe
 
 In-process API (tests, benchmarks): ``handle_message(msg)`` for every ``SchedulerInput``,
 ``step()``, ``take_replies()`` (replies to control requests answered by a step: a deferred weight
-update), ``is_idle()``, ``run_until_idle()``, ``flush_cache()``, ``get_internal_state()``,
+update, a LoRA adapter read beside the forwards), ``is_idle()``, ``run_until_idle()``, ``flush_cache()``, ``get_internal_state()``,
 ``check_integrity()``, ``ready_message()``.
 """
 
@@ -47,6 +47,7 @@ from srt.managers.scheduler import control
 from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.decode import DecodeManager
+from srt.managers.scheduler.decode_batch import decode_batch
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.overlap import InFlight, needs_sync
@@ -54,9 +55,14 @@ from srt.managers.scheduler.prefill import PrefillManager
 from srt.managers.scheduler.profiler import SchedulerProfiler
 from srt.managers.scheduler.req import Req
 from srt.managers.scheduler.requests import ModelLimits, RequestTable
-from srt.managers.scheduler.schedule_batch import KVAllocationError, SamplingInfoCache, ScheduleBatch
+from srt.managers.scheduler.schedule_batch import SamplingInfoCache, ScheduleBatch
 from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy
-from srt.managers.scheduler.setup import create_grammars, create_prefill_config, start_model_runner
+from srt.managers.scheduler.setup import (
+    create_grammars,
+    create_prefill_config,
+    start_model_runner,
+    wire_lora_slots,
+)
 from srt.managers.scheduler.speculative import SpeculativeDecoder
 from srt.managers.scheduler.step_timing import StepTimings
 from srt.managers.scheduler.weight_update import WeightUpdateGate
@@ -131,8 +137,8 @@ class Scheduler:
         )
         parts = (self.cache, self.prefill, self.decode, self.grammars, self.deadlines, self.metrics)
         self.requests = RequestTable(limits, *parts, random.Random(server_args.random_seed))
-        # time.time() of the deadlines when set: tensor-parallel ranks use rank 0's, broadcast
-        # with the inputs, so that they expire the same requests at the same step
+        self.lora = wire_lora_slots(server_args, runner, self.cache, self.prefill, self.requests)
+        # the deadlines' time.time() when set: TP ranks use rank 0's (broadcast with the inputs)
         self.step_clock: float | None = None
         self.step_timings = StepTimings()
         self._replies: list[ControlReply] = []  # answered by a step (take_replies)
@@ -172,6 +178,11 @@ class Scheduler:
         return self.cache.tree_cache
 
     @property
+    def in_flight(self) -> InFlight | None:
+        """The batch launched and not completed yet (overlap scheduling)."""
+        return self._in_flight
+
+    @property
     def reqs_by_rid(self) -> dict[str, Req]:
         return self.requests.reqs_by_rid
 
@@ -196,7 +207,10 @@ class Scheduler:
 
     # ================================================================== one iteration
     def is_idle(self) -> bool:
-        return not (self.holds_requests() or self.requests.finished_outside or self._completed_outs)
+        loading = self.lora is not None and self.lora.loading  # its reply is sent by a step
+        return not (
+            self.holds_requests() or self.requests.finished_outside or self._completed_outs or loading
+        )
 
     def holds_requests(self) -> bool:
         """A request is waiting, prefilling, decoding, compiling its grammar or in a batch in flight
@@ -313,6 +327,8 @@ class Scheduler:
         self.profiler.on_step()
         if self.weight_gate.pending is not None and self.is_idle():
             self._replies.append(control.update_weights(self))
+        if self.lora is not None:
+            self._replies += self.lora.poll()
         idle = self.is_idle()
         if idle and not self._was_idle:
             self.cache.check_idle()
@@ -336,54 +352,14 @@ class Scheduler:
         batch = self.prefill.schedule(running, self.decode.new_token_ratio.value, self.metrics.num_steps)
         if batch is not None:
             if self.enable_mixed_chunk and running:
-                decode = self._decode_batch(mixed=True)
+                decode = decode_batch(self, mixed=True)
                 if decode is not None:
                     batch.mix_with(decode)
                     self.metrics.num_mixed_steps += 1
             return batch
         if running:
-            return self._decode_batch(mixed=False)
+            return decode_batch(self, mixed=False)
         return None
-
-    def _decode_batch(self, mixed: bool) -> ScheduleBatch | None:
-        """The decode batch of the running requests, retracting some if KV runs short.
-
-        In a MIXED step (``mixed``) the prefill part is already allocated: if the decodes still
-        cannot get slots they sit this step out (None). Otherwise the request mid-prompt is
-        retracted too (it holds what the last decode needs) before giving up. With a batch in
-        flight, a request whose token in flight is its last is left out, and a retraction
-        first completes that batch."""
-        decode = self.decode
-        if not decode.has_room() and self._in_flight is not None:
-            self.complete_in_flight()
-        if not decode.has_room():
-            victims = decode.retract_for_room()
-            self.requests.requeue(victims)
-            if victims:
-                self.metrics.log_retract(
-                    len(victims), len(decode.running), len(self.waiting_queue), decode.new_token_ratio.value
-                )
-            if not decode.has_room():
-                if mixed:
-                    return None
-                chunked = self.prefill.take_chunked()
-                if chunked is not None:
-                    decode.retract(chunked)
-                    self.requests.requeue([chunked])
-                    decode.new_token_ratio.on_retract()
-                if not decode.has_room():
-                    raise KVAllocationError(
-                        f"cannot decode {len(decode.running)} request(s): "
-                        f"{self.cache.available()} KV slots obtainable"
-                    )
-        if self._in_flight is None:
-            return decode.prepare_batch(len(self.waiting_queue), spec=None if mixed else self.spec)
-        reqs = [
-            r
-            for r in decode.running
-            if r.kv_allocated_len == r.kv_committed_len or r.remaining_new_tokens > 1
-        ]
-        return decode.prepare_batch(len(self.waiting_queue), reqs) if reqs else None
 
     def token_usage(self) -> float:
         return self.cache.token_usage()

@@ -73,3 +73,13 @@ def start_model_runner(
         runner = worker.call(load_model_runner, server_args, tp_rank)
     worker.attach(runner)
     return worker, runner
+
+
+def wire_lora_slots(server_args: ServerArgs, runner: SchedulerModelRunner, cache, prefill, requests):
+    """The LoRA adapter slots (lora_slots.py; None without --enable-lora), handed to the parts that
+    take them: admission (prefill), release (cache), arrival checks (requests)."""
+    from srt.managers.scheduler.lora_slots import LoRASlots
+
+    slots = LoRASlots.create(server_args, getattr(runner, "lora", None))
+    cache.lora_slots = prefill.lora_slots = requests.lora = slots
+    return slots

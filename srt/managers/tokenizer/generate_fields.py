@@ -1,7 +1,8 @@
 """Fields of a native generation request that srt does not take, and the check that names them.
 
 SGLang's ``GenerateReqInput`` has fields for features srt does not implement (multimodal inputs,
-LoRA adapters, sessions, disaggregated prefill, custom logit processors, hidden states ...).
+LoRA adapters by id (``lora_id``; ``lora_path``, by name, is srt's), sessions, disaggregated
+prefill, custom logit processors, hidden states ...).
 A request that sets one of them to anything but its off value (null, or SGLang's default) gets a
 `RequestError` naming it, so that nothing a client asked for is silently dropped; a field that
 neither srt nor SGLang knows is refused too (a typo such as ``max_tokens`` at the top level would
@@ -34,7 +35,6 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "return_bytes": (None, False),
     "log_metrics": (None, True),
     "session_params": (None,),
-    "lora_path": (None,),
     "lora_id": (None,),
     "custom_logit_processor": (None,),
     "positional_embed_overrides": (None,),

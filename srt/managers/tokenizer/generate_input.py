@@ -49,6 +49,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
     # seconds from the server's receipt after which the request is aborted with a "timeout"
     # finish reason (HTTP: the body field, else the X-Request-Timeout header); None: no deadline
     timeout: float | None = None
+    # the LoRA adapter (a loaded adapter's name; SGLang's field name) of every prompt, or one entry
+    # per prompt; None: the base model
+    lora_path: str | list[str | None] | None = None
 
     # ---- how the route serves it (not body fields; `serve_as` sets them on one instance)
     # streamed chunks hold only the new output (True) or the whole output so far (False); None:
@@ -137,6 +140,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
         lsl = _per_prompt(self.logprob_start_len, n, "logprob_start_len", int)
         tln = _per_prompt(self.top_logprobs_num, n, "top_logprobs_num", int)
         pri = _per_prompt(self.priority, n, "priority", int)
+        lora = self.lora_path
+        loras = _per_prompt(lora if isinstance(lora, list) else [lora] * n, n, "lora_path", str)
         out = []
         for i, p in enumerate(prompts):
             if tln[i] < 0:
@@ -151,6 +156,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
                     logprob_start_len=lsl[i],
                     top_logprobs_num=tln[i],
                     priority=pri[i],
+                    lora_path=loras[i],
                 )
             )
         return out
@@ -166,6 +172,7 @@ class SingleInput:
     logprob_start_len: int
     top_logprobs_num: int
     priority: int | None = None
+    lora_path: str | None = None  # a LoRA adapter's name (checked by the input processor)
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:

@@ -1,6 +1,7 @@
 """Input normalization and validation: a `GenerateReqInput` -> a `PreparedRequest` (nothing sent).
 
     GenerateReqInput --expand()--> SingleInput per prompt
+        --LoRARegistry.check-----> each prompt's lora_path a loaded adapter (or None: the base model)
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
         --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
         --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
@@ -35,6 +36,7 @@ from srt.constrained.registry import backend_class
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.request_fit import request_fit_error
 from srt.managers.tokenizer.generate_input import GenerateReqInput, SingleInput
+from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.tokenize_batcher import TokenizeBatcher
 from srt.sampling.sampling_params import LengthBounds, SamplingParams, parse_sampling_params
 from srt.utils.errors import ContextLengthError, RequestError
@@ -92,6 +94,7 @@ class InputProcessor:
         grammar_backend: str = "none",
         enable_priority: bool = False,
         incremental_stream: bool = True,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
@@ -99,6 +102,7 @@ class InputProcessor:
         self.grammar_backend = grammar_backend  # resolved --grammar-backend
         self.enable_priority = enable_priority  # --enable-priority-scheduling
         self.incremental_stream = incremental_stream  # --incremental-streaming-output
+        self.lora = lora if lora is not None else LoRARegistry()  # the adapters a request may name
         self._batcher: TokenizeBatcher | None = None
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
@@ -117,6 +121,7 @@ class InputProcessor:
             raise RequestError(
                 "priority needs a server started with --enable-priority-scheduling", param="priority"
             )
+        self.lora.check_all(s.lora_path for s in singles)
         names = obj.param_names
         params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
         for sp in params:
@@ -230,6 +235,7 @@ class InputProcessor:
             priority=s.priority or 0,
             arrival_time=times[0],
             deadline=times[1],
+            lora_name=s.lora_path or "",
         )
         if sp.n == 1:
             reqs.append((base, s.rid))

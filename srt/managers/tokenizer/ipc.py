@@ -2,12 +2,14 @@
 
     TokenizerIPC.send(msg) --PUSH--> scheduler_input_ipc_name   (TokenizedGenerateReqInput, AbortReq,
                                                                  FlushCacheReq, GetInternalStateReq,
-                                                                 ProfileReq, UpdateWeightsFromDiskReq)
+                                                                 ProfileReq, UpdateWeightsFromDiskReq,
+                                                                 Load/UnloadLoRAAdapterReq)
     detokenizer --PUSH--> [PULL tokenizer_ipc_name] TokenizerIPC._recv_loop
         BatchStrOut                 -> ``on_batch_str_out(msg)`` (the tokenizer manager's handler)
         FlushCacheReqOutput,        -> the oldest pending future of its type (`flush_cache`,
-        ProfileReqOutput,              `profile`, `update_weights_from_disk`; the scheduler answers
-        UpdateWeightsFromDiskReqOutput each type in order)
+        ProfileReqOutput,              `profile`, `update_weights_from_disk`, `lora_adapter`; the
+        UpdateWeightsFromDiskReqOutput, scheduler answers each type in order; both LoRA requests
+        LoRAAdapterReqOutput           share a reply type: their caller sends one at a time)
         GetInternalStateReqOutput   -> the pending `get_internal_state` future (shared by callers)
 
 The PULL socket is bound at construction (before the detokenizer sends anything); the receive
@@ -31,9 +33,12 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     ProfileReq,
     ProfileReqOutput,
     SchedulerInput,
+    UnloadLoRAAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
     encode,
@@ -51,7 +56,14 @@ _PROFILE_TIMEOUT_S = 60.0  # stopping writes the trace file
 # an update first waits for the running requests to finish, then loads a checkpoint
 _UPDATE_WEIGHTS_TIMEOUT_S = 1800.0
 # the replies answered in order, per type, to the oldest waiting future
-_ORDERED_REPLIES = (FlushCacheReqOutput, ProfileReqOutput, UpdateWeightsFromDiskReqOutput)
+_ORDERED_REPLIES = (
+    FlushCacheReqOutput,
+    ProfileReqOutput,
+    UpdateWeightsFromDiskReqOutput,
+    LoRAAdapterReqOutput,
+)
+# loading an adapter reads its folder and copies its weights (beside the running requests)
+_LORA_TIMEOUT_S = 300.0
 
 
 class TokenizerIPC:
@@ -137,6 +149,10 @@ class TokenizerIPC:
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskReq) -> UpdateWeightsFromDiskReqOutput:
         """Ask the scheduler to reload its weights (once idle); its reply."""
         return await self._request(req, UpdateWeightsFromDiskReqOutput, _UPDATE_WEIGHTS_TIMEOUT_S)
+
+    async def lora_adapter(self, req: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> LoRAAdapterReqOutput:
+        """Ask the scheduler to load or unload a LoRA adapter; its reply (send one at a time)."""
+        return await self._request(req, LoRAAdapterReqOutput, _LORA_TIMEOUT_S)
 
     async def get_internal_state(self) -> dict[str, Any]:
         """The scheduler's live state (concurrent callers share one request)."""

@@ -1,4 +1,4 @@
-"""TokenizerManager: the main process's side of the pipeline (asyncio), a facade over four parts.
+"""TokenizerManager: the main process's side of the pipeline (asyncio), a facade over five parts.
 
     user request (GenerateReqInput) --prepare()--> PreparedRequest (validated, nothing sent)
         --run()--> [PUSH scheduler_input_ipc_name]  ...  [PULL tokenizer_ipc_name] <-- BatchStrOut
@@ -14,7 +14,9 @@ The parts, each in its own module:
                                      Retry-After), per-request metrics, fail-all
     req_output                       the SGLang-shaped output dicts (final output, stream chunks)
     tokenizer_ipc.TokenizerIPC       the sockets, the receive loop, replies to control requests
-                                     (flush, internal state, profiler, weight updates)
+                                     (flush, internal state, profiler, weight updates, LoRA)
+    lora_registry.LoRARegistry       the LoRA adapters requests may name (``lora_registry``):
+                                     the checks, and the load / unload requests
 
 `prepare` rejects a request before the scheduler sees it (`RequestError`, `ContextLengthError`,
 `QueueFullError`, `EngineDeadError`). `run` sends it and yields outputs; leaving it early (client
@@ -51,6 +53,7 @@ from srt.managers.io_struct import (
 from srt.managers.tokenizer.generate_input import GenerateReqInput
 from srt.managers.tokenizer.input_processor import InputLimits, InputProcessor, PreparedRequest
 from srt.managers.tokenizer.ipc import TokenizerIPC
+from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.metrics import TokenizerMetrics
 from srt.managers.tokenizer.pooled_run import PrefillOnly
 from srt.managers.tokenizer.req_output import final_output, stream_chunk
@@ -103,6 +106,10 @@ class TokenizerManager:
         limits = InputLimits.from_scheduler_info(scheduler_info, tokenizer)
         self.context_len = limits.context_len
         self.metrics = TokenizerMetrics(self.model_name)
+        self.ipc = TokenizerIPC(port_args, self._handle_batch_str_out)
+        self.lora_registry = LoRARegistry(
+            server_args.enable_lora, server_args.lora_paths, self.ipc.lora_adapter, self._check_alive
+        )
         self.inputs = InputProcessor(
             limits,
             tokenizer,
@@ -110,9 +117,9 @@ class TokenizerManager:
             grammar_backend=server_args.grammar_backend,
             enable_priority=server_args.enable_priority_scheduling,
             incremental_stream=server_args.incremental_streaming_output,
+            lora=self.lora_registry,
         )
         self.registry = ReqRegistry(self.metrics, server_args.max_queued_requests, server_args.log_requests)
-        self.ipc = TokenizerIPC(port_args, self._handle_batch_str_out)
         self.dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
