@@ -99,8 +99,10 @@ def _assert_match(outs, references, near_ties_allowed: int = 1) -> None:
         {"max_loras_per_batch": 1},
         # prompts in chunks of 16 (rows of one request in two steps), run beside the decodes
         {"max_loras_per_batch": 2, "chunked_prefill_size": 16, "enable_mixed_chunk": True, "page_size": 16},
+        # the forwards on a worker thread, a batch in flight while slots change hands
+        {"max_loras_per_batch": 2, "enable_overlap_schedule": True},
     ],
-    ids=["three-slots", "one-slot", "chunked-mixed"],
+    ids=["three-slots", "one-slot", "chunked-mixed", "overlap"],
 )
 def test_mixed_adapters_match_peft(models, workload, references, flags):
     sched = _scheduler(models, **flags)
