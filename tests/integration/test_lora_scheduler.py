@@ -205,3 +205,14 @@ def test_native_decode_stack_takes_adapters_bit_for_bit(models, workload, monkey
     python = logprobs(disable_native_decode_layers=True)
     assert not taken
     assert native == python
+
+
+def test_weight_update_keeps_the_adapters(models, workload, references):
+    """/update_weights_from_disk builds a new model: the adapters and their slots move onto it."""
+    from srt.managers.io_struct import UpdateWeightsFromDiskReq
+
+    sched = _scheduler(models, max_loras_per_batch=3)
+    _assert_match(_run(sched, workload), references)
+    (reply,) = sched.handle_message(UpdateWeightsFromDiskReq(model_path=models["base"]))
+    assert reply.success, reply.message
+    _assert_match(_run(sched, workload), references)

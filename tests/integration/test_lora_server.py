@@ -185,6 +185,7 @@ def test_bad_adapter_names_are_4xx(server, body, status, needle):
 def test_unknown_openai_model_is_404(server):
     r = requests.post(server.url("/v1/completions"), json={"model": "nope", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'a', 'b'" in r.json()["error"]["message"]  # the adapters it could have named
 
 
 def test_bad_adapters_are_refused_at_load(server, adapter_dirs, tmp_path):

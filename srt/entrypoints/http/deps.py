@@ -43,8 +43,10 @@ class ServerContext:
         if served and (adapters or adapter is None):
             return None
         why = "does not exist" if not served else "is a LoRA adapter, which this route does not run"
+        loaded = sorted(self.lora.adapters) if adapters else []
+        also = f" and the LoRA adapters {', '.join(map(repr, loaded))}" if loaded else ""
         return error_response(
-            f"the model {model!r} {why}; this server serves {self.tm.model_name!r}",
+            f"the model {model!r} {why}; this server serves {self.tm.model_name!r}{also}",
             404,
             param="model",
             code="model_not_found",
