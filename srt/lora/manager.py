@@ -64,6 +64,7 @@ class LoRAManager:
         self.dtype = dtype
         self.device = device
         self.state = LoRAState()
+        self.layers: dict[str, LinearLoRA] = {}  # module name -> the update table of a Linear adapted
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slot_of: dict[str, int] = {}
         self.version = 0  # bumped by every change of the slot tables (caches of them key on it)
@@ -123,17 +124,16 @@ class LoRAManager:
             self.version += 1
 
     def _clear_slot(self, slot: int) -> None:
-        for m in self.model.modules():
-            lora = getattr(m, "lora", None)
-            if isinstance(lora, LinearLoRA):
-                lora.slots.pop(slot, None)
+        for lora in self.layers.values():
+            lora.slots.pop(slot, None)
 
     def _layer_lora(self, module: str) -> LinearLoRA:
-        layer = self.model.get_submodule(module)
-        assert isinstance(layer, Linear)
-        if layer.lora is None:
-            layer.lora = LinearLoRA(self.state)
-        return layer.lora
+        lora = self.layers.get(module)
+        if lora is None:
+            layer = self.model.get_submodule(module)
+            assert isinstance(layer, Linear)
+            lora = self.layers[module] = layer.lora = LinearLoRA(self.state)
+        return lora
 
     def prepare(self, forward_batch: ForwardBatch) -> None:
         """The step's rows per slot (``forward_batch.lora``; None when no row runs an adapter)."""
@@ -149,6 +149,7 @@ class LoRAManager:
         """Serve the same adapters and slots on ``model`` (new weights of the same shapes)."""
         self.model = model
         self.state = LoRAState()
+        self.layers = {}
         for name, slot in list(self.slot_of.items()):
             self.activate(slot, name)
 

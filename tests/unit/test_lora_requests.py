@@ -21,6 +21,7 @@ from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.errors import EngineDeadError, RequestError
+from tests.helpers.lora_fakes import fake_lora_reply
 
 SERVED = frozenset({"tiny", "default"})
 
@@ -39,17 +40,7 @@ class FakeScheduler:
         self.sent.append(req)
         if self.gate is not None:
             await self.gate.wait()
-        ok, message = True, ""
-        if isinstance(req, LoadLoRAAdapterReq):
-            if req.lora_path.startswith("/bad"):
-                ok, message = False, f"{req.lora_path}: no adapter_config.json"
-            else:
-                self.loaded[req.lora_name] = req.lora_path
-        elif req.lora_name in self.busy:
-            ok, message = False, f"{req.lora_name} is used by 1 request"
-        else:
-            self.loaded.pop(req.lora_name)
-        return LoRAAdapterReqOutput(success=ok, message=message, loaded_adapters=dict(self.loaded))
+        return fake_lora_reply(req, self.loaded, self.busy)
 
 
 def registry(busy: tuple[str, ...] = (), **adapters: str) -> tuple[LoRARegistry, FakeScheduler]:

@@ -14,6 +14,7 @@ from srt.entrypoints.http.app import create_app
 from srt.managers.io_struct import LoadLoRAAdapterReq, LoRAAdapterReqOutput
 from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.server_args import ServerArgs
+from tests.helpers.lora_fakes import fake_lora_reply
 
 ADMIN = "sk-admin"
 OUTPUT = {
@@ -50,17 +51,7 @@ class StubTM:
 
     async def send(self, req) -> LoRAAdapterReqOutput:
         self.sent.append(req)
-        ok, message = True, ""
-        if isinstance(req, LoadLoRAAdapterReq):
-            if req.lora_path.startswith("/bad"):
-                ok, message = False, "no adapter_config.json"
-            else:
-                self.loaded[req.lora_name] = req.lora_path
-        elif req.lora_name in self.busy:
-            ok, message = False, f"{req.lora_name} is used by 2 requests"
-        else:
-            self.loaded.pop(req.lora_name)
-        return LoRAAdapterReqOutput(success=ok, message=message, loaded_adapters=dict(self.loaded))
+        return fake_lora_reply(req, self.loaded, self.busy, users=2)
 
     async def prepare(self, obj, prefill_only=None):
         self.seen.append(obj)

@@ -116,11 +116,11 @@ def _lora_response(out: LoRAAdapterReqOutput, param: str) -> Response:
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, LoadLoRAAdapterRequest)
-    out = await ctx.tm.lora_registry.load(req.lora_name, req.lora_path, req.pinned)
+    out = await ctx.lora.load(req.lora_name, req.lora_path, req.pinned)
     return _lora_response(out, "lora_path")
 
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: Request, ctx: Ctx) -> Response:
     req = await parse_body(request, UnloadLoRAAdapterRequest)
-    return _lora_response(await ctx.tm.lora_registry.unload(req.lora_name), "lora_name")
+    return _lora_response(await ctx.lora.unload(req.lora_name), "lora_name")

@@ -1,9 +1,9 @@
 """Embedding and scoring routes: POST /v1/embeddings, /encode, /v1/rerank, /v1/score.
 
 Bodies are validated strictly (`serving.parse_body`); the /v1 routes check ``model`` against
-the served names (404 ``model_not_found``; a LoRA adapter too: these routes run the base model). Each request runs until the client disconnects
-(then it is aborted). The work is `srt.entrypoints.openai.serving_embedding` and
-`srt.entrypoints.openai.serving_score`.
+the served names (404 ``model_not_found``; a LoRA adapter too: these routes run the base model).
+Each request runs until the client disconnects (then it is aborted). The work is
+`srt.entrypoints.openai.serving_embedding` and `srt.entrypoints.openai.serving_score`.
 """
 
 from __future__ import annotations

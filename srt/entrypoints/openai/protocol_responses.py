@@ -18,10 +18,11 @@ srt keeps no state between requests, so a Responses request is served as one cha
                                         sets enable_thinking false); needs --reasoning-parser
 
 ``temperature``, ``top_p``, ``parallel_tool_calls``, ``stream`` and SGLang's sampling extras keep
-their names; ``lora_path`` and ``model`` select a LoRA adapter as on the chat route. ``model``, ``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` are
-echoed in the response (prefix caching is automatic). Every other field of OpenAI's request is in
-``REJECTED_FIELDS`` with the values srt can accept (the default, or "off"); any other value, and any
-field srt does not know, is a 400 naming it. Items echoing earlier outputs may carry bookkeeping
+their names; ``lora_path`` and ``model`` select a LoRA adapter as on the chat route. ``model``,
+``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` are echoed in the response
+(prefix caching is automatic). Every other field of OpenAI's request is in ``REJECTED_FIELDS`` with
+the values srt can accept (the default, or "off"); any other value, and any field srt does not know,
+is a 400 naming it. Items echoing earlier outputs may carry bookkeeping
 fields (``id``, ``status``, ``annotations``): they do not change the prompt and are not read.
 """
 

@@ -1,11 +1,11 @@
 """Merging the scheduler groups' replies to a control request into one (pure, no I/O).
 
 The data-parallel controller sends every control request (flush_cache, get_internal_state,
-profile, update weights, load / unload a LoRA adapter) to all N groups. Each group answers each request type in order, so the
-k-th reply of a type from group g belongs to the k-th request of that type: `ReplyMerger` keeps,
-per reply type, a FIFO of requests waiting for replies, fills each with one reply per group and
-releases merged replies in request order. The tokenizer manager then sees exactly one reply per
-request, as with a single scheduler.
+profile, update weights, load / unload a LoRA adapter) to all N groups. Each group answers each
+request type in order, so the k-th reply of a type from group g belongs to the k-th request of
+that type: `ReplyMerger` keeps, per reply type, a FIFO of requests waiting for replies, fills each
+with one reply per group and releases merged replies in request order. The tokenizer manager then
+sees exactly one reply per request, as with a single scheduler.
 
 Merged shapes:
     FlushCacheReqOutput / ProfileReqOutput / UpdateWeightsFromDiskReqOutput
