@@ -15,6 +15,9 @@ Example::
     python -m srt.bench_serving --backend srt --port 30000 --dataset-name random \\
         --num-prompts 64 --random-input-len 512 --random-output-len 256 \\
         --random-range-ratio 0.0625 --max-concurrency 8 --plot /tmp/c8.png
+
+``--dataset-name image``: SGLang's image dataset, for chat and /generate backends
+(srt/bench_serving_images.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from datetime import datetime, timezone
 import aiohttp
 import numpy as np
 
+from srt import bench_serving_images as images
 from srt.benchmark.backends import AIOHTTP_TIMEOUT, BACKENDS, RequestInput
 from srt.benchmark.datasets import DatasetRow, get_dataset
 from srt.benchmark.metrics import (
@@ -44,6 +48,7 @@ from srt.benchmark.metrics import (
 from srt.benchmark.tokenizer import load_tokenizer
 
 WARMUP_OUTPUT_LEN = 16
+DETAIL_FIELDS = ("success", "error", "prompt_len", "output_len", "ttft", "latency", "itl")  # --output-details
 
 _Send = Callable[[RequestInput], Awaitable[RequestOutput]]  # one request over the run's session
 
@@ -149,7 +154,7 @@ def _input_factory(
     """``make_input(row, output_len=None)``: the request of ``row`` (its own output length by default)."""
 
     def make_input(row: DatasetRow, output_len: int | None = None) -> RequestInput:
-        return RequestInput(
+        inp = RequestInput(
             prompt=row.prompt,
             prompt_len=row.prompt_len,
             output_len=output_len if output_len is not None else row.output_len,
@@ -160,12 +165,17 @@ def _input_factory(
             stream=stream,
             extra_body=dict(extra_body or {}),
         )
+        if isinstance(row, images.ImageRow):  # images in the body, as api_url's endpoint takes them
+            inp.prompt = images.add_images(inp.extra_body, row, api_url)
+        return inp
 
     return make_input
 
 
 def _unshared(row: DatasetRow, i: int) -> DatasetRow:
-    """``row`` with a different first token (token ids) or a prefix (text): no shared prefix."""
+    """``row`` with a different first token (token ids), first image or a prefix (text): no shared prefix."""
+    if isinstance(row, images.ImageRow):
+        return images.unshared_image_row(row, i)
     if row.prompt_ids:
         first = row.prompt_ids[0]
         ids = [first + 1 if first < max(row.prompt_ids) or first == 0 else first - 1, *row.prompt_ids[1:]]
@@ -260,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--dataset-name",
         default="random",
-        choices=["random", "random-ids", "sharegpt", "generated-shared-prefix", "jsonl"],
+        choices=["random", "random-ids", "sharegpt", "generated-shared-prefix", "jsonl", "image"],
     )
     a(
         "--dataset-path",
@@ -271,14 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-prompts", type=int, default=1000)
     a("--sharegpt-output-len", type=int, default=None, help="Fixed output length for sharegpt rows.")
     a("--sharegpt-context-len", type=int, default=None, help="Drop sharegpt rows longer than this.")
-    a("--random-input-len", type=int, default=1024)
-    a("--random-output-len", type=int, default=1024)
+    a("--random-input-len", type=int, default=1024, help="Longest prompt (random, random-ids, image).")
+    a("--random-output-len", type=int, default=1024, help="Longest output (random, random-ids, image).")
     a(
         "--random-range-ratio",
         type=float,
         default=0.0,
         help="Lengths are uniform in [max(1, int(L * ratio)), L].",
     )
+    images.add_image_args(a)
     a("--gsp-num-groups", type=int, default=64)
     a("--gsp-prompts-per-group", type=int, default=16)
     a("--gsp-system-prompt-len", type=int, default=2048)
@@ -308,30 +319,20 @@ def _json_line(args: argparse.Namespace, res: BenchResult, rows: Sequence[Datase
         **res.metrics.to_dict(),
         "errors": res.errors,
     }
+    if (summary := images.image_summary(rows)) is not None:
+        rec["images"] = summary
     if args.output_details:
-        rec["details"] = [
-            {
-                "success": o.success,
-                "error": o.error,
-                "prompt_len": o.prompt_len,
-                "output_len": o.output_len,
-                "ttft": o.ttft,
-                "latency": o.latency,
-                "itl": o.itl,
-            }
-            for o in res.outputs
-        ]
+        rec["details"] = [{k: getattr(o, k) for k in DETAIL_FIELDS} for o in res.outputs]
     return rec
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    extra = json.loads(args.extra_request_body) if args.extra_request_body else None
-    tokenizer = load_tokenizer(args.tokenizer)
-    rows = get_dataset(args, tokenizer, np.random.default_rng(args.seed))
-    if args.apply_chat_template:
-        for r in rows:
+def load_rows(args: argparse.Namespace, tokenizer) -> list[DatasetRow]:
+    """The workload of the parsed flags; with --apply-chat-template, text prompts wrapped in the
+    tokenizer's chat template (image rows render it themselves). Prints its size."""
+    load = images.image_workload if args.dataset_name == "image" else get_dataset  # (args, tokenizer, rng)
+    rows: list[DatasetRow] = load(args, tokenizer, np.random.default_rng(args.seed))
+    for r in rows if args.apply_chat_template else []:
+        if not isinstance(r, images.ImageRow):
             r.prompt = tokenizer.apply_chat_template(
                 [{"role": "user", "content": r.prompt}], tokenize=False, add_generation_prompt=True
             )
@@ -339,8 +340,17 @@ def main(argv: list[str] | None = None) -> int:
             r.prompt_ids = None
     print(
         f"#Requests: {len(rows)}  #Input tokens: {sum(r.prompt_len for r in rows)}  "
-        f"#Output tokens: {sum(r.output_len for r in rows)}"
+        f"#Output tokens: {sum(r.output_len for r in rows)}" + images.count_line(rows, args.image_content)
     )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    extra = json.loads(args.extra_request_body) if args.extra_request_body else None
+    tokenizer = load_tokenizer(args.tokenizer)
+    rows = load_rows(args, tokenizer)
     res = asyncio.run(
         benchmark(
             rows,
@@ -359,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=tokenizer,
         )
     )
-    print(format_result_block(res.metrics, args.backend, args.request_rate, args.max_concurrency))
+    block = format_result_block(res.metrics, args.backend, args.request_rate, args.max_concurrency)
+    print(images.add_image_section(block, rows, args.image_content))
     if res.errors:
         print(f"{res.metrics.failed} request(s) failed; first errors:")
         for e in res.errors:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from srt.configs.backends import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from srt.configs.cli_args import add_dataclass_cli_args
 from srt.configs.lora_args import LoRAArgs, arg_field, resolve_lora_args
+from srt.configs.mm_args import MultimodalArgs, resolve_mm_args
 from srt.configs.port_args import PortArgs
 from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server_args
 from srt.utils.errors import ConfigError
@@ -34,8 +35,9 @@ _f = arg_field
 
 
 @dataclass
-class ServerArgs(LoRAArgs):
-    # (the LoRA fields, --enable-lora ..., are LoRAArgs': srt/configs/lora_args.py)
+class ServerArgs(LoRAArgs, MultimodalArgs):
+    # (the LoRA fields, --enable-lora ..., are LoRAArgs': srt/configs/lora_args.py; the image
+    # input limits, --max-images-per-request ..., MultimodalArgs': srt/configs/mm_args.py)
     # ---- model ----
     model_path: str | None = _f(
         None,
@@ -366,6 +368,7 @@ class ServerArgs(LoRAArgs):
         a = dataclasses.replace(self)
         resolve_server_args(a)
         resolve_lora_args(a)
+        resolve_mm_args(a)
         return a
 
     @property

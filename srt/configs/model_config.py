@@ -170,12 +170,14 @@ class ModelConfig:
         if not archs:
             raise ConfigError(f"{self.model_path}: the config names no architecture ('architectures').")
         self.architecture: str = archs[0]
-        if not hasattr(cfg, "hidden_size") and hasattr(cfg, "text_config"):
+        # a vision-language model's decoder fields are in its text_config (the model class reads
+        # the whole config; its image side is srt/models/vision_*.py)
+        self.text_config = cfg.get_text_config() if hasattr(cfg, "text_config") else cfg
+        if not hasattr(self.text_config, "hidden_size"):
             raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is multimodal (its language model's fields are in "
-                "text_config); srt serves text-only models (e.g. Gemma3ForCausalLM, not "
-                "Gemma3ForConditionalGeneration)."
+                f"architecture {self.architecture!r}: the config has no decoder fields (hidden_size)."
             )
+        cfg = self.text_config
         self.hidden_size: int = cfg.hidden_size
         self.num_hidden_layers: int = cfg.num_hidden_layers
         self.num_attention_heads: int = cfg.num_attention_heads
@@ -215,7 +217,7 @@ class ModelConfig:
     def _resolve_context_len(self, context_length: int | None) -> int:
         derived = None
         for key in _CONTEXT_KEYS:
-            value = getattr(self.hf_config, key, None)
+            value = getattr(self.text_config, key, None)
             if isinstance(value, int) and value > 0:
                 derived = value
                 break
@@ -243,6 +245,8 @@ class ModelConfig:
                 with open(gen_path) as f:
                     ids += _as_id_list(json.load(f).get("eos_token_id"))
         ids += _as_id_list(getattr(self.hf_config, "eos_token_id", None))
+        if self.text_config is not self.hf_config:
+            ids += _as_id_list(getattr(self.text_config, "eos_token_id", None))
         if not ids and self.gguf_file is None:
             ids += _eos_from_tokenizer_files(self.model_path)
         return list(dict.fromkeys(ids))

@@ -42,6 +42,7 @@ from srt.configs.gguf_header import model_config_dict
 from srt.entrypoints.dp_launch import start_dp_groups
 from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
+from srt.managers.tokenizer.image_prompts import image_prompts
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
@@ -156,6 +157,7 @@ def launch_subprocesses(
         else:
             scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
         tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args, owns_process)
+        images = image_prompts(server_args, tokenizer)  # the model's image processor, if it takes images
         detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
         sup.start("detokenizer", detok_entry, (server_args, port_args))
         ready = sup.wait_ready()
@@ -163,7 +165,7 @@ def launch_subprocesses(
         launcher.shutdown()
         raise
     scheduler_info = {k: v for k, v in ready[scheduler_name].items() if k != "status"}
-    tm = TokenizerManager(server_args, port_args, scheduler_info, tokenizer)
+    tm = TokenizerManager(server_args, port_args, scheduler_info, tokenizer, images)
     tm.launcher = launcher
 
     def on_death(name: str, exitcode: int | None) -> None:

@@ -128,6 +128,11 @@ class ForwardBatch:
     label_token_ids: list[list[int]] | None = None
     # per sequence, the LoRA adapter slot it runs under (-1: the base model); None: none runs one
     lora_slots: list[int] | None = None
+    # images (srt/multimodal/req_images.py): the ImageSpans whose embedding rows replace the
+    # step's placeholder tokens (None: no image row in the step), and the M-RoPE positions
+    # [3, num_tokens] of a step with a Qwen2-VL image request (None: ``positions`` in all three)
+    image_spans: list[Any] | None = None
+    mrope_positions: torch.Tensor | None = None
 
     sampling_info: SamplingBatchInfo | None = None
 

@@ -34,6 +34,7 @@ from typing import Any, Union
 
 import msgspec
 
+from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -101,6 +102,8 @@ class TokenizedGenerateReqInput(_Msg):
     label_token_ids: list[int] = []
     # the LoRA adapter the request runs under (its name as loaded; "" the base model alone)
     lora_name: str = ""
+    # the prompt's images, preprocessed (srt/multimodal/inputs.py); None: text only
+    mm: MultimodalInputs | None = None
 
 
 class AbortReq(_Msg):

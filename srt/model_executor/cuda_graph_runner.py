@@ -308,13 +308,15 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """Whether ``forward_batch`` replays a graph: DECODE, 1 .. max captured sequences, no LoRA
-        adapter (the graphs hold the base model's kernels only)."""
+        adapter (the graphs hold the base model's kernels only), no M-RoPE positions (a Qwen2-VL
+        image request decodes at positions the captured ``positions`` buffer does not carry)."""
         fb = forward_batch
         return (
             bool(self.capture_bs)
             and fb.forward_mode.is_decode()
             and 0 < fb.batch_size <= self.capture_bs[-1]
             and fb.lora_slots is None
+            and fb.mrope_positions is None
         )
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

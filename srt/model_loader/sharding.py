@@ -204,7 +204,11 @@ def shard_model(model: nn.Module, tp: TPInfo) -> ShardPlan:
         elif isinstance(module, LogitsProcessor):
             module.shard_vocab([n for _, n in vocab_sizes(module.vocab_size, tp.size)], tp)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and id(module) not in covered:
+        if (
+            isinstance(module, Linear)
+            and id(module) not in covered
+            and not getattr(module, "replicated", False)
+        ):
             raise ConfigError(
                 f"tensor parallelism: do not know how to shard {name} ({type(module).__name__})"
             )

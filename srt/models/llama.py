@@ -202,10 +202,15 @@ class LlamaModel(nn.Module):
         self.native_decode: NativeDecodeLayers | None = None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
-        hidden_states = self.embed_tokens(input_ids)
+        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``; ``input_embeds``
+        (``[T, hidden]``, a vision-language model's text and image rows) replaces the lookup."""
+        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         # (the native stack takes a batch running LoRA adapters too, when their rows are in runs)
         if self.native_decode is not None and forward_batch.forward_mode.is_decode():
             out = self.native_decode.forward(hidden_states, positions, forward_batch)

@@ -33,12 +33,18 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # vision-language models (images in, text out; srt/models/vision_common.py)
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
 }
 
 # HF architectures srt knowingly does not serve -> why, and what to use instead
 _REFUSED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": (
-        "Gemma 3 with its vision tower (the 4B/12B/27B checkpoints) is not supported: srt serves "
+        "Gemma 3 with its vision tower (the multimodal 4B/12B/27B checkpoints) is not supported: its "
+        "image tokens attend to each other both ways, and srt's attention is causal only. srt serves "
         "the text-only Gemma3ForCausalLM (e.g. gemma-3-1b, or a text-only GGUF of a larger Gemma 3)."
     ),
 }

@@ -111,7 +111,7 @@ def test_informational_fields_are_accepted(client):
 
 @pytest.mark.parametrize(
     "field, value, code",
-    [("image_data", "cat.png", "unsupported_field"), ("max_tokens", 3, "unknown_field")],
+    [("video_data", ["cat.mp4"], "unsupported_field"), ("max_tokens", 3, "unknown_field")],
 )
 def test_generate_refuses_fields_it_cannot_honour(server, field, value, code):
     r = requests.post(server.url("/generate"), json={"text": "hi", field: value}, timeout=60)
@@ -123,3 +123,19 @@ def test_generate_refuses_fields_it_cannot_honour(server, field, value, code):
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_a_text_model_refuses_images(server):
+    """The default model takes no images: /generate's image_data and a chat image part are a 400
+    naming the cause (nothing is fetched)."""
+    r = requests.post(server.url("/generate"), json={"text": "hi", "image_data": "cat.png"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert (
+        "takes no image input" in r.json()["error"]["message"] and r.json()["error"]["param"] == "image_data"
+    )
+    part = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+    r = requests.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "takes no image input" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages[0].content[0].image_url"

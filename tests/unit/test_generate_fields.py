@@ -15,7 +15,6 @@ from srt.utils.errors import RequestError
 
 # a value of each field that asks for the feature
 ASKING = {
-    "image_data": "cat.png",
     "video_data": ["v.mp4"],
     "audio_data": "a.wav",
     "input_embeds": [[0.1, 0.2]],
@@ -78,7 +77,7 @@ def test_engine_generate_takes_the_same_keywords():
     assert "sampling_params" in params and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-@pytest.mark.parametrize("extra", [{"lora_id": "adapter"}, {"image_data": "cat.png"}, {"temprature": 0.5}])
+@pytest.mark.parametrize("extra", [{"lora_id": "adapter"}, {"video_data": ["v.mp4"]}, {"temprature": 0.5}])
 def test_engine_generate_raises_before_sending(extra):
     """The keywords are checked when the call is made, before the engine is involved."""
     engine = object.__new__(Engine)  # never started: a request reaching it would fail differently

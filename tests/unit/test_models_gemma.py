@@ -311,19 +311,21 @@ def test_gguf_config_rules_of_llama_cpp(tmp_path):
 
 # ---------------------------------------------------------------- refusals
 def test_multimodal_gemma3_is_refused_clearly(tmp_path):
-    """By the registry, and by ModelConfig before it reads fields the multimodal config keeps
-    in ``text_config``."""
+    """By the registry, naming the reason and the text-only class; ModelConfig reads the decoder's
+    fields from ``text_config`` (as for the vision-language models srt serves)."""
     from transformers import Gemma3Config
 
     from srt.models.registry import get_model_class
     from tests.helpers.tiny_gemma import tiny_gemma_config
 
-    with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="both ways.*Gemma3ForCausalLM"):
         get_model_class("Gemma3ForConditionalGeneration")
     text = tiny_gemma_config("gemma3").to_dict()
     Gemma3Config(text_config=text, architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(tmp_path)
+    cfg = ModelConfig(str(tmp_path))
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (text["hidden_size"], text["num_hidden_layers"])
     with pytest.raises(UnsupportedModelError, match="multimodal"):
-        ModelConfig(str(tmp_path))
+        get_model_class(cfg.architecture)
 
 
 @pytest.mark.parametrize(

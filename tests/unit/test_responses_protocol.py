@@ -103,8 +103,12 @@ def test_every_sdk_request_field_is_honoured_or_rejected_by_name():
         ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
             "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
+            "input[0].content[0].file_id",
         ),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),

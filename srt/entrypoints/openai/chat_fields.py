@@ -11,7 +11,7 @@
     parallel_tool_calls      false: at most one call comes back (see `first_call_only`)
 
 `chat_message_errors` refuses message fields srt cannot honour (an assistant ``refusal``, ``audio``
-or ``function_call``; content parts other than text; ``prompt_cache_breakpoint``) and
+or ``function_call``; content parts other than text and image_url; ``prompt_cache_breakpoint``) and
 `chat_route_errors` the fields whose meaning srt cannot keep on /v1/chat/completions (a
 ``strict`` function under ``tool_choice: "auto"``, whose arguments are not constrained there; a
 ``response_format.json_schema.description``, which srt does not show the model).
@@ -124,9 +124,16 @@ def chat_message_errors(messages: list[Any]) -> None:
             continue
         for j, part in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
+            if part.type == "image_url":
+                if part.image_url is None:
+                    raise RequestError(
+                        f"{where} is an image part without image_url", param=f"{where}.image_url"
+                    )
+                continue
             if part.type != "text":
                 raise RequestError(
-                    f"{where}.type {part.type!r} is not supported (text parts only)", param=f"{where}.type"
+                    f"{where}.type {part.type!r} is not supported (text and image_url parts only)",
+                    param=f"{where}.type",
                 )
             if part.text is None:
                 raise RequestError(f"{where} is a text part without text", param=f"{where}.text")

@@ -119,11 +119,18 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-class TextContentPart(_Model):
-    """A message content part: only text parts are taken (`chat_fields.chat_message_errors`)."""
+class ImageURL(_Model):
+    url: str  # a data: URI, an http(s) URL (srt/multimodal/image_io.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the size
+
+
+class ContentPart(_Model):
+    """A message content part: text, or an image for a vision-language model
+    (`chat_fields.chat_message_errors` refuses other types)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
     prompt_cache_breakpoint: Any = None  # refused when set
 
 
@@ -140,7 +147,7 @@ class ToolCallItem(_Model):
 
 class ChatMessage(_Model):
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers

@@ -150,22 +150,42 @@ def check_fields(req: ResponsesRequest) -> None:
                 raise _reject(f"reasoning.{name}", why if "summary" in name else "not supported")
 
 
-def _text_of(content: Any, where: str) -> str:
-    """The text of a message's content: a string, or text parts joined by newlines."""
+def _text_of(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """The text of a message's content: a string, or text parts joined by newlines; with
+    ``images`` (a message's content) and an ``input_image`` part, chat content parts instead."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _reject(f"{where}.content", "must be a string or a list of content parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            parts.append(_image_part(part, f"{where}.content[{j}]"))
+            continue
         if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise _reject(f"{where}.content[{j}].type", f"{kind!r} is not supported (text parts only)")
+            allowed = "text and input_image parts" if images else "text parts only"
+            raise _reject(f"{where}.content[{j}].type", f"{kind!r} is not supported ({allowed})")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise _reject(f"{where}.content[{j}]", "a text part needs its text")
-        texts.append(text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat ``image_url`` part of a Responses ``input_image`` part."""
+    if part.get("file_id") is not None:
+        raise _reject(f"{where}.file_id", "not supported by this server (send image_url)")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise _reject(f"{where}.image_url", "must be a string (a data: URI or an http(s) URL)")
+    image: dict[str, Any] = {"url": url}
+    if part.get("detail") is not None:
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -193,7 +213,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise _reject(f"{where}.role", f"{role!r} is not one of {', '.join(_ROLES)}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _text_of(item.get("content"), where, images=True)})
         elif kind == "function_call":
             call_id, name = _string(item, "call_id", where), _string(item, "name", where)
             names[call_id] = name

@@ -41,6 +41,7 @@ class OpenAIServing:
         names); ``prompt_and_logprobs`` the route's own fields (text or input_ids, logprobs).
         Streams always carry deltas."""
         sp, names = sampling
+        image_params = prompt_and_logprobs.pop("image_params", None)  # how the route names each image
         obj = GenerateReqInput(
             sampling_params=sp,
             rid=req.rid,
@@ -49,6 +50,7 @@ class OpenAIServing:
             timeout=req.timeout,
             **prompt_and_logprobs,
         )
+        obj.image_params = image_params
         return obj.serve_as(incremental_stream=True, add_special_tokens=add_special_tokens, param_names=names)
 
     def _body(

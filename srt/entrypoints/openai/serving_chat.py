@@ -141,7 +141,14 @@ def _history_message(m: Any) -> dict[str, Any]:
     """A request message as the chat template sees it (tool-call arguments as objects when they
     are JSON, as templates expect)."""
     content = m.content
-    if isinstance(content, list):
+    if isinstance(content, list) and any(part.type == "image_url" for part in content):
+        # the chat template of a vision-language model writes its image placeholder for an
+        # {"type": "image"} part; the images travel beside the prompt (chat_images)
+        content = [
+            {"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+            for part in content
+        ]
+    elif isinstance(content, list):
         content = "\n".join(part.text for part in content)
     msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
     if m.name:
@@ -160,6 +167,18 @@ def _history_message(m: Any) -> dict[str, Any]:
             )
         msg["tool_calls"] = calls
     return msg
+
+
+def chat_images(messages: list[Any]) -> tuple[list[str], list[str]]:
+    """The image URLs of the messages' image parts in prompt order, and how each is named."""
+    urls: list[str] = []
+    params: list[str] = []
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type == "image_url":
+                urls.append(part.image_url.url)
+                params.append(f"messages[{i}].content[{j}].image_url")
+    return urls, params
 
 
 def _token_entry(tokenizer: Any, lp: float, tid: int) -> dict[str, Any]:
@@ -237,6 +256,7 @@ class OpenAIServingChat(OpenAIServing):
                     param=f"messages[{i}].role",
                 )
         chat_message_errors(req.messages)
+        urls, image_params = self._images(req)
         apply_fn = getattr(self.tm.tokenizer, "apply_chat_template", None)
         options = template_options(req, apply_fn, self.reasoning_parser is not None, template_kwargs)
         messages = [_history_message(m) for m in req.messages]
@@ -278,7 +298,16 @@ class OpenAIServingChat(OpenAIServing):
             text=prompt,
             return_logprob=req.logprobs,
             top_logprobs_num=top,
+            image_data=urls or None,
+            image_params=image_params,
         )
+
+    def _images(self, req: ChatCompletionRequest) -> tuple[list[str], list[str]]:
+        """`chat_images` of the messages; `RequestError` when the model takes no images."""
+        urls, params = chat_images(req.messages)
+        if urls and not self.tm.takes_images:
+            raise RequestError(f"this model ({self.tm.model_name}) takes no image input", param=params[0])
+        return urls, params
 
     def build_response(self, req: ChatCompletionRequest, outputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._raise_aborts(outputs)

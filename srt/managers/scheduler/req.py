@@ -21,6 +21,11 @@ KV bookkeeping of a request (positions are token positions of ``origin_input_ids
                                                           current extend (prompt chunk so far,
                                                           or prompt + kept output after retraction)
 
+A request with images (``images``, srt/multimodal/req_images.py) keeps two prompts:
+``origin_input_ids``, the prefix-cache key in which each image span holds the image's pad id,
+and ``prompt_ids``, the token ids (sampling penalties, prompt logprobs and drafts read these;
+the model embeds them). Without images both are the same list.
+
 The prefix cache (``srt/mem_cache/base_prefix_cache.py``) reads ``origin_input_ids``,
 ``output_ids``, ``fill_ids``, ``req_pool_idx``, ``prefix_indices``, ``last_node`` and
 ``kv_committed_len``; ``cache_unfinished_req`` rewrites ``prefix_indices``/``last_node``,
@@ -38,6 +43,7 @@ import torch
 
 from srt.constrained.base import GrammarSpec
 from srt.managers.io_struct import FinishReason
+from srt.multimodal.req_images import ReqImages
 from srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -132,6 +138,8 @@ class Req:
         "pooled_out",
         "lora_name",
         "lora_slot",
+        "prompt_ids",
+        "images",
     )
 
     def __init__(
@@ -154,9 +162,12 @@ class Req:
         pooling: str = "",
         label_token_ids: list[int] | None = None,
         lora_name: str = "",
+        images: ReqImages | None = None,
     ) -> None:
         self.rid = rid
-        self.origin_input_ids = list(origin_input_ids)
+        self.images = images
+        self.prompt_ids = list(origin_input_ids)
+        self.origin_input_ids = images.key_ids(self.prompt_ids) if images is not None else self.prompt_ids
         self.sampling_params = sampling_params
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = sampling_params.min_new_tokens
@@ -280,6 +291,7 @@ class Req:
             pooling=msg.pooling,
             label_token_ids=msg.label_token_ids,
             lora_name=msg.lora_name,
+            images=ReqImages(msg.mm, n) if msg.mm is not None else None,
         )
 
     # ------------------------------------------------------------------ state machine
@@ -301,6 +313,8 @@ class Req:
     def mark_released(self) -> None:
         """The request holds no KV and no request slot any more and is done."""
         self.clear_kv_state()
+        if self.images is not None:
+            self.images.drop_embeddings()
         self.set_state(ReqStatus.FINISHED)
 
     def clear_kv_state(self) -> None:
@@ -316,6 +330,8 @@ class Req:
         recomputed as part of the prompt on re-admission."""
         self.set_state(ReqStatus.RETRACTED)
         self.clear_kv_state()
+        if self.images is not None:
+            self.images.drop_embeddings()  # recomputed when the prompt is prefilled again
         self.pooled_acc = None
         self.retract_count += 1
         self.overtaken = 0

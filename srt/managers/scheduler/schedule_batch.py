@@ -24,6 +24,7 @@ import torch
 from srt.layers.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.scheduler import pooling
 from srt.managers.scheduler.req import EMPTY_SLOTS, Req
+from srt.multimodal.req_images import batch_image_inputs
 from srt.utils.pages import page_ceil
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class VerifyRows:
                 params.append(r.sampling_params)
                 seeds.append(r.seed)
                 outputs.append(r.output_ids + d[:j] if j else r.output_ids)
-                prompts.append(r.origin_input_ids)
+                prompts.append(r.prompt_ids)
         return SamplingBatchInfo.from_reqs(params, seeds, outputs, prompts, vocab_size, device, eos_token_ids)
 
 
@@ -170,7 +171,7 @@ class ScheduleBatch:
             pool.write(r.req_pool_idx, p, out[off : off + n])
             r.kv_allocated_len = s
             off += n
-            input_ids.extend(r.fill_ids[p:s])
+            input_ids.extend(r.fill_ids[p:s] if r.images is None else r.images.model_ids(r.fill_ids[p:s]))
             extend_lens.append(n)
         return cls(
             forward_mode=ForwardMode.EXTEND,
@@ -287,8 +288,8 @@ class ScheduleBatch:
                 seq_len = self.prefix_lens[i] + self.extend_lens[i]
                 if i < self.num_extend_reqs and r.wants_input_logprobs:
                     starts.append(r.logprob_start_len)
-                    more = seq_len < len(r.origin_input_ids)
-                    next_ids.append(r.origin_input_ids[seq_len] if more else -1)
+                    more = seq_len < len(r.prompt_ids)
+                    next_ids.append(r.prompt_ids[seq_len] if more else -1)
                 else:
                     starts.append(seq_len)
                     next_ids.append(-1)
@@ -298,6 +299,8 @@ class ScheduleBatch:
             kw.update(pooling.forward_kwargs(reqs, self.num_extend_reqs))
         if any([r.lora_slot >= 0 for r in reqs]):
             kw["lora_slots"] = [r.lora_slot for r in reqs]
+        if any([r.images is not None for r in reqs]):
+            kw.update(batch_image_inputs(self, device))
         if self.forward_mode == ForwardMode.DECODE and self.positions_t is not None:
             fb = self._decode_forward_batch(device, kw)
         else:
@@ -375,7 +378,7 @@ class SamplingInfoCache:
             [r.sampling_params for r in reqs],
             [r.seed for r in reqs],
             [r.output_ids for r in reqs],
-            [r.origin_input_ids for r in reqs],
+            [r.prompt_ids for r in reqs],
             vocab_size,
             device,
             eos_token_ids,

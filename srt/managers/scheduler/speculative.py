@@ -118,7 +118,7 @@ class SpeculativeDecoder:
         k = min(st.budget, req.remaining_new_tokens - 1, self.max_positions - req.kv_allocated_len - 1)
         if k <= 0:
             return []
-        ids = st.index.sync(req.origin_input_ids, req.output_ids)
+        ids = st.index.sync(req.prompt_ids, req.output_ids)
         cfg = self.cfg
         d = st.index.draft(ids, k, cfg.min_match, cfg.max_match)
         if not d and self.store is not None:

@@ -20,7 +20,6 @@ from srt.utils.errors import RequestError
 # SGLang's GenerateReqInput fields srt cannot honour -> the values that mean "off" (accepted)
 UNSUPPORTED_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,),
-    "image_data": (None, []),
     "video_data": (None, []),
     "audio_data": (None, []),
     "use_audio_in_video": (None, False),

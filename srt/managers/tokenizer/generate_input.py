@@ -52,6 +52,10 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
     # the LoRA adapter (a loaded adapter's name; SGLang's field name) of every prompt, or one entry
     # per prompt; None: the base model
     lora_path: str | list[str | None] | None = None
+    # images (SGLang's shapes): one prompt's image or list of images; a batch's list with one
+    # entry (an image, a list of them, or null) per prompt. Each image: a data: URI, an http(s)
+    # URL, a base64 string (srt/multimodal/image_io.py)
+    image_data: str | list[Any] | None = None
 
     # ---- how the route serves it (not body fields; `serve_as` sets them on one instance)
     # streamed chunks hold only the new output (True) or the whole output so far (False); None:
@@ -142,6 +146,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
         pri = _per_prompt(self.priority, n, "priority", int)
         lora = self.lora_path
         loras = _per_prompt(lora if isinstance(lora, list) else [lora] * n, n, "lora_path", str)
+        images = _images_per_prompt(self.image_data, n, self.is_batch)
         out = []
         for i, p in enumerate(prompts):
             if tln[i] < 0:
@@ -157,6 +162,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
                     top_logprobs_num=tln[i],
                     priority=pri[i],
                     lora_path=loras[i],
+                    image_data=images[i][0] if images[i] else None,
+                    image_params=(getattr(self, "image_params", None) or images[i][1]) if images[i] else None,
                 )
             )
         return out
@@ -173,6 +180,37 @@ class SingleInput:
     top_logprobs_num: int
     priority: int | None = None
     lora_path: str | None = None  # a LoRA adapter's name (checked by the input processor)
+    image_data: list[Any] | None = None  # the prompt's images (srt/managers/tokenizer/image_prompts.py)
+    image_params: list[str] | None = None  # how the request names each image (errors)
+
+
+def _images_per_prompt(data: Any, n: int, batch: bool) -> list[tuple[list[Any], list[str]] | None]:
+    """Each prompt's images and how the request names each (None: no image) from SGLang's
+    ``image_data`` shapes."""
+    if data is None:
+        return [None] * n
+    if not batch:  # (one prompt's images are image_data[j], however given)
+        return [_images_of(data if isinstance(data, list) else [data], "image_data")]
+    if not isinstance(data, list) or len(data) != n:
+        raise RequestError(f"image_data must be a list with one entry per prompt ({n})", param="image_data")
+    return [_images_of(entry, f"image_data[{i}]") for i, entry in enumerate(data)]
+
+
+def _images_of(entry: Any, name: str) -> tuple[list[Any], list[str]] | None:
+    """One prompt's images (an image or a list of them) and their names; None for none."""
+    if entry is None or entry == []:
+        return None
+    images, names = (
+        (entry, [f"{name}[{j}]" for j in range(len(entry))]) if isinstance(entry, list) else ([entry], [name])
+    )
+    for im, where in zip(images, names):
+        if not isinstance(im, (str, bytes)) and type(im).__module__.split(".")[0] != "PIL":
+            raise RequestError(
+                f"{where} must be an image (a data: URI, a URL, base64; a PIL image in-process), "
+                f"got {type(im).__name__}",
+                param=where,
+            )
+    return images, names
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:

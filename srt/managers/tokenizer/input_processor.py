@@ -5,6 +5,7 @@
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
         --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
         --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
+        --ImagePrompts.expand----> images loaded and preprocessed, their placeholders expanded
         --normalize(bounds)------> max_new_tokens resolved for the prompt (`SamplingParams.normalize`)
         --check_prompt-----------> vocabulary, the fit rule (`srt.managers.request_fit`), logprob_start_len
         --fan-out----------------> TokenizedGenerateReqInput per output (+ the n > 1 warm-up)
@@ -36,8 +37,10 @@ from srt.constrained.registry import backend_class
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.request_fit import request_fit_error
 from srt.managers.tokenizer.generate_input import GenerateReqInput, SingleInput
+from srt.managers.tokenizer.image_prompts import ImagePrompts
 from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.tokenize_batcher import TokenizeBatcher
+from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import LengthBounds, SamplingParams, parse_sampling_params
 from srt.utils.errors import ContextLengthError, RequestError
 
@@ -95,6 +98,7 @@ class InputProcessor:
         enable_priority: bool = False,
         incremental_stream: bool = True,
         lora: LoRARegistry | None = None,
+        images: ImagePrompts | None = None,
     ) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
@@ -103,6 +107,7 @@ class InputProcessor:
         self.enable_priority = enable_priority  # --enable-priority-scheduling
         self.incremental_stream = incremental_stream  # --incremental-streaming-output
         self.lora = lora if lora is not None else LoRARegistry()  # the adapters a request may name
+        self.images = images  # None: image inputs are refused (no model behind this processor)
         self._batcher: TokenizeBatcher | None = None
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
@@ -127,19 +132,20 @@ class InputProcessor:
         for sp in params:
             self.check_grammar(sp)
         ids_list = await self._tokenize(singles, obj.add_special_tokens)
+        mms = await self._expand_images(singles, ids_list)
         reqs: list[tuple[TokenizedGenerateReqInput, str]] = []
         warmups: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
         deadline = now + timeout if timeout is not None else 0.0
         lim = self.limits
-        for s, sp, ids in zip(singles, params, ids_list):
+        for s, sp, (ids, mm) in zip(singles, params, mms):
             bounds = LengthBounds(len(ids), lim.context_len, lim.pool)
             sp.normalize(bounds, max_new_tokens_given="max_new_tokens" in s.sampling_params)
             self.check_prompt(s, sp, ids, names)
             if in_use(s.rid) or s.rid in seen:
                 raise RequestError(f"rid {s.rid!r} is already in use", param="rid")
             seen.add(s.rid)
-            self._fan_out(s, sp, ids, obj.stream, (now, deadline), reqs, warmups)
+            self._fan_out(s, sp, (ids, mm), obj.stream, (now, deadline), reqs, warmups)
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
 
@@ -169,6 +175,16 @@ class InputProcessor:
             encoded = await self._batcher.encode(texts, add_special_tokens)
         it = iter(encoded)
         return [list(s.input_ids) if s.input_ids is not None else next(it) for s in singles]
+
+    async def _expand_images(
+        self, singles: list[SingleInput], ids_list: list[list[int]]
+    ) -> list[tuple[list[int], MultimodalInputs | None]]:
+        if not any(s.image_data for s in singles) and (self.images is None or self.images.processor is None):
+            return [(ids, None) for ids in ids_list]  # (text only: no task per prompt)
+        if self.images is None:
+            raise RequestError("this server takes no image input", param="image_data")
+        jobs = [self.images.expand(ids, s.image_data, s.image_params) for s, ids in zip(singles, ids_list)]
+        return list(await asyncio.gather(*jobs))
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """The token ids of each text (POST /tokenize); `RequestError` without a tokenizer."""
@@ -216,14 +232,16 @@ class InputProcessor:
         self,
         s: SingleInput,
         sp: SamplingParams,
-        ids: list[int],
+        prompt: tuple[list[int], MultimodalInputs | None],
         stream: bool,
         times: tuple[float, float],
         reqs: list[tuple[TokenizedGenerateReqInput, str]],
         warmups: list[TokenizedGenerateReqInput],
     ) -> None:
         """Append the request(s) of one prompt: itself when ``n == 1``, else its n copies (and
-        the warm-up prefill they share). ``times``: (arrival_time, deadline)."""
+        the warm-up prefill they share). ``prompt``: (token ids, images); ``times``:
+        (arrival_time, deadline)."""
+        ids, mm = prompt
         base = TokenizedGenerateReqInput(
             rid=s.rid,
             input_ids=ids,
@@ -236,6 +254,7 @@ class InputProcessor:
             arrival_time=times[0],
             deadline=times[1],
             lora_name=s.lora_path or "",
+            mm=mm,
         )
         if sp.n == 1:
             reqs.append((base, s.rid))

@@ -20,13 +20,11 @@ The parts, each in its own module:
 
 `prepare` rejects a request before the scheduler sees it (`RequestError`, `ContextLengthError`,
 `QueueFullError`, `EngineDeadError`). `run` sends it and yields outputs; leaving it early (client
-disconnect = task cancellation, generator close) aborts every unfinished rid at once with an
-``AbortReq``. A request with a deadline is finished by the scheduler when it passes
-(`srt.managers.scheduler.deadlines`); ``run`` keeps a backstop timer that finishes it here with
-the same ``timeout`` reason when the scheduler has not reported it ``DEADLINE_GRACE_S`` later.
-`abort_all` (graceful drain) aborts every request in flight with a given reason. If a child
-process dies, `on_child_death` (called from the supervisor's thread) fails every in-flight
-request with `EngineDeadError` and refuses new ones.
+disconnect, generator close) aborts every unfinished rid with one ``AbortReq``. The scheduler
+finishes a request whose deadline passed (`srt.managers.scheduler.deadlines`); ``run``'s backstop
+timer does it here ``DEADLINE_GRACE_S`` later if it did not. `abort_all` (graceful drain) aborts
+everything in flight. If a child process dies, `on_child_death` (supervisor's thread) fails
+every in-flight request with `EngineDeadError` and refuses new ones.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from srt.managers.io_struct import (
     UpdateWeightsFromDiskReqOutput,
 )
 from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.image_prompts import ImagePrompts
 from srt.managers.tokenizer.input_processor import InputLimits, InputProcessor, PreparedRequest
 from srt.managers.tokenizer.ipc import TokenizerIPC
 from srt.managers.tokenizer.lora_registry import LoRARegistry
@@ -96,7 +95,12 @@ class TokenizerManager:
     """The serving front end of one engine (see the module docstring for its parts)."""
 
     def __init__(
-        self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any], tokenizer: Any
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        scheduler_info: dict[str, Any],
+        tokenizer: Any,
+        images: ImagePrompts | None = None,  # how prompts take images (None: they take none)
     ) -> None:
         self.server_args = server_args
         self.port_args = port_args
@@ -118,7 +122,9 @@ class TokenizerManager:
             enable_priority=server_args.enable_priority_scheduling,
             incremental_stream=server_args.incremental_streaming_output,
             lora=self.lora_registry,
+            images=images,
         )
+        self.takes_images = images is not None and images.processor is not None
         self.registry = ReqRegistry(self.metrics, server_args.max_queued_requests, server_args.log_requests)
         self.dead: EngineDeadError | None = None
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
@@ -148,12 +154,8 @@ class TokenizerManager:
 
     def on_child_death(self, name: str, exitcode: int | None) -> None:
         """A child process exited unexpectedly (called from any thread)."""
-        self.on_engine_dead(
-            EngineDeadError(
-                f"the {name} process died unexpectedly (exit code {exitcode}); in-flight requests are "
-                "failed and the engine is shutting down"
-            )
-        )
+        why = f"the {name} process died unexpectedly (exit code {exitcode}); in-flight requests are failed"
+        self.on_engine_dead(EngineDeadError(f"{why} and the engine is shutting down"))
 
     def on_engine_dead(self, error: EngineDeadError) -> None:
         """The engine cannot serve any more (a child died, or the hang watchdog fired; called
