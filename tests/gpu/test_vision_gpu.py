@@ -21,6 +21,7 @@ from srt.multimodal.processor import create_image_processor
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.helpers.hf_reference import assert_tokens_match
+from tests.helpers.scheduler_runs import drain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,17 +78,7 @@ def _run(device: str, path: str, **kw) -> dict[str, tuple[list[int], list[dict]]
     sched = Scheduler(args)
     for msg in _requests(path):
         sched.handle_message(msg)
-    out: dict[str, tuple[list[int], list[dict]]] = {}
-    for o in sched.run_until_idle():
-        for j, rid in enumerate(o.rids):
-            assert o.finished_reasons[j] is None or not o.finished_reasons[j].is_abort, o.finished_reasons[j]
-            ids, tops = out.setdefault(rid, ([], []))
-            ids.extend(o.output_ids[j])
-            tops.extend(dict(t) for t in o.output_top_logprobs[j])
-    sched.worker.shutdown()
-    del sched
-    torch.cuda.empty_cache()
-    return out
+    return drain(sched)
 
 
 @pytest.fixture(scope="module")

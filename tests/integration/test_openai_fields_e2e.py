@@ -131,7 +131,8 @@ def test_a_text_model_refuses_images(server):
     r = requests.post(server.url("/generate"), json={"text": "hi", "image_data": "cat.png"}, timeout=60)
     assert r.status_code == 400, r.text
     assert (
-        "takes no image input" in r.json()["error"]["message"] and r.json()["error"]["param"] == "image_data"
+        "takes no image input" in r.json()["error"]["message"]
+        and r.json()["error"]["param"] == "image_data[0]"
     )
     part = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}
     body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
