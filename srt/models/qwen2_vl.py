@@ -29,11 +29,6 @@ if TYPE_CHECKING:
     from srt.multimodal.req_images import ImageRun
 
 
-# images of at most this many patches attend through transformers' "eager" path (scores of 16
-# heads in float32: 256 MiB at 2,048 patches), larger ones through SDPA's flash kernel
-EAGER_PATCHES = 2048
-
-
 def _mrope_decoder_config(config: Any) -> tuple[Any, list[int]]:
     """The decoder config with a plain rope (the M-RoPE keys taken out) and ``mrope_section``."""
     text = decoder_config(config)
@@ -83,10 +78,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):
         device = self.vision_device()
         pixels = torch.cat([im.pixels() for im in images]).to(device=device, dtype=self.dtype)
         grid = torch.tensor([im.input.grid_thw for im in images], dtype=torch.int64, device=device)
-        # attention per image: plain matmuls + softmax beat CPU flash attention at these lengths
-        # (about 1.2x the tower on 1,024 patches), while the [heads, n, n] scores stay small
-        largest = max(im.input.grid_thw[0] * im.input.grid_thw[1] * im.input.grid_thw[2] for im in images)
-        self.visual.config._attn_implementation = "eager" if largest <= EAGER_PATCHES else "sdpa"
         with torch.no_grad():
             out = self.visual(pixels, grid_thw=grid)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
