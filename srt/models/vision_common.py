@@ -24,7 +24,7 @@ from srt.utils.errors import WeightLoadError
 
 def decoder_config(config: Any) -> Any:
     """A copy of the VLM config's ``text_config`` with what the decoder needs from the top level
-    (tied embeddings, the architecture name)."""
+    (whether the LM head is tied to the embedding)."""
     text = copy.deepcopy(config.get_text_config())
     tie = getattr(config, "tie_word_embeddings", None)
     if tie is not None:

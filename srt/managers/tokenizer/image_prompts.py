@@ -28,12 +28,9 @@ from srt.utils.model_path import resolve_model_path
 
 
 class ImagePrompts:
-    def __init__(
-        self, processor: ImagePromptProcessor | None, limits: ImageLimits, max_images: int, model: str
-    ) -> None:
+    def __init__(self, processor: ImagePromptProcessor | None, limits: ImageLimits, model: str) -> None:
         self.processor = processor  # None: the model takes no images
-        self.limits = limits
-        self.max_images = max_images  # --max-images-per-request
+        self.limits = limits  # what load_images checks, --max-images-per-request included
         self.model = model  # the architecture, for the refusal of a text-only model
 
     async def expand(
@@ -51,12 +48,6 @@ class ImagePrompts:
         names = list(params) if params else [f"image_data[{i}]" for i in range(len(image_data))]
         if self.processor is None:
             raise RequestError(f"this model ({self.model}) takes no image input", param=names[0])
-        if len(image_data) > self.max_images:
-            raise RequestError(
-                f"{len(image_data)} images in one prompt; this server takes at most {self.max_images} "
-                "(--max-images-per-request)",
-                param=names[-1],
-            )
         images = await load_images(list(image_data), self.limits, names)
         return await asyncio.to_thread(self._expand, ids, images, names)
 
@@ -82,7 +73,7 @@ def image_prompts(server_args: Any, tokenizer: Any) -> ImagePrompts:
         processor = create_image_processor(path, hf_config, tokenizer)
         _adopt_processor_template(path, tokenizer)
     limits = ImageLimits.from_args(server_args)
-    return ImagePrompts(processor, limits, server_args.max_images_per_request, arch)
+    return ImagePrompts(processor, limits, arch)
 
 
 def _adopt_processor_template(path: str, tokenizer: Any) -> None:
