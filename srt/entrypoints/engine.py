@@ -85,14 +85,16 @@ def generate_request(
     priority: int | list[int] | None = None,
     timeout: float | None = None,
     lora_path: str | list[str | None] | None = None,
+    image_data: Any = None,
     **unsupported: Any,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
     ``Engine.generate`` parameters, written here once (the two methods take exactly these).
     ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list with one entry per
-    prompt (None: the base model). SGLang's other parameters (``image_data``, ``lora_id`` ...)
-    raise `RequestError` naming them unless off (`srt.managers.tokenizer.generate_fields`), as do
-    unknown ones."""
+    prompt (None: the base model). ``image_data``: a prompt's image or images (a URL, data URI,
+    base64 string, bytes or a PIL image), or for a batch one entry per prompt (docs/vision.md).
+    SGLang's other parameters (``lora_id`` ...) raise `RequestError` naming them unless off
+    (`srt.managers.tokenizer.generate_fields`), as do unknown ones."""
     if unsupported:
         params = inspect.signature(generate_request).parameters.values()
         check_extra_fields(unsupported, [p.name for p in params if p.kind is not p.VAR_KEYWORD])
@@ -108,6 +110,7 @@ def generate_request(
         priority=priority,
         timeout=timeout,
         lora_path=lora_path,
+        image_data=image_data,
     )
 
 

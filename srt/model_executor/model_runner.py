@@ -42,7 +42,7 @@ from torch import nn
 
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPInfo, head_shard
-from srt.layers.attention.registry import create_attention_backend
+from srt.layers.attention.registry import check_backend_serves, create_attention_backend
 from srt.layers.forward_batch import ForwardBatch
 from srt.layers.linear_backend import LinearBackend, create_linear_backend
 from srt.layers.logits_processor import LogitsProcessorOutput
@@ -118,6 +118,7 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        check_backend_serves(self.model, self.attn_backend, server_args.attention_backend)
         logger.info(
             "Model loaded in %.1f s: %.1f MiB of weights (%s, quantization %s), process RSS %.1f MiB; "
             "attention %s, linear %s, %d threads",

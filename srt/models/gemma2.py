@@ -229,10 +229,19 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``; ``input_embeds``
+        (already scaled where they come from the embedding: a VLM's image rows are not) replace
+        the embedding lookup."""
+        if input_embeds is None:
+            hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        else:
+            hidden_states = input_embeds
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)

@@ -7,8 +7,8 @@
 * five sliding layers to one global (``layer_types``, else ``sliding_window_pattern``, default 6);
 * no soft-capping in released checkpoints (honoured when a config sets it).
 
-``Gemma3ForConditionalGeneration`` (the multimodal 4B/12B/27B checkpoints) is refused by the
-registry: srt serves the text-only ``Gemma3ForCausalLM``.
+``Gemma3ForConditionalGeneration`` (the multimodal 4B/12B/27B checkpoints) is this decoder with a
+vision tower: gemma3_vl.py.
 """
 
 from __future__ import annotations

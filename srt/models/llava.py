@@ -25,7 +25,12 @@ from torch import nn
 
 from srt.models.llama import LlamaForCausalLM, MistralForCausalLM
 from srt.models.qwen2 import Qwen2ForCausalLM
-from srt.models.vision_common import VisionLanguageMixin, decoder_config, use_srt_linears
+from srt.models.vision_common import (
+    VisionLanguageMixin,
+    decoder_config,
+    tower_level_names,
+    use_srt_linears,
+)
 from srt.multimodal.processor import anyres_grid, unpadded_shape
 from srt.utils.errors import UnsupportedModelError
 
@@ -82,18 +87,7 @@ class LlavaImages(VisionLanguageMixin):
         return list(self.tile_features(pixels).unbind(0))
 
     def _load_vision(self, tensors: dict[str, torch.Tensor]) -> None:
-        # the Hub's checkpoints name the tower's modules under ``vision_model.``, transformers 5
-        # writes (and builds) them without that level: take either into the module as built
-        level = "vision_tower.vision_model."
-        nested = any(k.startswith(level) for k in self.state_dict())
-        fixed = {}
-        for name, t in tensors.items():
-            if nested and name.startswith("vision_tower.") and not name.startswith(level):
-                name = level + name[len("vision_tower.") :]
-            elif not nested and name.startswith(level):
-                name = "vision_tower." + name[len(level) :]
-            fixed[name] = t
-        super()._load_vision(fixed)
+        super()._load_vision(tower_level_names(tensors, self.state_dict()))
 
 
 class LlavaNextImages(LlavaImages):

@@ -38,15 +38,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
-}
-
-# HF architectures srt knowingly does not serve -> why, and what to use instead
-_REFUSED: dict[str, str] = {
-    "Gemma3ForConditionalGeneration": (
-        "Gemma 3 with its vision tower (the multimodal 4B/12B/27B checkpoints) is not supported: its "
-        "image tokens attend to each other both ways, and srt's attention is causal only. srt serves "
-        "the text-only Gemma3ForCausalLM (e.g. gemma-3-1b, or a text-only GGUF of a larger Gemma 3)."
-    ),
+    "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
 }
 
 
@@ -65,8 +57,6 @@ def supported_architectures() -> list[str]:
 def get_model_class(architecture: str) -> ModelClass:
     """The srt model class for an HF ``architectures`` entry."""
     entry = _MODELS.get(architecture)
-    if architecture in _REFUSED:
-        raise UnsupportedModelError(f"architecture {architecture!r}: {_REFUSED[architecture]}")
     if entry is None:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}."

@@ -48,6 +48,22 @@ def use_srt_linears(tower: nn.Module, dtype: torch.dtype, linear_backend: Any) -
     return tower
 
 
+def tower_level_names(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Checkpoint names of a CLIP / SigLIP ``vision_tower`` as the module was built: the Hub's
+    checkpoints name its modules under ``vision_model.``, transformers 5 writes (and builds) some
+    towers without that level; either is taken into the module's ``state`` names."""
+    level = "vision_tower.vision_model."
+    nested = any(k.startswith(level) for k in state)
+    fixed = {}
+    for name, t in tensors.items():
+        if nested and name.startswith("vision_tower.") and not name.startswith(level):
+            name = level + name[len("vision_tower.") :]
+        elif not nested and name.startswith(level):
+            name = "vision_tower." + name[len(level) :]
+        fixed[name] = t
+    return fixed
+
+
 def merge_image_rows(
     hidden: torch.Tensor,
     spans: Sequence[ImageSpan],
@@ -93,6 +109,11 @@ class VisionLanguageMixin:
         """Each image's embedding rows ``[length, hidden]``."""
         raise NotImplementedError
 
+    def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's token embeddings, as the decoder would make them (image rows overwrite
+        theirs)."""
+        return self.model.embed_tokens(input_ids)
+
     def vision_device(self) -> torch.device:
         """Where the tower runs (its own weights': the decoder's embedding may be released once
         packed, srt/model_loader/loader.py)."""
@@ -104,7 +125,7 @@ class VisionLanguageMixin:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
         embeds = None
         if forward_batch.image_spans:
-            tokens = self.model.embed_tokens(input_ids)
+            tokens = self.embed_text(input_ids)
             embeds = merge_image_rows(tokens, forward_batch.image_spans, self.encode_images)
         positions = self.rope_positions(positions, forward_batch)
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds=embeds)

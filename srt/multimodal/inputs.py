@@ -8,6 +8,9 @@ where its rows go::
     input_ids   ... <start> P P P P P P <end> ...        P: the placeholder token, ``length`` times
                         offset ^                          (``ImageInput.offset`` .. offset + length)
 
+A Gemma 3 request marks its images ``bidirectional``: the decoder's attention lets an image's
+tokens see each other both ways (the rest stays causal), so chunked prefill never cuts an image.
+
 A Qwen2-VL request also carries its M-RoPE positions (three rows: time, height, width) for the
 whole prompt, and the delta that places generated tokens after them (srt/multimodal/mrope.py).
 """
@@ -47,6 +50,7 @@ class MultimodalInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_id: int  # the placeholder token every image span holds
     mrope_positions: bytes = b""  # int32 [3, len(input_ids)] (Qwen2-VL); empty: 1-D positions
     mrope_delta: int = 0  # a sequence position p past the prompt rotates as p + mrope_delta
+    bidirectional: bool = False  # each image's tokens attend to each other both ways (Gemma 3)
 
     def mrope_array(self, n: int) -> np.ndarray | None:
         if not self.mrope_positions:

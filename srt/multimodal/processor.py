@@ -11,6 +11,12 @@ model makes embedding rows of it:
     llava                 (crop / patch)**2, +1 with the "full" strategy on a CLS tower
     llava_next            the base crop's rows + the tiled grid's unpadded rows, one newline
                           row per grid row (the anyres packing of srt/models/llava.py)
+    gemma3                ``mm_tokens_per_image`` (256), between ``<start_of_image>`` (the
+                          prompt's placeholder) and ``<end_of_image>``, a blank line either side
+
+Gemma 3's processor in transformers expands its placeholder in the text, before tokenizing
+(``expand_text``, so a newline beside it merges as its tokenizer merges them); prompts given as
+ids are expanded here with the ids of ``"\n\n"``. Its images are ``bidirectional``.
 
 A family is chosen by the config's ``model_type``; `create_image_processor` returns None for a
 text-only model.
@@ -26,9 +32,9 @@ import numpy as np
 
 from srt.multimodal.inputs import ImageInput, MultimodalInputs
 from srt.multimodal.mrope import mrope_positions
-from srt.utils.errors import RequestError
+from srt.utils.errors import ConfigError, RequestError
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "gemma3")
 
 
 class ImagePromptProcessor:
@@ -45,6 +51,16 @@ class ImagePromptProcessor:
     def preprocess(self, image: Any) -> tuple[np.ndarray, int, dict[str, Any]]:
         """``(pixel tensor, embedding rows, extra ImageInput fields)`` of one RGB image."""
         raise NotImplementedError
+
+    def expand_text(self, text: str) -> str:
+        """A prompt's text before it is tokenized (Gemma 3 expands its placeholders here)."""
+        return text
+
+    def splice(self, ids: Sequence[int], pos: int, rows: int, out: list[int]) -> tuple[int, int]:
+        """Append the image tokens of the placeholder at ``ids[pos]`` to ``out``; returns the
+        offset of the image's rows in ``out`` and where the rest of ``ids`` resumes."""
+        out.extend([self.token_id] * rows)
+        return len(out) - rows, pos + 1
 
     def _run(self, image: Any) -> dict[str, Any]:
         try:
@@ -76,9 +92,8 @@ class ImagePromptProcessor:
                     str(e), param=params[k] if k < len(params) else f"image_data[{k}]"
                 ) from None
             out.extend(ids[prev:pos])
-            items.append(ImageInput.of_array(pixels, offset=len(out), length=rows, hash=h, **extra))
-            out.extend([self.token_id] * rows)
-            prev = pos + 1
+            offset, prev = self.splice(ids, pos, rows, out)
+            items.append(ImageInput.of_array(pixels, offset=offset, length=rows, hash=h, **extra))
         out.extend(ids[prev:])
         return out, self.finish(out, items)
 
@@ -133,6 +148,45 @@ class LlavaNextProcessor(LlavaProcessor):
         return pixels, base + h * w + h, {"image_size": [height, width]}
 
 
+class Gemma3Processor(ImagePromptProcessor):
+    def __init__(self, model_path: str, hf_config: Any, tokenizer: Any) -> None:
+        super().__init__(model_path, hf_config, tokenizer)
+        if getattr(self.image_processor, "do_pan_and_scan", False):
+            raise ConfigError("Gemma 3 with do_pan_and_scan (images cut into crops) is not supported")
+        self.soft_id = self.token_id  # the rows' token; the prompt names an image by boi
+        self.boi, self.eoi = int(hf_config.boi_token_index), int(hf_config.eoi_token_index)
+        self.rows = int(hf_config.mm_tokens_per_image)
+        self.token_id = self.boi
+        self.newlines: list[int] = []
+        self.full_text = ""
+        if tokenizer is not None:
+            boi, soft, eoi = tokenizer.convert_ids_to_tokens([self.boi, self.soft_id, self.eoi])
+            self.placeholder = boi
+            self.newlines = list(tokenizer.encode("\n\n", add_special_tokens=False))
+            self.full_text = f"\n\n{boi}{soft * self.rows}{eoi}\n\n"
+
+    def preprocess(self, image: Any) -> tuple[np.ndarray, int, dict[str, Any]]:
+        pixels = self._run(image)["pixel_values"].astype(np.float32)  # [1, 3, S, S]
+        return pixels[0], self.rows, {}
+
+    def expand_text(self, text: str) -> str:
+        return text.replace(self.placeholder, self.full_text) if self.full_text else text
+
+    def splice(self, ids: Sequence[int], pos: int, rows: int, out: list[int]) -> tuple[int, int]:
+        end = pos + 1 + rows
+        if list(ids[pos + 1 : end]) == [self.soft_id] * rows and end < len(ids) and ids[end] == self.eoi:
+            start = len(out) + 1
+            out.extend(ids[pos : end + 1])  # expanded in the text already
+            return start, end + 1
+        out.extend([*self.newlines, self.boi])
+        start = len(out)
+        out.extend([self.soft_id] * rows + [self.eoi] + self.newlines)
+        return start, pos + 1
+
+    def finish(self, ids: list[int], items: list[ImageInput]) -> MultimodalInputs:
+        return MultimodalInputs(images=items, token_id=self.soft_id, bidirectional=True)
+
+
 def anyres_grid(size: tuple[int, int], pinpoints: Sequence[Sequence[int]], tile: int) -> tuple[int, int]:
     """The (rows, cols) of tiles LLaVA-NeXT cuts an image of ``size`` (height, width) into: the
     pinpoint resolution that keeps the most of its pixels at the smallest waste."""
@@ -171,6 +225,7 @@ _FAMILIES = {
     "qwen2_5_vl": QwenVLProcessor,
     "llava": LlavaProcessor,
     "llava_next": LlavaNextProcessor,
+    "gemma3": Gemma3Processor,
 }
 
 

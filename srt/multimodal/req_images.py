@@ -11,7 +11,10 @@ token id is negative, so a pad never matches text either)::
 The model embeds the real ids and overwrites each span's rows with the image's embedding rows
 (`ImageSpan`: rows ``src .. src + n`` of the image go to the step's token ``row``); an extend that
 covers part of a span (chunked prefill, or a cached prefix that ends inside it) takes the rows
-of that part, so one image may be split across chunks. The embedding is computed once, at the
+of that part, so one image may be split across chunks, unless the model attends within an image
+both ways (``bidirectional``, Gemma 3): then a chunk ends before or after an image, never inside
+(``whole_spans``; a cached prefix may still end inside one, its rows were computed whole). The
+embedding is computed once, at the
 first step that needs it, kept on the `ImageRun` until the step that consumes its last row, and
 recomputed only if the request is retracted and prefills again.
 """
@@ -36,10 +39,11 @@ def pad_id(content_hash: int) -> int:
 class ImageRun:
     """One image of a request: its input, its span, its embedding while it is needed."""
 
-    __slots__ = ("input", "offset", "length", "pad", "embedding")
+    __slots__ = ("input", "offset", "length", "pad", "embedding", "bidirectional")
 
-    def __init__(self, image: ImageInput) -> None:
+    def __init__(self, image: ImageInput, bidirectional: bool = False) -> None:
         self.input = image
+        self.bidirectional = bidirectional  # its tokens attend to each other both ways
         self.offset = image.offset
         self.length = image.length
         self.pad = pad_id(image.hash)
@@ -68,7 +72,7 @@ class ReqImages:
     __slots__ = ("images", "token_id", "mrope", "mrope_delta")
 
     def __init__(self, mm: MultimodalInputs, prompt_len: int) -> None:
-        self.images = [ImageRun(im) for im in mm.images]
+        self.images = [ImageRun(im, mm.bidirectional) for im in mm.images]
         self.token_id = mm.token_id
         arr = mm.mrope_array(prompt_len)
         self.mrope: torch.Tensor | None = None if arr is None else torch.from_numpy(arr.astype(np.int64))
@@ -80,6 +84,11 @@ class ReqImages:
         for im in self.images:
             out[im.offset : im.end] = [im.pad] * im.length
         return out
+
+    def whole_spans(self) -> list[tuple[int, int]]:
+        """The ``(start, end)`` sequence positions a prefill chunk may not cut (bidirectional
+        images), in order; empty when chunks may split images."""
+        return [(im.offset, im.end) for im in self.images if im.bidirectional]
 
     def model_ids(self, ids: list[int]) -> list[int]:
         """Key ids back to token ids (pads -> the placeholder token)."""

@@ -16,15 +16,29 @@ preprocessor_config.json (small images) and chat_template.jinja. Kinds (``VLM_KI
                 with strategy "default", 37 with "full"), feature layer -2, Llama text model
     llava_next  LlavaNextForConditionalGeneration: CLIP tower 56/14, grid pinpoints
                 56x56 .. 112x112 (anyres: base 16 tokens + the unpadded grid and its newlines)
+    gemma3      Gemma3ForConditionalGeneration: SigLIP tower 64/8 (8x8 patches, no head), the
+                projector's 2x2 average pool -> mm_tokens_per_image 16; Gemma 3 text model
+                (head_dim 16, query_pre_attn_scalar 16, layer 0 sliding window 24, layer 1 full,
+                tied embeddings scaled by sqrt(64)); every image squashed to 64x64 (no pan and
+                scan); tokens <start_of_image> (boi) / <image_soft_token> / <end_of_image> (eoi),
+                named on the tokenizer as Gemma3Processor wants them
 
 The text model is tiny (hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128; vocab =
 len(tokenizer); bos 1 / eos 2 as in SmolLM2). Weights are ``tiny_models.randomize_``'s O(1)
 draws, plus norm weights around 1 and convolutions scaled by their real fan-in, so the image
-features reach the logits and two images give different greedy continuations.
+features reach the logits and two images give different greedy continuations (Gemma 3's norms
+and projector are tuned further: ``randomize_vlm_``).
 
 The image placeholder is one token per image in a prompt (``placeholder_token(kind)``:
-``<|image_pad|>`` for Qwen, ``<image>`` for LLaVA); ``expand_count`` says how many copies
-each image takes and ``hf_vlm_greedy`` / ``hf_vlm_logits`` expand it and run transformers.
+``<|image_pad|>`` for Qwen, ``<image>`` for LLaVA, ``<start_of_image>`` for Gemma 3);
+``expand_count`` says how many copies (Gemma 3: soft tokens) each image takes and
+``hf_vlm_greedy`` / ``hf_vlm_logits`` expand it and run transformers. Gemma 3 expands each
+``<start_of_image>`` to "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n":
+transformers' ``Gemma3Processor`` does it on the text before tokenizing (``hf_text_inputs`` /
+``hf_text_greedy``), ``expand_prompt`` on token ids; the two differ where SmolLM2's BPE merges
+the "\n\n" with its neighbours (a chat prompt's "<end_of_image>\n\nWhich" or "user\n\n\n").
+Gemma 3's references pass ``token_type_ids`` (1 on the soft tokens), so transformers attends
+both ways within each image.
 """
 
 from __future__ import annotations
@@ -41,10 +55,11 @@ import torch
 
 from tests.helpers.tiny_models import randomize_
 
-VLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next")
+VLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "gemma3")
 
 QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 LLAVA_TOKEN = "<image>"
+GEMMA_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")  # boi, image (soft), eoi
 DEFAULT_SIZES = ((100, 80), (64, 96), (120, 120))  # PIL (width, height)
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -55,6 +70,14 @@ _CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 _QWEN_MIN_PIXELS = 28 * 28 * 16
 _QWEN_MAX_PIXELS = 28 * 28 * 64
 _NEXT_PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112]]
+# Gemma 3: head_dim 16 (query_pre_attn_scalar 16: scores scaled by 1/4), layer 0 sliding (a window
+# of 24 tokens: each token sees itself and the 23 before it), layer 1 full; rope at the defaults
+# (theta 10^6 full, 10^4 sliding); SigLIP 64/8 (8x8 patches) average-pooled 2x2 to 16 tokens
+_GEMMA_TEXT = dict(_TEXT, head_dim=16, query_pre_attn_scalar=16, sliding_window=24, pad_token_id=2)
+_GEMMA_TEXT.update(layer_types=["sliding_attention", "full_attention"])
+_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+_SIGLIP.update(image_size=64, patch_size=8, vision_use_head=False)
+_GEMMA_MM_TOKENS = 16
 
 # ChatML; a message's content is a string or a list of {"type": "text", "text"} /
 # {"type": "image" | "image_url"} parts (written for trim_blocks / lstrip_blocks: all output
@@ -88,6 +111,22 @@ LLAVA_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}"
 )
 
+# Gemma style turns ("<start_of_turn>user\n...<end_of_turn>\n", the assistant's role is "model");
+# an image part is "<start_of_image>", which the processor expands (``GEMMA_TOKENS``)
+GEMMA_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ['image', 'image_url'] %}{{- '<start_of_image>' }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
 
 def _check_kind(kind: str) -> None:
     if kind not in VLM_KINDS:
@@ -95,13 +134,18 @@ def _check_kind(kind: str) -> None:
 
 
 def placeholder_token(kind: str) -> str:
-    """The one token a prompt holds per image (expanded to ``expand_count`` copies)."""
+    """The one token a prompt holds per image (expanded to ``expand_count`` copies; Gemma 3's
+    ``<start_of_image>`` to its soft tokens wrapped in text, see ``expand_prompt``)."""
     _check_kind(kind)
+    if kind == "gemma3":
+        return GEMMA_TOKENS[0]
     return QWEN_TOKENS[1] if kind.startswith("qwen") else LLAVA_TOKEN
 
 
 def image_special_tokens(kind: str) -> tuple[str, ...]:
     _check_kind(kind)
+    if kind == "gemma3":
+        return GEMMA_TOKENS
     return QWEN_TOKENS if kind.startswith("qwen") else (LLAVA_TOKEN,)
 
 
@@ -115,10 +159,19 @@ def _base_tokenizer():
 
 def vlm_tokenizer(kind: str):
     """SmolLM2's tokenizer with ``kind``'s image tokens added as special tokens (new ids at the
-    end: 49152, ...) and ``kind``'s chat template."""
+    end: 49152, ...) and ``kind``'s chat template. Gemma 3's are also named (``boi_token``,
+    ``image_token``, ``eoi_token`` and their ``*_id``s, as ``Gemma3Processor`` reads them): saved
+    as top-level keys of tokenizer_config.json, which ``AutoTokenizer`` loads back as named tokens."""
     tok = copy.deepcopy(_base_tokenizer())
     tok.add_special_tokens({"additional_special_tokens": list(image_special_tokens(kind))})
-    tok.chat_template = QWEN_CHAT_TEMPLATE if kind.startswith("qwen") else LLAVA_CHAT_TEMPLATE
+    if kind == "gemma3":
+        boi, image, eoi = GEMMA_TOKENS
+        # transformers 5's hook for named model-specific special tokens (what loading a
+        # tokenizer_config.json with "boi_token" ... calls); add_special_tokens takes only the standard names
+        tok._set_model_specific_special_tokens({"boi_token": boi, "image_token": image, "eoi_token": eoi})
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    else:
+        tok.chat_template = QWEN_CHAT_TEMPLATE if kind.startswith("qwen") else LLAVA_CHAT_TEMPLATE
     return tok
 
 
@@ -151,6 +204,19 @@ def tiny_vlm_config(kind: str, tokenizer, **overrides):
             )
         vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
         fields = dict(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    elif kind == "gemma3":
+        from transformers import Gemma3Config as cls
+        from transformers import Gemma3TextConfig, SiglipVisionConfig
+
+        boi, image, eoi = tokenizer.convert_tokens_to_ids(list(GEMMA_TOKENS))
+        fields = dict(
+            text_config=Gemma3TextConfig(**dict(_GEMMA_TEXT, vocab_size=len(tokenizer))),
+            vision_config=SiglipVisionConfig(**_SIGLIP),
+            mm_tokens_per_image=_GEMMA_MM_TOKENS,
+            boi_token_index=boi,
+            image_token_index=image,
+            eoi_token_index=eoi,
+        )  # tie_word_embeddings: Gemma 3's default (True: lm_head is embed_tokens)
     else:
         from transformers import CLIPVisionConfig, LlamaConfig
 
@@ -190,6 +256,11 @@ def tiny_image_processor(kind: str):
         return Qwen2VLImageProcessorPil(
             min_pixels=_QWEN_MIN_PIXELS, max_pixels=_QWEN_MAX_PIXELS, patch_size=14, merge_size=2
         )
+    if kind == "gemma3":  # every image squashed to 64x64 (no pan and scan crops)
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = _SIGLIP["image_size"]
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side}, do_pan_and_scan=False)
     side = 84 if kind == "llava" else 56
     square = dict(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     if kind == "llava":
@@ -202,23 +273,63 @@ def tiny_image_processor(kind: str):
 
 
 # ---------------------------------------------------------------- weights and folder
+# Gemma 3's RMSNorm gains (the (1 + w) it multiplies by) by module name suffix; the rest ~ 1
+_GEMMA_NORM_GAINS = {
+    "post_attention_layernorm": 16.0,
+    "post_feedforward_layernorm": 32.0,
+    "q_norm": 3.0,
+    "k_norm": 3.0,
+    "language_model.norm": 4.0,
+}
+
+
+def _gemma_norm_gain(name: str) -> float:
+    return next((g for suffix, g in _GEMMA_NORM_GAINS.items() if name.endswith(suffix)), 1.0)
+
+
 def randomize_vlm_(model: torch.nn.Module, seed: int) -> None:
     """``randomize_``'s O(1) draws, then every norm weight ~ 1 + 0.2 N(0, 1) (the vision towers'
     ``norm1`` / ``ln_q`` / ``layer_norm1`` escape randomize_'s name rule) and every convolution
-    scaled by its real fan-in (in_channels x kernel), not just the kernel's last side."""
+    scaled by its real fan-in (in_channels x kernel), not just the kernel's last side.
+
+    Gemma 3 (tied embeddings; text embeddings scaled by sqrt(hidden) = 8) is tuned, since plain
+    O(1) draws make every greedy continuation one token repeated (the tied ``lm_head`` reads the
+    current token's own 8x embedding back out of the residual stream) and hide the image:
+
+    - its RMSNorms multiply by (1 + w), so w is drawn as gain * (1 + 0.2 N(0, 1)) - 1, the gain
+      (``_GEMMA_NORM_GAINS``) 16 after attention and 32 after the MLP (the sublayers outweigh the
+      token's own embedding, so the next token depends on the context and varies), 3 on the
+      queries and keys (sharper attention: it picks out image tokens and follows the new token),
+      4 on the final norm (logits ~4x: top-2 margins ~4x wider), 1 elsewhere (the soft-embedding norm);
+    - ``mm_input_projection_weight`` (a bare [vision hidden, text hidden] Parameter: randomize_
+      divides by the wrong side) ~ N(0, 1) * sqrt(text hidden / vision hidden), so the image soft
+      embeddings are as large as the scaled text embeddings.
+
+    With them (seed 0) 16-token continuations rarely repeat a token, two images give two
+    continuations, dropping ``token_type_ids`` (the bidirectional attention within an image)
+    changes transformers' logits and mostly its greedy tokens, and the top-2 logit margins along
+    the greedy continuations stay well above 1e-3 (tests/unit/test_tiny_vlm.py)."""
     randomize_(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
+    gemma = getattr(model.config, "model_type", None) == "gemma3"
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.nn.Parameter):
                 continue
             if "Norm" in type(module).__name__:
                 noise = torch.randn(weight.shape, generator=gen)
-                weight.copy_(1.0 + 0.2 * noise)
+                if gemma and type(module).__name__ == "Gemma3RMSNorm":
+                    weight.copy_(_gemma_norm_gain(name) * (1.0 + 0.2 * noise) - 1.0)
+                else:
+                    weight.copy_(1.0 + 0.2 * noise)
             elif isinstance(module, torch.nn.modules.conv._ConvNd):
                 fan_in = math.prod(weight.shape[1:])
                 weight.copy_(torch.randn(weight.shape, generator=gen) / math.sqrt(fan_in))
+        if gemma:
+            proj = model.model.multi_modal_projector.mm_input_projection_weight
+            vision_hidden, text_hidden = proj.shape
+            proj.copy_(torch.randn(proj.shape, generator=gen) * math.sqrt(text_hidden / vision_hidden))
 
 
 def build_tiny_vlm(kind: str, seed: int = 0, tokenizer=None, **overrides):
@@ -235,7 +346,9 @@ def build_tiny_vlm(kind: str, seed: int = 0, tokenizer=None, **overrides):
 
 def save_tiny_vlm(kind: str, path: str | os.PathLike, seed: int = 0, **overrides) -> str:
     """Write the HF folder of a tiny ``kind`` VLM (module docstring) at ``path``; returns the path.
-    ``overrides`` set top-level config fields (``vision_feature_select_strategy="full"``, ...)."""
+    ``overrides`` set top-level config fields (``vision_feature_select_strategy="full"``, ...).
+    Gemma 3's also holds processor_config.json (image_seq_length = mm_tokens_per_image), as real
+    checkpoints do, so ``AutoProcessor`` builds the right ``Gemma3Processor``."""
     path = str(path)
     tokenizer = vlm_tokenizer(kind)
     model = build_tiny_vlm(kind, seed, tokenizer=tokenizer, **overrides)
@@ -247,6 +360,9 @@ def save_tiny_vlm(kind: str, path: str | os.PathLike, seed: int = 0, **overrides
         pre = json.loads(cfg_path.read_text())
         pre.update(min_pixels=_QWEN_MIN_PIXELS, max_pixels=_QWEN_MAX_PIXELS)
         cfg_path.write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
+    if kind == "gemma3":  # else AutoProcessor's Gemma3Processor expands an image to 256 soft tokens
+        proc = {"image_seq_length": model.config.mm_tokens_per_image, "processor_class": "Gemma3Processor"}
+        (Path(path) / "processor_config.json").write_text(json.dumps(proc, indent=2) + "\n")
     return path
 
 
@@ -319,22 +435,54 @@ def expand_count(path: str | os.PathLike, images) -> list[int]:
         vc = config.vision_config
         n = (vc.image_size // vc.patch_size) ** 2
         return [n + (config.vision_feature_select_strategy == "full")] * len(images)
+    if kind == "gemma3":  # soft tokens only (the "\n\n" + boi ... eoi + "\n\n" around them aside)
+        return [config.mm_tokens_per_image] * len(images)
     return _next_counts(path, config, proc, images)
 
 
+@cache
+def _double_newline_ids(path: str, _mtime_ns: int) -> tuple[int, ...]:
+    from transformers import AutoTokenizer
+
+    return tuple(AutoTokenizer.from_pretrained(path).encode("\n\n", add_special_tokens=False))
+
+
+def _gemma_wrap(path: str) -> tuple[list[int], list[int]]:
+    """The ids Gemma 3 puts before and after an image's soft tokens, in place of its
+    ``<start_of_image>``: ids("\n\n") + [boi] and [eoi] + ids("\n\n")."""
+    config = load_config(path)
+    nl = _double_newline_ids(path, (Path(path) / "tokenizer.json").stat().st_mtime_ns)
+    return [*nl, config.boi_token_id], [config.eoi_token_id, *nl]
+
+
 def expand_prompt(path: str | os.PathLike, prompt_ids: list[int], images) -> list[int]:
-    """``prompt_ids`` with its k-th placeholder token repeated ``expand_count(...)[k]`` times."""
-    config = load_config(str(path))
-    token = config.image_token_id
+    """``prompt_ids`` with its k-th placeholder token repeated ``expand_count(...)[k]`` times.
+
+    Gemma 3 (placeholder ``<start_of_image>``): each boi id becomes ids("\n\n") + [boi] +
+    [image soft token] * mm_tokens_per_image + [eoi] + ids("\n\n") (ids: the tokenizer's
+    ``encode(..., add_special_tokens=False)``), the id-level form of ``Gemma3Processor``'s text
+    expansion. It equals the processor's ids only where the text around the image tokenizes the
+    same with the "\n\n"s glued on (SmolLM2's BPE: "\n\nWhat" is ids("\n") * 2 + ids("What"),
+    not ids("\n\n") + ids("What")); ``hf_text_inputs`` gives the processor's own."""
+    path = str(path)
+    config = load_config(path)
+    gemma = _folder_kind(path) == "gemma3"
+    token = config.boi_token_id if gemma else config.image_token_id
     counts = expand_count(path, images)
     if sum(t == token for t in prompt_ids) != len(counts):
         raise ValueError(
             f"prompt has {sum(t == token for t in prompt_ids)} image tokens for {len(counts)} images"
         )
+    before, after = _gemma_wrap(path) if gemma else ([], [])
     out: list[int] = []
     it = iter(counts)
     for t in prompt_ids:
-        out.extend([t] * next(it) if t == token else [t])
+        if t != token:
+            out.append(t)
+        elif gemma:
+            out += [*before, *[config.image_token_id] * next(it), *after]
+        else:
+            out += [t] * next(it)
     return out
 
 
@@ -352,28 +500,53 @@ def _load_model_cached(path: str, _mtime_ns: int, _size: int):
 
 
 def hf_vlm_inputs(path: str | os.PathLike, prompt_ids: list[int], images) -> dict:
-    """The keyword inputs of the folder's transformers model for one prompt (batch 1)."""
+    """The keyword inputs of the folder's transformers model for one prompt (batch 1). Gemma 3's
+    carry ``token_type_ids`` (1 on the image soft tokens, 0 elsewhere): with them transformers
+    lets each image's soft tokens attend to each other both ways (without, it is all causal)."""
     path = str(path)
+    kind = _folder_kind(path)
     ids = torch.tensor([expand_prompt(path, prompt_ids, images)], dtype=torch.int64)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     if images:
         inputs.update(load_image_processor(path)(images=list(images), return_tensors="pt"))
-        if _folder_kind(path).startswith("qwen"):
+        if kind.startswith("qwen"):
             # text 0 / image 1: without it transformers 5 silently runs M-RoPE on 1-D text positions
             inputs["mm_token_type_ids"] = (ids == load_config(path).image_token_id).int()
+    if kind == "gemma3":
+        if inputs.pop("num_crops", torch.zeros(1)).any():  # what Gemma3Processor drops
+            raise ValueError("pan and scan crops are not supported")
+        inputs["token_type_ids"] = (ids == load_config(path).image_token_id).long()
     return inputs
 
 
-def hf_vlm_greedy(
-    path: str | os.PathLike, prompt_ids: list[int], images, max_new_tokens: int, model=None
-) -> list[int]:
+def hf_text_inputs(path: str | os.PathLike, text: str, images) -> dict:
+    """The model inputs of a text prompt (one placeholder per image, e.g. a rendered chat
+    template) expanded at the text level, as a server expands a text prompt: for Gemma 3
+    transformers' own ``Gemma3Processor`` (each ``<start_of_image>`` becomes "\n\n<start_of_image>"
+    + "<image_soft_token>" * mm_tokens_per_image + "<end_of_image>\n\n", then the whole text is
+    tokenized): input_ids, attention_mask, pixel_values, token_type_ids. The other kinds'
+    placeholders expand to copies of themselves, so there it is ``hf_vlm_inputs`` of the
+    tokenized text. No special tokens are added (the tokenizer adds none anyway)."""
+    from transformers import AutoTokenizer, Gemma3Processor
+
+    path = str(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if _folder_kind(path) != "gemma3":
+        return hf_vlm_inputs(path, tokenizer(text, add_special_tokens=False)["input_ids"], images)
+    processor = Gemma3Processor(
+        image_processor=load_image_processor(path),
+        tokenizer=tokenizer,
+        image_seq_length=load_config(path).mm_tokens_per_image,
+    )
+    out = processor(text=text, images=list(images) or None, add_special_tokens=False, return_tensors="pt")
+    return dict(out)
+
+
+def hf_greedy_from_inputs(model, inputs: dict, max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation (EOS disabled: exactly ``max_new_tokens`` tokens) of
-    ``prompt_ids`` (one placeholder token per image) with ``images``; the model is loaded once
-    per folder (float32, eval) unless given."""
+    prepared model ``inputs`` (``hf_vlm_inputs``, ``hf_text_inputs``, or such with keys dropped)."""
     from transformers import GenerationConfig
 
-    model = model if model is not None else load_hf_vlm(str(path))
-    inputs = hf_vlm_inputs(path, prompt_ids, images)
     gen_config = GenerationConfig(
         do_sample=False,
         num_beams=1,
@@ -384,6 +557,22 @@ def hf_vlm_greedy(
     with torch.inference_mode():
         out = model.generate(**inputs, generation_config=gen_config)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def hf_vlm_greedy(
+    path: str | os.PathLike, prompt_ids: list[int], images, max_new_tokens: int, model=None
+) -> list[int]:
+    """transformers' greedy continuation (EOS disabled: exactly ``max_new_tokens`` tokens) of
+    ``prompt_ids`` (one placeholder token per image) with ``images``; the model is loaded once
+    per folder (float32, eval) unless given."""
+    model = model if model is not None else load_hf_vlm(str(path))
+    return hf_greedy_from_inputs(model, hf_vlm_inputs(path, prompt_ids, images), max_new_tokens)
+
+
+def hf_text_greedy(path: str | os.PathLike, text: str, images, max_new_tokens: int, model=None) -> list[int]:
+    """``hf_vlm_greedy`` of a text prompt expanded at the text level (``hf_text_inputs``)."""
+    model = model if model is not None else load_hf_vlm(str(path))
+    return hf_greedy_from_inputs(model, hf_text_inputs(path, text, images), max_new_tokens)
 
 
 def hf_vlm_logits(path: str | os.PathLike, prompt_ids: list[int], images, model=None) -> torch.Tensor:

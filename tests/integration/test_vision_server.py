@@ -1,5 +1,6 @@
-"""Vision-language models through the real server (``python -m srt.launch_server``): the four tiny
-random-weight kinds of tests/helpers/tiny_vlm.py (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT).
+"""Vision-language models through the real server (``python -m srt.launch_server``): the five tiny
+random-weight kinds of tests/helpers/tiny_vlm.py (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT,
+Gemma 3, whose image tokens attend to each other both ways under a sliding window).
 
 Per kind (one server each, ``--max-images-per-request 2``): greedy tokens of image + text prompts
 equal transformers' (a 2-image prompt of two sizes and a 1-image prompt, sent concurrently, as
@@ -12,8 +13,12 @@ idle afterwards.
 
 A Qwen2-VL server with ``--chunked-prefill-size 16 --page-size 4`` splits image spans across
 prefill chunks and reuses a cached prefix that ends inside an image, still equal to transformers,
-then takes a short mixed soak (streams, disconnects, deadlines, chat) and goes back to idle. The
-default (text-only) model refuses images with a 400.
+then takes a short mixed soak (streams, disconnects, deadlines, chat) and goes back to idle. A
+Gemma 3 server with the same flags keeps each image in one prefill chunk (a chunk that would cut
+one ends before it, or takes all of it), also from a cached prefix ending inside an image, and
+still equals transformers. The default (text-only) model refuses images with a 400.
+Text prompts are checked against transformers' processor run on the text (Gemma 3 expands its
+placeholder in the text, before tokenizing), id prompts against the id-level expansion.
 A refused image is named by its place in the request (``image_data[1]``, a batch's
 ``image_data[1]``, a chat part), whichever check refuses it.
 """
@@ -40,6 +45,8 @@ from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess, free_port
 from tests.helpers.tiny_vlm import (
     VLM_KINDS,
     expand_prompt,
+    hf_text_greedy,
+    hf_text_inputs,
     hf_vlm_greedy,
     load_config,
     load_images_for_test,
@@ -151,10 +158,21 @@ class Vlm:
     def expanded_len(self, ids: list[int], images: tuple[int, ...]) -> int:
         return len(expand_prompt(self.path, ids, [IMAGES[i] for i in images]))
 
+    def text_reference(self, text: str, images: tuple[int, ...]) -> tuple[list[int], int]:
+        """transformers' greedy tokens of a text prompt, and its expanded length."""
+        return _text_reference(self.path, text, images)
+
 
 @functools.cache
 def _reference(path: str, ids: tuple[int, ...], images: tuple[int, ...]) -> list[int]:
     return hf_vlm_greedy(path, list(ids), [IMAGES[i] for i in images], MAX_NEW)
+
+
+@functools.cache
+def _text_reference(path: str, text: str, images: tuple[int, ...]) -> tuple[list[int], int]:
+    pics = [IMAGES[i] for i in images]
+    n = hf_text_inputs(path, text, pics)["input_ids"].shape[1]
+    return hf_text_greedy(path, text, pics, MAX_NEW), n
 
 
 @pytest.fixture(scope="module")
@@ -265,9 +283,10 @@ def test_generate_matches_transformers(vlm, image_host):
         vlm.chat_text("Compare", 0, "with", 2, "Which is brighter?"),
         vlm.chat_text("Describe", 1, "briefly."),
     ]
+    wants = [vlm.text_reference(texts[0], (0, 2)), vlm.text_reference(texts[1], (1,))]
     batch = generate(vlm.server, {"text": texts, "image_data": [j[0]["image_data"] for j in jobs]})
-    assert [o["output_ids"] for o in batch] == [want for _, want, _ in jobs]
-    assert [o["meta_info"]["prompt_tokens"] for o in batch] == [n for _, _, n in jobs]
+    assert [o["output_ids"] for o in batch] == [want for want, _ in wants]
+    assert [o["meta_info"]["prompt_tokens"] for o in batch] == [n for _, n in wants]
 
 
 def test_chat_matches_transformers(vlm, image_host):
@@ -288,10 +307,11 @@ def test_chat_matches_transformers(vlm, image_host):
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    ids = vlm.chat_ids("Compare", 0, "with", 2, "Which is brighter?")
-    want = vlm.reference(ids, (0, 2))
+    want, prompt_tokens = vlm.text_reference(
+        vlm.chat_text("Compare", 0, "with", 2, "Which is brighter?"), (0, 2)
+    )
     assert out.choices[0].message.content == vlm.tokenizer.decode(want, skip_special_tokens=True)
-    assert out.usage.prompt_tokens == vlm.expanded_len(ids, (0, 2))
+    assert out.usage.prompt_tokens == prompt_tokens
     assert out.usage.completion_tokens == MAX_NEW
 
 
@@ -494,6 +514,39 @@ def test_chunked_prefill_splits_images_and_matches_transformers(chunked, image_h
     assert out["output_ids"] == chunked.reference(ids, (0,))
 
 
+@pytest.fixture(scope="module")
+def chunked_gemma(folders):
+    path = folders("gemma3")
+    with ServerProcess(_args(path, "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE))) as server:
+        yield _vlm("gemma3", path, server)
+
+
+def test_chunked_prefill_keeps_bidirectional_images_whole(chunked_gemma, image_host):
+    vlm = chunked_gemma
+    jobs = good_jobs(vlm, image_host)
+    two = jobs[0][0]["input_ids"]
+    for k in (0, 1):  # a chunk of CHUNK tokens would cut both images of the 2-image prompt
+        start, end = vlm.image_span(two, (0, 2), k)
+        assert start // CHUNK != (end - 1) // CHUNK, (k, start, end)
+    run_concurrently([functools.partial(check_good, vlm, job) for job in jobs])
+    text = vlm.chat_text("Compare", 0, "with", 2, "Which is brighter?")
+    want, n = vlm.text_reference(text, (0, 2))
+    out = generate(vlm.server, {"text": text, "image_data": [data_uri(IMAGES[0]), data_uri(IMAGES[2])]})
+    assert (out["output_ids"], out["meta_info"]["prompt_tokens"]) == (want, n)
+    # an image, then the same image with other text: the page-aligned cached prefix ends inside it
+    first = vlm.chat_ids("Look at", 0, "first.")
+    assert generate(vlm.server, {"input_ids": first, "image_data": data_uri(IMAGES[0])})["output_ids"] == (
+        vlm.reference(first, (0,))
+    )
+    ids = vlm.chat_ids("Look at", 0, "and nothing else, in a few words.")
+    start, end = vlm.image_span(ids, (0,))
+    assert end % PAGE != 0
+    out = generate(vlm.server, {"input_ids": ids, "image_data": data_uri(IMAGES[0])})
+    assert start < out["meta_info"]["cached_tokens"] < end, (start, end, out["meta_info"])
+    assert out["output_ids"] == vlm.reference(ids, (0,))
+    assert_idle(vlm.server)
+
+
 def test_image_processor_refusal_names_the_image(chunked):
     # the refusal comes from ImagePromptProcessor._run, shared by every kind
     body = {
@@ -581,6 +634,32 @@ def test_soak_then_pool_idle(chunked, image_host):
     assert server_state(chunked.server)["num_aborted"] - aborted >= outcomes.count("gave up")
     for p in prompts:
         assert generate(chunked.server, {"input_ids": p.ids, "image_data": p.images})["output_ids"] == p.ref
+
+
+# ---------------------------------------------------------------------------- the Engine
+def test_engine_takes_pil_images_and_bytes(folders):
+    """``Engine.generate(image_data=...)`` in process: a PIL image, PNG bytes, a batch."""
+    from srt.entrypoints.engine import Engine
+
+    path = folders("gemma3")
+    vlm = Vlm("gemma3", path, None, _tokenizer_of(path), "")  # (no server: references only)
+    one, two = vlm.chat_text("Look at", 1, "now."), vlm.chat_text("Compare", 0, "with", 2, "?")
+    llm = Engine(model_path=path, max_total_tokens=4096, log_level="warning")
+    try:
+        out = llm.generate(one, GREEDY, image_data=IMAGES[1])
+        assert (out["output_ids"], out["meta_info"]["prompt_tokens"]) == vlm.text_reference(one, (1,))
+        outs = llm.generate([one, two], GREEDY, image_data=[png(IMAGES[1]), [IMAGES[0], png(IMAGES[2])]])
+        assert [o["output_ids"] for o in outs] == [
+            vlm.text_reference(t, i)[0] for t, i in ((one, (1,)), (two, (0, 2)))
+        ]
+    finally:
+        llm.shutdown()
+
+
+def _tokenizer_of(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 # ---------------------------------------------------------------------------- a text-only model

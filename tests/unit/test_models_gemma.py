@@ -309,23 +309,21 @@ def test_gguf_config_rules_of_llama_cpp(tmp_path):
     assert g3["model_type"] == "gemma3_text"
 
 
-# ---------------------------------------------------------------- refusals
-def test_multimodal_gemma3_is_refused_clearly(tmp_path):
-    """By the registry, naming the reason and the text-only class; ModelConfig reads the decoder's
-    fields from ``text_config`` (as for the vision-language models srt serves)."""
+# ---------------------------------------------------------------- multimodal config, refusals
+def test_multimodal_gemma3_reads_its_text_config(tmp_path):
+    """The registry serves the multimodal class (srt/models/gemma3_vl.py); ModelConfig reads the
+    decoder's fields from ``text_config`` (as for the other vision-language models)."""
     from transformers import Gemma3Config
 
+    from srt.models.gemma3_vl import Gemma3ForConditionalGeneration
     from srt.models.registry import get_model_class
     from tests.helpers.tiny_gemma import tiny_gemma_config
 
-    with pytest.raises(UnsupportedModelError, match="both ways.*Gemma3ForCausalLM"):
-        get_model_class("Gemma3ForConditionalGeneration")
     text = tiny_gemma_config("gemma3").to_dict()
     Gemma3Config(text_config=text, architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(tmp_path)
     cfg = ModelConfig(str(tmp_path))
     assert (cfg.hidden_size, cfg.num_hidden_layers) == (text["hidden_size"], text["num_hidden_layers"])
-    with pytest.raises(UnsupportedModelError, match="multimodal"):
-        get_model_class(cfg.architecture)
+    assert get_model_class(cfg.architecture) is Gemma3ForConditionalGeneration
 
 
 @pytest.mark.parametrize(

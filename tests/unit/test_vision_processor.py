@@ -18,6 +18,7 @@ from srt.managers import io_struct
 from srt.multimodal.image_io import image_hash
 from srt.multimodal.inputs import ImageInput, MultimodalInputs
 from srt.multimodal.processor import (
+    Gemma3Processor,
     LlavaNextProcessor,
     QwenVLProcessor,
     anyres_grid,
@@ -25,7 +26,7 @@ from srt.multimodal.processor import (
     unpadded_shape,
 )
 from srt.sampling.sampling_params import SamplingParams
-from srt.utils.errors import RequestError
+from srt.utils.errors import ConfigError, RequestError
 from tests.helpers import tiny_vlm
 from tests.helpers.tiny_vlm import expand_count, load_images_for_test, placeholder_token
 
@@ -36,6 +37,7 @@ FOLDERS = {
     "llava": ("llava", {}),
     "llava-full": ("llava", {"vision_feature_select_strategy": "full"}),
     "llava_next": ("llava_next", {}),
+    "gemma3": ("gemma3", {}),
 }
 
 # PIL (width, height): wide, tall, square, tiny, large; for llava_next they pick each pinpoint
@@ -146,7 +148,7 @@ def _hf_rope_index(path: str, kind: str, out: list[int], images) -> tuple[np.nda
     return pos[:, 0].numpy(), int(delta.reshape(-1)[0])
 
 
-@pytest.mark.parametrize("name", list(FOLDERS))
+@pytest.mark.parametrize("name", [n for n in FOLDERS if n != "gemma3"])  # (gemma3: its own test)
 def test_expand_matches_transformers(name, folder):
     path = folder(name)
     kind = FOLDERS[name][0]
@@ -226,6 +228,54 @@ def test_placeholders_and_images_must_pair_up(name, folder):
     plain = _prompt(path, kind, 0)
     out, mm = proc.expand(plain, [], [])
     assert out == plain and mm.images == []
+
+
+def test_gemma3_expansion_is_transformers_processor(folder):
+    """Text prompts expand in the text (``expand_text``), as transformers' Gemma3Processor does,
+    and their ids then pass ``expand`` unchanged; id prompts expand with the ids of "\n\n"
+    (``expand_prompt``). Each image's rows are its soft tokens, marked bidirectional, its pixels
+    the image processor's."""
+    path = folder("gemma3")
+    proc, tok, config = _processor(path), _tokenizer(path), tiny_vlm.load_config(path)
+    assert isinstance(proc, Gemma3Processor) and proc.placeholder == "<start_of_image>"
+    images = load_images_for_test(2, seed=4)
+    text = "Look:\n<start_of_image> and<start_of_image>\nthen?"
+    ref = tiny_vlm.hf_text_inputs(path, text, images)
+    ids = tok(proc.expand_text(text), add_special_tokens=False)["input_ids"]
+    assert ids == ref["input_ids"][0].tolist()
+    hashes = [image_hash(im) for im in images]
+    out, mm = proc.expand(ids, images, hashes)
+    assert out == ids and mm.bidirectional and mm.token_id == config.image_token_id
+    soft = ref["token_type_ids"][0].tolist()
+    for item, image in zip(mm.images, images):
+        assert item.length == config.mm_tokens_per_image
+        assert soft[item.offset : item.offset + item.length] == [1] * item.length
+        assert out[item.offset - 1] == config.boi_token_id
+        assert out[item.offset + item.length] == config.eoi_token_id
+        np.testing.assert_array_equal(item.array(), _hf_pixels(path, image)["pixel_values"][0])
+    assert sum(soft) == 2 * config.mm_tokens_per_image
+    # an id prompt: the id-level expansion
+    plain = tok("Look:<start_of_image> and<start_of_image> then?", add_special_tokens=False)["input_ids"]
+    out, mm = proc.expand(plain, images, hashes)
+    assert out == tiny_vlm.expand_prompt(path, plain, images)
+    soft_id = config.image_token_id
+    runs = [i for i, t in enumerate(out) if t == soft_id and out[i - 1] != soft_id]
+    assert [im.offset for im in mm.images] == runs and len(runs) == 2
+    with pytest.raises(RequestError, match="<start_of_image>"):
+        proc.expand(plain, images[:1], hashes[:1])
+
+
+def test_gemma3_pan_and_scan_is_refused(folder, tmp_path):
+    import shutil
+
+    from transformers import AutoConfig
+
+    path = shutil.copytree(folder("gemma3"), tmp_path / "pan")
+    pre = path / "preprocessor_config.json"
+    pre.write_text(pre.read_text().replace('"do_pan_and_scan": false', '"do_pan_and_scan": true'))
+    assert '"do_pan_and_scan": true' in pre.read_text()
+    with pytest.raises(ConfigError, match="pan_and_scan"):
+        create_image_processor(str(path), AutoConfig.from_pretrained(path), _tokenizer(str(path)))
 
 
 def test_text_only_model_has_no_image_processor():

@@ -107,6 +107,11 @@ class AttentionBackend(ABC):
             return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         raise ValueError(f"attention called for a batch in mode {mode.name}")
 
+    # whether an extend honours bidirectional image blocks (``ForwardBatch.image_spans`` of images
+    # marked ``bidirectional``; srt/layers/attention/image_blocks.py): a model that needs them
+    # (``bidirectional_images``) refuses a backend without
+    supports_image_blocks: bool = False
+
     # ------------------------------------------------------------------ fused decode stacks
     def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(req_to_token, req_pool_indices, seq_lens)`` (int64) of the current batch's decode

@@ -52,6 +52,8 @@ class FusedCPUAttnBackend(AttentionBackend):
     """See the module docstring. The decode metadata is the decode sequences' pool rows and
     lengths (int64 ``[nd]``) and ``req_to_token``; nothing is gathered."""
 
+    supports_image_blocks = True  # (attend_extend_batch: torch_native's image_blocks.py pass)
+
     def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
         self.native = cpu_kernels.native_available()
         self._extend_native = self.native and hasattr(torch.ops.srt_cpu, "extend_attention")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from srt.configs.backends import ATTENTION_BACKENDS
 from srt.layers.attention.base import AttentionBackend, AttentionBackendContext
-from srt.utils.errors import UnknownAttentionBackendError
+from srt.utils.errors import ConfigError, UnknownAttentionBackendError
 
 
 def available_attention_backends() -> list[str]:
@@ -40,3 +40,13 @@ def create_attention_backend(name: str, model_runner: AttentionBackendContext) -
         ) from e
     backend_cls: Callable[[AttentionBackendContext], AttentionBackend] = getattr(module, spec.class_name)
     return backend_cls(model_runner)
+
+
+def check_backend_serves(model: object, backend: AttentionBackend, name: str) -> None:
+    """``ConfigError`` when the model needs what backend ``name`` does not do: image tokens that
+    attend to each other both ways (``bidirectional_images``, Gemma 3)."""
+    if getattr(model, "bidirectional_images", False) and not backend.supports_image_blocks:
+        raise ConfigError(
+            f"{type(model).__name__}: its image tokens attend to each other both ways, which "
+            f"--attention-backend {name} does not do; use --attention-backend torch_native"
+        )

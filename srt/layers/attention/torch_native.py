@@ -1,10 +1,8 @@
 """Torch-native attention: the CPU path and the oracle other backends are tested against.
 
-Padding-free across requests: q/k/v hold only real tokens. Per batch,
-``init_forward_metadata`` turns ``req_to_token`` into flat gather indices once; per layer the
-backend writes the new K/V into the pool, gathers K and V once, and runs
-``scaled_dot_product_attention`` (GQA through ``enable_gqa``: repeated K/V heads are never
-materialized by us).
+Padding-free across requests: q/k/v hold only real tokens. Per batch, ``init_forward_metadata``
+turns ``req_to_token`` into flat gather indices once; per layer the backend writes the new K/V
+into the pool, gathers K and V once, and runs SDPA (GQA through ``enable_gqa``).
 
 Extend part (sequences ``0 .. ne-1``; all of an EXTEND batch, the head of a MIXED one)::
 
@@ -13,9 +11,8 @@ Extend part (sequences ``0 .. ne-1``; all of an EXTEND batch, the head of a MIXE
                 then the new ones), mask = bottom-right causal: query j sees keys 0 .. p_i + j
 
     Runs of consecutive sequences with the same (e_i, s_i) form one SDPA call of batch n
-    (zero-copy views); a lone sequence is a run of 1. No prefix -> ``is_causal``; e_i == 1 -> no mask.
-    When no extend sequence has a prefix and the pool keeps q's dtype, the keys are the batch's
-    own k/v rows (views, no gather: they equal what was just written to the pool).
+    (zero-copy views). No prefix -> ``is_causal``; e_i == 1 -> no mask. When no extend sequence
+    has a prefix and the pool keeps q's dtype, the keys are the batch's own k/v rows (views).
 
 Decode part (the remaining ``nd`` sequences, one query token each), in chunks::
 
@@ -31,14 +28,12 @@ Decode part (the remaining ``nd`` sequences, one query token each), in chunks::
 Layers with a sliding window or logit soft-capping (``has_window_or_cap``) take ``math_attention``
 instead of SDPA in both parts: explicit scores, the cap, a mask of the keys each query may see
 (``visible_keys``: causal and, with a window, no further back than ``sliding_window_size``), softmax.
-All K/V stay in the pool; a window only narrows what is read, so the radix cache and chunked
-prefill need nothing of their own for it.
+All K/V stay in the pool; a window only narrows what is read. Sequences holding an image seen
+both ways (Gemma 3) are attended again with those blocks visible (image_blocks.py).
 
-Chunking keeps the gathered K/V in the CPU caches between the gather and SDPA's reads (one
-gather of a whole large batch is tens of MB and goes to DRAM and back), and grouping equal or
-similar lengths cuts the padding a single ``[nd, max_len]`` matrix would attend over. Each
-sequence's result does not depend on its chunk (SDPA is per sequence and head; masked padding
-adds exact zeros).
+Chunking keeps the gathered K/V in the CPU caches between the gather and SDPA's reads, and
+grouping similar lengths cuts the padding a single ``[nd, max_len]`` matrix would attend over.
+A sequence's result does not depend on its chunk (masked padding adds exact zeros).
 """
 
 from __future__ import annotations
@@ -55,6 +50,7 @@ from srt.layers.attention.base import (
     AttentionLayer,
     save_and_read_kv,
 )
+from srt.layers.attention.image_blocks import ImageBlocks, attend_with_blocks, image_blocks
 from srt.layers.attention.window_cap import has_window_or_cap, math_attention, visible_keys
 
 if TYPE_CHECKING:
@@ -117,6 +113,7 @@ class TorchNativeMetadata:
     # the batch's sequence lengths and the extend sequences' new-token counts, read once per batch
     seq_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
+    image_blocks: ImageBlocks = field(default_factory=dict)  # bidirectional images (image_blocks.py)
 
 
 # ---------------------------------------------------------------------- metadata (once per batch)
@@ -139,6 +136,7 @@ def build_metadata(fb: ForwardBatch, decode_chunks: bool = True) -> TorchNativeM
         plan_extend(
             md, req_to_token, fb.req_pool_indices[:ne], seq_lens[:ne], extend_lens[:ne], prefix_lens[:ne]
         )
+        md.image_blocks = image_blocks(fb.image_spans, extend_lens[:ne])
     if bs - ne and decode_chunks:
         pool = fb.token_to_kv_pool
         row_bytes = 0 if pool is None else 2 * pool.head_num * pool.head_dim * pool.dtype.itemsize
@@ -291,6 +289,8 @@ def attend_extend_batch(
             kx = ws.gather(k_buf, md.extend_kv_slots, 0, md.max_gather_rows).to(q.dtype)
             vx = ws.gather(v_buf, md.extend_kv_slots, 1, md.max_gather_rows).to(q.dtype)
         extend(q3, kx, vx, md, layer, out)
+        if md.image_blocks:  # their sequences again, with the image blocks visible both ways
+            attend_with_blocks(q3, kx, vx, md.extend_runs, md.image_blocks, layer, out)
     if md.num_decode_seqs:
         out[ne_tok:] = decode(q3[ne_tok:], k_buf, v_buf, md, layer)
     return out.view(num_tokens, h * d)
@@ -371,6 +371,8 @@ def sdpa_decode(
 class TorchNativeAttnBackend(AttentionBackend):
     """See the module docstring. Needs nothing from ``model_runner`` (taken for the registry's
     uniform constructor; may be None): every index tensor lives on ``req_to_token``'s device."""
+
+    supports_image_blocks = True
 
     def __init__(self, model_runner: AttentionBackendContext | None = None) -> None:
         self.forward_metadata: TorchNativeMetadata | None = None

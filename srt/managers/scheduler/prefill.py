@@ -189,6 +189,7 @@ class PrefillManager:
             input_len=req.all_ids_len,
             max_new_left=req.remaining_new_tokens,
             overtaken=adder.max_overtakes,  # mid-prompt: wait rather than be overtaken
+            whole_spans=_whole_spans(req),
         )
         if not d.admitted:
             return False
@@ -265,6 +266,7 @@ class PrefillManager:
             retracted=retracted,
             overtaken=req.overtaken,
             handle=req,
+            whole_spans=_whole_spans(req),
         )
         if not d.admitted:
             self.cache.unlock(req)
@@ -295,6 +297,11 @@ class PrefillManager:
         rnd.can_run.append(req)
         if d.result == AddResult.CHUNKED:
             self.chunked_req = req
+
+
+def _whole_spans(req: Req) -> list[tuple[int, int]]:
+    """The positions of ``req``'s prompt a chunk may not cut (its bidirectional images)."""
+    return req.images.whole_spans() if req.images is not None else []
 
 
 def _set_extend(req: Req, extend_len: int) -> None:

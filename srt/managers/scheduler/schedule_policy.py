@@ -13,7 +13,8 @@ without a model:
   prefill tokens        ``--max-prefill-tokens`` new tokens computed per step (the first
                         request of a step may exceed it when chunking is off)
   chunk                 ``--chunked-prefill-size``: a longer prompt is split; chunk ends
-                        are page-aligned; at most one request is mid-prompt at a time
+                        are page-aligned, outside ``whole_spans`` (bidirectional images);
+                        at most one request is mid-prompt at a time
   KV tokens             free + evictable slots minus a reserve for the future decode
                         tokens of the running batch (``new_token_ratio`` x remaining
                         max_new_tokens); an admitted request costs its pages plus its
@@ -25,11 +26,10 @@ without a model:
   but only ``max_overtakes`` times; then it blocks the queue until it fits.
 - ``InBatchPrefixFilter``: requests that share an uncached prefix with one admitted in the same
   step wait a step (then the prefix is cached) instead of computing it twice.
-- ``NewTokenRatio``: the estimate of the fraction of max_new_tokens still to be generated;
-  decays every decode step from ``init`` to ``min`` and jumps up on retraction.
-- ``retraction_order`` / ``plan_retraction``: which running requests to push back to the
-  waiting queue when decode runs out of KV slots (least work lost first); the scheduler's decode
-  part (``srt/managers/scheduler/decode.py``) executes the plan.
+- ``NewTokenRatio``: the estimated fraction of max_new_tokens still to come; decays every decode
+  step from ``init`` to ``min``, jumps up on retraction.
+- ``retraction_order`` / ``plan_retraction``: which running requests go back to the queue when
+  decode runs out of KV slots (least work lost first; srt/managers/scheduler/decode.py acts).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Hashable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from srt.utils.pages import num_pages, page_ceil, page_floor
+from srt.utils.pages import num_pages, page_ceil, page_floor, uncut_chunk
 
 
 class WaitingReq(Protocol):
@@ -145,8 +145,7 @@ class InBatchPrefixFilter:
     the shared part twice, while one step later the second finds it in the prefix cache.
 
     Keys are compared in blocks of ``block`` tokens through chained hashes, so ``add`` and
-    ``shared_len`` cost O(len(key)). A hash collision can only defer a request by a step.
-    """
+    ``shared_len`` cost O(len(key)). A hash collision can only defer a request by a step."""
 
     def __init__(self, block: int = IN_BATCH_PREFIX_BLOCK) -> None:
         self.block = block
@@ -244,6 +243,7 @@ class PrefillAdder:
         retracted: bool = False,
         overtaken: int = 0,
         handle: Hashable = None,
+        whole_spans: Sequence[tuple[int, int]] = (),
     ) -> AddDecision:
         """Decide for one request.
 
@@ -255,6 +255,7 @@ class PrefillAdder:
             retracted: it was retracted before (re-admitted only with margin).
             overtaken: how often it was already overtaken.
             handle: identifies it in ``overtaken_handles()``.
+            whole_spans: ``(start, end)`` positions a chunk may not cut (``uncut_chunk``).
         """
         if self.stopped:
             return AddDecision(AddResult.STOP)
@@ -273,12 +274,13 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             cap = min(self.rem_input_tokens, self.rem_chunk_tokens)
             if extend > cap:
-                chunk = page_floor(cap, self.page_size)
+                chunk = uncut_chunk(prefix_len, page_floor(cap, self.page_size), whole_spans, self.page_size)
                 if chunk <= 0:
                     return self._stop()
-                self._commit(chunk, cost)
-                self.stopped = True
-                return AddDecision(AddResult.CHUNKED, chunk)
+                if chunk < extend:
+                    self._commit(chunk, cost)
+                    self.stopped = True
+                    return AddDecision(AddResult.CHUNKED, chunk)
         elif extend > self.rem_input_tokens and self.num_admitted > 0:
             return self._stop()
         self._commit(extend, cost)
@@ -329,9 +331,7 @@ class NewTokenRatio:
     """Estimated fraction of its remaining max_new_tokens a running request will still generate.
 
     Starts at ``init``; every decode step it decays by ``decay`` down to ``min``; a retraction
-    (the estimate was too optimistic) raises it by ``retract_step`` (and to at least ``init``),
-    capped at 1.
-    """
+    (the estimate was too optimistic) raises it by ``retract_step``, to at least ``init``, at most 1."""
 
     init: float = DEFAULT_INIT_NEW_TOKEN_RATIO
     min: float = DEFAULT_INIT_NEW_TOKEN_RATIO * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
@@ -348,8 +348,7 @@ class NewTokenRatio:
 
     @classmethod
     def from_conservativeness(cls, conservativeness: float) -> NewTokenRatio:
-        """``--schedule-conservativeness`` scales the estimate (SGLang's meaning): higher
-        reserves more KV for running requests (fewer retractions, less concurrency)."""
+        """``--schedule-conservativeness`` scales the estimate (SGLang's): higher keeps more KV."""
         init = min(1.0, max(0.0, DEFAULT_INIT_NEW_TOKEN_RATIO * conservativeness))
         low = init * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
         return cls(init=init, min=low, decay=(init - low) / NEW_TOKEN_RATIO_DECAY_STEPS)

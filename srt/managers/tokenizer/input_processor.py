@@ -167,7 +167,7 @@ class InputProcessor:
             self._valid_grammars.popitem(last=False)
 
     async def _tokenize(self, singles: list[SingleInput], add_special_tokens: bool) -> list[list[int]]:
-        texts = [s.text for s in singles if s.text is not None]
+        texts = [self._prompt_text(s) for s in singles if s.text is not None]
         encoded: list[list[int]] = []
         if texts:
             if self._batcher is None:
@@ -175,6 +175,14 @@ class InputProcessor:
             encoded = await self._batcher.encode(texts, add_special_tokens)
         it = iter(encoded)
         return [list(s.input_ids) if s.input_ids is not None else next(it) for s in singles]
+
+    def _prompt_text(self, s: SingleInput) -> str:
+        """The text to tokenize: a prompt with images as the model's processor writes it before
+        tokenizing (Gemma 3 expands its image placeholders in the text)."""
+        assert s.text is not None
+        if s.image_data and self.images is not None and self.images.processor is not None:
+            return self.images.processor.expand_text(s.text)
+        return s.text
 
     async def _expand_images(
         self, singles: list[SingleInput], ids_list: list[list[int]]
