@@ -61,7 +61,18 @@ def exact(
 @needs_native
 @pytest.mark.parametrize("isa", ["", "scalar"])
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 8, 32), (1, 37, 96), (3, 17, 160), (4, 4, 64), (9, 33, 1056), (70, 13, 224)]
+    "m,n,k",
+    # past 4096 columns (64 pairs) batches of more than 4 rows take K in blocks: 8224 = 2 blocks + 32
+    [
+        (1, 8, 32),
+        (1, 37, 96),
+        (3, 17, 160),
+        (4, 4, 64),
+        (9, 33, 1056),
+        (70, 13, 224),
+        (9, 21, 8224),
+        (5, 3, 4160),
+    ],
 )
 def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
     codes, scale, data = q8_0_rows(n, k, seed=m * 1000 + n)
@@ -79,9 +90,10 @@ def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
 
 
 @needs_native
-def test_w8a8_op_does_not_depend_on_the_thread_count_or_the_batch():
-    codes, scale, data = q8_0_rows(41, 512, seed=3)
-    x = torch.randn(67, 512, generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("k", [512, 8224])  # 8224: K blocks in the batch, none for a row alone
+def test_w8a8_op_does_not_depend_on_the_thread_count_or_the_batch(k):
+    codes, scale, data = q8_0_rows(41, k, seed=3)
+    x = torch.randn(67, k, generator=torch.Generator().manual_seed(4))
     one, two = with_threads(lambda: w8a8(x, data, None, ""))
     alone = torch.cat([w8a8(x[i : i + 1], data, None, "") for i in range(67)])
     assert torch.equal(one, two) and torch.equal(one, alone)
