@@ -490,11 +490,15 @@ def test_extreme_aspect_ratios_are_served_like_transformers_or_refused(vlm):
 CHUNK, PAGE = 16, 4
 
 
+def _chunked_server(folders, kind: str):
+    path = folders(kind)
+    with ServerProcess(_args(path, "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE))) as server:
+        yield _vlm(kind, path, server)
+
+
 @pytest.fixture(scope="module")
 def chunked(folders):
-    path = folders("qwen2_vl")
-    with ServerProcess(_args(path, "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE))) as server:
-        yield _vlm("qwen2_vl", path, server)
+    yield from _chunked_server(folders, "qwen2_vl")
 
 
 def test_chunked_prefill_splits_images_and_matches_transformers(chunked, image_host):
@@ -516,9 +520,7 @@ def test_chunked_prefill_splits_images_and_matches_transformers(chunked, image_h
 
 @pytest.fixture(scope="module")
 def chunked_gemma(folders):
-    path = folders("gemma3")
-    with ServerProcess(_args(path, "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE))) as server:
-        yield _vlm("gemma3", path, server)
+    yield from _chunked_server(folders, "gemma3")
 
 
 def test_chunked_prefill_keeps_bidirectional_images_whole(chunked_gemma, image_host):

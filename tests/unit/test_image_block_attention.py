@@ -22,7 +22,7 @@ from srt.layers.attention.image_blocks import block_visible, image_blocks
 from srt.layers.forward_batch import ForwardMode
 from srt.managers.scheduler.schedule_policy import AddResult, PrefillAdder
 from srt.utils.pages import uncut_chunk
-from tests.unit.test_attention_window_cap import WindowCapLayer
+from tests.unit.test_attention_window_cap import WindowCapLayer, run_fused
 from tests.unit.test_torch_native_attention import Case, make_case, run_backend
 
 # batch -> (mode, prefix lens, extend lens, blocks as (sequence, lo, hi) local query indices)
@@ -68,13 +68,6 @@ def naive(case: Case, blocks) -> torch.Tensor:
             scores = torch.einsum("hd,khd->hk", case.q[start + j].view(h, d).double(), k) * layer.scaling
             rows.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v).reshape(h * d))
     return torch.stack(rows).float()
-
-
-def run_fused(case: Case) -> torch.Tensor:
-    backend = FusedCPUAttnBackend(None)
-    case.fb.attn_backend = backend
-    backend.init_forward_metadata(case.fb)
-    return backend.forward(case.q, case.k, case.v, case.layer, case.fb)
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
