@@ -13,6 +13,11 @@ so one pair of matmuls gives the update of every part::
 ``scaling`` is folded into B. Under tensor parallelism each rank keeps its slice, as the base
 layer does (``ShardPlan``): a column-parallel part keeps its rows of B, a row-parallel layer its
 columns of A (its partial update is summed by the layer's all-reduce with the base output).
+
+A vision-language model takes adapters of its decoder only: the decoder's names as transformers 5
+writes them (``model.language_model.layers...``) map to srt's (``model.layers...``), and an
+adapter of the vision tower or projector is refused by name (the tower runs once per image,
+outside the per-token adapter batching).
 """
 
 from __future__ import annotations
@@ -96,6 +101,20 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torc
     return {m: (a_mats[m], b_mats[m]) for m in a_mats}
 
 
+def _decoder_module(model: nn.Module, module: str, name: str) -> str:
+    """A VLM's HF module name as srt names it (module docstring); others as they are."""
+    for old, new in getattr(model, "decoder_renames", ()):
+        if module.startswith(old):
+            return new + module[len(old) :]
+    bare = module[len("model.") :] if module.startswith("model.") else module
+    if bare.split(".", 1)[0] in getattr(model, "vision_attrs", ()):
+        raise LoRAError(
+            f"LoRA adapter {name!r} targets {module}, on the image side of the model; srt applies "
+            "adapters to the language model's layers only"
+        )
+    return module
+
+
 def _srt_target(module: str) -> tuple[str, str | int | None]:
     """HF module name -> (srt module name, part of a fused layer or None)."""
     dotted = f".{module}."
@@ -149,6 +168,7 @@ def build_adapter(
         short = module.rsplit(".", 1)[-1]
         if allowed_targets is not None and short not in allowed_targets:
             raise LoRAError(f"LoRA adapter {name!r} targets {short}, not in --lora-target-modules")
+        module = _decoder_module(model, module, name)
         srt_module, shard = _srt_target(module)
         try:
             layer = model.get_submodule(srt_module)

@@ -431,3 +431,43 @@ def test_tp_slices_of_phi3_checkpoint_fused_layers(tmp_path):
     ranks = [(m, build_adapter("p", path, m, 8, None, torch.float32)) for m in models]
     assert ranks[0][1].weights.keys() == full.weights.keys()
     check_rank_slices(full_model, full, ranks)
+
+
+# ---------------------------------------------------------------- vision-language models
+def _write_adapter(path, tensors: dict, rank: int = 4, alpha: int = 8) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["down_proj"]}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(
+        {PREFIX + k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(path, "adapter_model.safetensors"),
+    )
+    return str(path)
+
+
+def test_a_vlm_takes_its_decoders_adapters_and_refuses_the_towers(tmp_path):
+    """Qwen2.5-VL's tower has gate/up/down_proj layers too: an adapter of the decoder, named as
+    transformers 5 names it (``model.language_model.layers...``), lands on srt's decoder layer;
+    one of the tower (``model.visual...`` or the Hub's ``visual...``) is refused by name."""
+    from tests.helpers.tiny_vlm import save_tiny_vlm
+
+    model = get_model(ModelConfig(save_tiny_vlm("qwen2_5_vl", tmp_path / "vlm")))
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(4, 128, generator=g), torch.randn(64, 4, generator=g)
+    name = "model.language_model.layers.1.mlp.down_proj"
+    text = _write_adapter(tmp_path / "text", {f"{name}.lora_A.weight": A, f"{name}.lora_B.weight": B})
+    adapter = build_adapter("text", text, model, 8, None, torch.float32)
+    assert set(adapter.weights) == {"model.layers.1.mlp.down_proj"}
+    got = adapter.weights["model.layers.1.mlp.down_proj"]
+    assert torch.equal(got.A, A) and torch.equal(got.B, B * 2.0)  # scaling alpha / r
+    for tower in ("model.visual.blocks.0.mlp.down_proj", "visual.blocks.0.mlp.down_proj"):
+        a, b = torch.randn(4, 64, generator=g), torch.randn(32, 4, generator=g)
+        tensors = {f"{tower}.lora_A.weight": a, f"{tower}.lora_B.weight": b}
+        both = _write_adapter(
+            tmp_path / tower, {**tensors, f"{name}.lora_A.weight": A, f"{name}.lora_B.weight": B}
+        )
+        with pytest.raises(LoRAError, match=r"visual\.blocks\.0\.mlp\.down_proj.*image side"):
+            build_adapter("both", both, model, 8, None, torch.float32)
