@@ -102,17 +102,16 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torc
 
 
 def _decoder_module(model: nn.Module, module: str, name: str) -> str:
-    """A VLM's HF module name as srt names it (module docstring); others as they are."""
-    for old, new in getattr(model, "decoder_renames", ()):
-        if module.startswith(old):
-            return new + module[len(old) :]
-    bare = module[len("model.") :] if module.startswith("model.") else module
-    if bare.split(".", 1)[0] in getattr(model, "vision_attrs", ()):
+    """A VLM's HF module name as srt names it (its ``decoder_name``, as its checkpoint loader
+    does; module docstring); others as they are."""
+    decoder_name = getattr(model, "decoder_name", None)
+    renamed = module if decoder_name is None else decoder_name(module)
+    if renamed is None:
         raise LoRAError(
             f"LoRA adapter {name!r} targets {module}, on the image side of the model; srt applies "
             "adapters to the language model's layers only"
         )
-    return module
+    return renamed
 
 
 def _srt_target(module: str) -> tuple[str, str | int | None]:

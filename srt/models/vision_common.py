@@ -131,21 +131,27 @@ class VisionLanguageMixin:
         hidden_states = self.model(input_ids, positions, forward_batch, input_embeds=embeds)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
+    def decoder_name(self, name: str) -> str | None:
+        """A checkpoint (or adapter) name of the decoder as srt names it; None for one of the
+        image side (``vision_attrs``, bare or under ``model.``)."""
+        if name.removeprefix("model.").split(".", 1)[0] in self.vision_attrs:
+            return None
+        for old, new in self.decoder_renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The decoder's tensors through its own loader (renamed), the image side's here."""
         vision: dict[str, torch.Tensor] = {}
 
         def decoder() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                bare = name[len("model.") :] if name.startswith("model.") else name
-                if bare.split(".", 1)[0] in self.vision_attrs:
-                    vision[bare] = tensor
+                renamed = self.decoder_name(name)
+                if renamed is None:
+                    vision[name.removeprefix("model.")] = tensor
                     continue
-                for old, new in self.decoder_renames:
-                    if name.startswith(old):
-                        name = new + name[len(old) :]
-                        break
-                yield name, tensor
+                yield renamed, tensor
 
         super().load_weights(decoder())
         self._load_vision(vision)

@@ -69,7 +69,7 @@ class ImageSpan(NamedTuple):
 class ReqImages:
     """The images of one request and what the scheduler derives from them (module docstring)."""
 
-    __slots__ = ("images", "token_id", "mrope", "mrope_delta")
+    __slots__ = ("images", "token_id", "mrope", "mrope_delta", "whole_spans")
 
     def __init__(self, mm: MultimodalInputs, prompt_len: int) -> None:
         self.images = [ImageRun(im, mm.bidirectional) for im in mm.images]
@@ -77,6 +77,9 @@ class ReqImages:
         arr = mm.mrope_array(prompt_len)
         self.mrope: torch.Tensor | None = None if arr is None else torch.from_numpy(arr.astype(np.int64))
         self.mrope_delta = mm.mrope_delta
+        # the (start, end) sequence positions a prefill chunk may not cut (bidirectional images),
+        # in order; empty when chunks may split images
+        self.whole_spans = [(im.offset, im.end) for im in self.images if im.bidirectional]
 
     def key_ids(self, ids: list[int]) -> list[int]:
         """``ids`` (the prompt) with each image span holding the image's pad id."""
@@ -84,11 +87,6 @@ class ReqImages:
         for im in self.images:
             out[im.offset : im.end] = [im.pad] * im.length
         return out
-
-    def whole_spans(self) -> list[tuple[int, int]]:
-        """The ``(start, end)`` sequence positions a prefill chunk may not cut (bidirectional
-        images), in order; empty when chunks may split images."""
-        return [(im.offset, im.end) for im in self.images if im.bidirectional]
 
     def model_ids(self, ids: list[int]) -> list[int]:
         """Key ids back to token ids (pads -> the placeholder token)."""

@@ -301,7 +301,7 @@ class PrefillManager:
 
 def _whole_spans(req: Req) -> list[tuple[int, int]]:
     """The positions of ``req``'s prompt a chunk may not cut (its bidirectional images)."""
-    return req.images.whole_spans() if req.images is not None else []
+    return req.images.whole_spans if req.images is not None else []
 
 
 def _set_extend(req: Req, extend_len: int) -> None:
