@@ -193,12 +193,13 @@ class QuantizedWeight(nn.Module):
     def _data(self, i: int) -> torch.Tensor:
         return getattr(self, f"data{i}")
 
-    def use_token_int8(self) -> bool:
+    def use_token_int8(self, layout: str = "groups") -> bool:
         """A W8A8 checkpoint's layer (its inputs quantized to int8 per token, ``Linear.token_quant``):
         from now on every matmul runs ``gguf_linear_w8a8`` (x quantized per token inside it, integer
         dot products) where the weight is one segment of Q8_0 rows whose blocks share the row's scale
         and this CPU has that kernel's vector path. The rows are regrouped for it
-        (``gguf_pack_w8a8``: the int8 codes and one float32 scale a row, the checkpoint's bytes).
+        (``gguf_pack_w8a8``: the int8 codes and one float32 scale a row, the checkpoint's bytes), in
+        ``layout``: "groups" (AVX-512 VNNI) or "amx" (panels for AMX-INT8 tiles).
         Returns whether it does (else the caller keeps quantizing x itself before the float32
         kernels)."""
         if self._native is None or self._native[1] != Q8_0_TYPE or not gguf_kernels.w8a8_fast():
@@ -209,7 +210,7 @@ class QuantizedWeight(nn.Module):
         scales = data.view(self.out_features, -1, 34)[:, :, :2]
         if not bool(scales.eq(scales[:, :1]).all()):
             return False
-        self.register_buffer("data0", torch.ops.srt_cpu.gguf_pack_w8a8(data.contiguous()), persistent=False)
+        self.register_buffer("data0", torch.ops.srt_cpu.gguf_pack_w8a8(data.contiguous(), layout), persistent=False)
         self.x8_rows = 0
         self._native = (self._data(0), W8A8_TYPE, self.out_features)
         self.token_int8 = True

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from srt.configs.cpu_features import cpu_flags
+from srt.configs.device import probe_bf16
 from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
 from srt.layers.linear import Linear
@@ -114,16 +116,28 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -
     return marked
 
 
-def use_int8_kernels(model: torch.nn.Module) -> int:
+def use_int8_kernels(model: torch.nn.Module) -> tuple[int, str]:
     """After ``prepare_weights``: each linear layer that quantizes its inputs to int8 per token
     (W8A8) on Q8_0 blocks of one scale a row moves to the int8 kernel
     (``QuantizedWeight.use_token_int8``: the same per-token codes, integer dot products); returns
-    how many did (none on CPUs without AVX-512 VNNI, which keep the float32 kernels)."""
-    moved = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.token_quant == "int8" and module.qweight is not None:
-            moved += module.qweight.use_token_int8()
-    return moved
+    how many did (none on CPUs without AVX-512 VNNI, which keep the float32 kernels) and the
+    weights' layout (``int8_layout``)."""
+    layers = [
+        m.qweight
+        for m in model.modules()
+        if isinstance(m, Linear) and m.token_quant == "int8" and m.qweight is not None
+    ]
+    layout = int8_layout() if layers else "groups"
+    return sum(q.use_token_int8(layout) for q in layers), layout
+
+
+def int8_layout() -> str:
+    """``"amx"`` (panels for brgemm on AMX-INT8 tiles) where the CPU has those tiles and they run:
+    the bf16 probe runs AMX tiles in a child process, and where they trap it caps oneDNN below AMX,
+    which ``w8a8_amx`` then sees; else ``"groups"`` (the AVX-512 VNNI kernel's)."""
+    if "amx_int8" not in cpu_flags() or not probe_bf16("cpu"):
+        return "groups"
+    return "amx" if gguf_kernels.w8a8_amx() else "groups"
 
 
 def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme) -> None:

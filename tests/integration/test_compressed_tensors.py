@@ -28,6 +28,7 @@ from srt import Engine
 from srt.configs.cpu_features import cpu_bf16_units
 from srt.configs.quant_config import UnsupportedQuantizationError
 from srt.kernels.cpu import gguf
+from srt.model_loader.quantized_checkpoint import int8_layout
 from tests.helpers.hf_reference import make_prompts
 from tests.helpers.quantized_serving import serve_and_match
 from tests.helpers.tiny_models import build_tiny_hf_model, save_hf_dir
@@ -166,8 +167,11 @@ def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, 
         held = sum(b.numel() * b.element_size() for n, b in q.named_buffers() if n.startswith("data"))
         n, k = q.out_features, q.in_features
         if scheme == "w8a8" and gguf.w8a8_fast():  # on the int8 kernel: the codes and a float32 scale a row
-            assert q.token_int8, proj  # (rows in groups of 4, columns in pairs of blocks)
-            assert held == -(-n // 4) * (16 + -(-k // 64) * 256), proj
+            assert q.token_int8, proj
+            if int8_layout() == "amx":  # panels of 64 rows
+                assert held == -(-n // 64) * (256 + 64 * k), proj
+            else:  # rows in groups of 4, columns in pairs of blocks
+                assert held == -(-n // 4) * (16 + -(-k // 64) * 256), proj
         else:
             assert held == n * k // 32 * per_32, proj
 

@@ -5,17 +5,23 @@ The per-row codes and scales must be srt/layers/linear.py's ``fake_quant_rows`` 
 range, -128 included), and the op must equal the exact formula ``float(sum q w) * (sa * dw)`` (the
 integer sums in int64 here, the products in float64) within float32 rounding, on the vector path
 and the scalar loops, whatever the row counts (tiles of 4 x 4, chunks of 64 activation rows, an
-odd number of blocks). A W8A8 layer moves to it only when every block of each row has the row's
+odd number of blocks), in both weight layouts: VNNI groups of 4 rows and AMX panels of 64 rows
+(w8a8_amx.cpp: brgemm on AMX-INT8 tiles where the CPU has them, scalar loops elsewhere), which give
+the same outputs bit for bit. A W8A8 layer moves to it only when every block of each row has the row's
 scale; served end to end it is tested in tests/integration/test_compressed_tensors.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from srt.configs import cpu_features
 from srt.kernels.cpu import _op_registered, gguf, native_available
 from srt.layers.linear import Linear, fake_quant_rows
 from srt.layers.quantized_weight import GGUFTensor
+from srt.model_loader import quantized_checkpoint
 from tests.helpers.threads import with_threads
 
 needs_native = pytest.mark.skipif(
@@ -40,10 +46,15 @@ def q8_0_rows(
     return codes, scale.float(), data.reshape(n, -1).contiguous()
 
 
-def w8a8(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+LAYOUTS = ["groups", "amx"]
+
+
+def w8a8(
+    x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, isa: str, layout: str = "groups"
+) -> torch.Tensor:
     """The op on Q8_0 rows, packed for it first."""
     return torch.ops.srt_cpu.gguf_linear_w8a8(
-        x, torch.ops.srt_cpu.gguf_pack_w8a8(data), data.shape[0], bias, isa
+        x, torch.ops.srt_cpu.gguf_pack_w8a8(data, layout), data.shape[0], bias, isa
     )
 
 
@@ -59,6 +70,7 @@ def exact(
 
 
 @needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("isa", ["", "scalar"])
 @pytest.mark.parametrize(
     "m,n,k",
@@ -72,9 +84,10 @@ def exact(
         (70, 13, 224),
         (9, 21, 8224),
         (5, 3, 4160),
+        (40, 70, 96),  # AMX panels: two of 64 rows, two brgemm blocks of 32 activation rows
     ],
 )
-def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
+def test_w8a8_op_equals_the_exact_formula(layout, isa, m, n, k):
     codes, scale, data = q8_0_rows(n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     x[0, 1] = -50.0  # its row's largest magnitude, negative: code -128
@@ -83,29 +96,36 @@ def test_w8a8_op_equals_the_exact_formula(isa, m, n, k):
     bias = torch.randn(n)
     want = exact(x, codes, scale, bias)
     for b in (bias, None):
-        got = w8a8(x, data, b, isa).double()
+        got = w8a8(x, data, b, isa, layout).double()
         ref = want if b is not None else want - bias.double()
         tol = 4e-7 * (ref.abs() + (exact(x.abs(), codes.abs(), scale, None)))  # float32 rounding of the terms
         assert ((got - ref).abs() <= tol + 1e-30).all(), (got - ref).abs().max()
 
 
 @needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("k", [512, 8224])  # 8224: K blocks in the batch, none for a row alone
-def test_w8a8_op_does_not_depend_on_the_thread_count_or_the_batch(k):
+def test_w8a8_op_does_not_depend_on_the_thread_count_the_batch_or_the_layout(layout, k):
     codes, scale, data = q8_0_rows(41, k, seed=3)
     x = torch.randn(67, k, generator=torch.Generator().manual_seed(4))
-    one, two = with_threads(lambda: w8a8(x, data, None, ""))
-    alone = torch.cat([w8a8(x[i : i + 1], data, None, "") for i in range(67)])
+    one, two = with_threads(lambda: w8a8(x, data, None, "", layout))
+    alone = torch.cat([w8a8(x[i : i + 1], data, None, "", layout) for i in range(67)])
     assert torch.equal(one, two) and torch.equal(one, alone)
-    assert torch.equal(one, w8a8(x, data, None, "scalar"))
+    assert torch.equal(one, w8a8(x, data, None, "scalar", layout))
+    assert torch.equal(one, w8a8(x, data, None, "", "groups"))
 
 
 @needs_native
-@pytest.mark.parametrize("n,k", [(8, 64), (13, 96), (1, 32), (6, 4128)])
-def test_the_packed_rows_hold_the_codes_and_scales(n, k):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 96), (1, 32), (6, 4128), (130, 96)])
+def test_the_packed_rows_hold_the_codes_and_scales(layout, n, k):
     codes, scale, data = q8_0_rows(n, k, seed=n)
-    packed = torch.ops.srt_cpu.gguf_pack_w8a8(data)
-    assert packed.numel() == -(-n // 4) * (16 + -(-k // 64) * 256)  # the codes and a float32 scale a row
+    packed = torch.ops.srt_cpu.gguf_pack_w8a8(data, layout)
+    # the codes and a float32 scale a row (groups of 4 rows, panels of 64)
+    if layout == "groups":
+        assert packed.numel() == -(-n // 4) * (16 + -(-k // 64) * 256)
+    else:
+        assert packed.numel() == -(-n // 64) * (256 + 64 * k)
     got_codes, got_scale = gguf.unpack_w8a8(packed, n, k)
     assert torch.equal(got_codes, codes) and torch.equal(got_scale, scale.reshape(-1))
 
@@ -120,12 +140,30 @@ def test_w8a8_op_refuses_bad_arguments():
         torch.ops.srt_cpu.gguf_linear_w8a8(torch.randn(2, 128), packed, 4, None, "")
     with pytest.raises(RuntimeError, match="multiple of 34"):
         torch.ops.srt_cpu.gguf_pack_w8a8(data[:, :40].contiguous())
+    with pytest.raises(RuntimeError, match="layout must be"):
+        torch.ops.srt_cpu.gguf_pack_w8a8(data, "tiles")
+
+
+@needs_native
+def test_amx_tiles_are_taken_exactly_where_the_cpu_has_them(monkeypatch):
+    """The AMX panels' brgemm runs where CPUID has AMX-INT8 (a CPU without it runs their scalar
+    loops, which the tests above compare), and the loader packs panels only there and only when
+    the bf16 probe (AMX tiles in a child process) passed."""
+    flags = cpu_features.cpu_flags()
+    has_amx = {"amx_int8", "amx_tile"} <= flags and cpu_features.cpu_isa_cap() in (None, "avx512")
+    capped = bool(os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    assert gguf.w8a8_amx() == (has_amx and not capped)
+    monkeypatch.setattr(quantized_checkpoint, "probe_bf16", lambda device: False)
+    assert quantized_checkpoint.int8_layout() == "groups"
+    monkeypatch.setattr(quantized_checkpoint, "probe_bf16", lambda device: True)
+    assert quantized_checkpoint.int8_layout() == ("amx" if gguf.w8a8_amx() else "groups")
 
 
 @needs_native
 @pytest.mark.skipif(not gguf.w8a8_fast(), reason="no AVX-512 VNNI: W8A8 layers keep the float32 kernels")
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("uniform", [True, False])
-def test_a_w8a8_layer_moves_to_the_int8_kernel_only_with_one_scale_a_row(uniform):
+def test_a_w8a8_layer_moves_to_the_int8_kernel_only_with_one_scale_a_row(layout, uniform):
     codes, scale, data = q8_0_rows(48, 128, seed=5, uniform=uniform)
     layer = Linear(128, 48)
     layer.load_quantized(GGUFTensor(8, 48, 128, data))
@@ -134,7 +172,7 @@ def test_a_w8a8_layer_moves_to_the_int8_kernel_only_with_one_scale_a_row(uniform
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         before = layer(x)  # per-token fake quantization, then the float32 kernel
-        assert layer.qweight.use_token_int8() == uniform
+        assert layer.qweight.use_token_int8(layout) == uniform
         after = layer(x)
     float_path = fake_quant_rows(x, "int8") @ layer.qweight.dequantize().t()
     torch.testing.assert_close(before, float_path, rtol=1e-5, atol=1e-5)

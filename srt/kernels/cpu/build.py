@@ -51,6 +51,7 @@ SOURCES = (
     "packed_linear.cpp",
     "small_linear.cpp",
     "threads.cpp",
+    "w8a8_amx.cpp",
     "w8a8_linear.cpp",
 )  # compiled
 HEADERS = (

@@ -117,6 +117,14 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
 at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const c10::optional<at::Tensor>& bias, c10::string_view isa);
 bool gguf_w8a8_fast();
+// w8a8_amx.cpp: the same on AMX-INT8 tiles, the weights in panels of 64 rows (brgemm's VNNI quads);
+// whether this CPU may run them; whether packed is such panels; the panels of Q8_0 rows; the matmul
+// (vector: brgemm, else scalar loops over the same bytes)
+bool w8a8_amx_available();
+bool w8a8_is_panels(const at::Tensor& packed, int64_t N, int64_t K);
+at::Tensor w8a8_pack_panels(const at::Tensor& data);
+at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                              bool vector);
 
 // moe.cpp: the experts of a sparse MLP grouped by expert; the router's softmax / top-k
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,

@@ -51,7 +51,7 @@ namespace {
 // pack_bf16_weight (VNNI pairs; the float32 activations widen it in registers) (not ggml types)
 constexpr int64_t kPackedF32 = -1;
 constexpr int64_t kPackedBF16 = -2;
-// a W8A8 layer's int8 rows (gguf_pack_w8a8's groups; x8_rows holds N) on gguf_linear_w8a8, which
+// a W8A8 layer's int8 rows (gguf_pack_w8a8's groups or AMX panels; x8_rows holds N) on gguf_linear_w8a8, which
 // quantizes x per token itself (QuantizedWeight.token_int8; not a ggml type)
 constexpr int64_t kW8A8 = -3;
 // an FP8 layer's codes kept in one byte (pack_fp8_weight; x8_rows holds N) on fp8_linear

@@ -43,6 +43,7 @@
 
 #include "cpu_ops.h"
 #include "gguf_simple_rows.h"
+#include "w8a8_codes.h"
 
 #if SRT_CPU_X86
 #include <immintrin.h>
@@ -51,6 +52,9 @@
 
 namespace srt_cpu {
 namespace {
+
+using w8a8::TokenCodes;
+using w8a8::quantize_rows;
 
 constexpr int64_t kBlock = 32, kBlockBytes = gguf_simple::kSizeQ8_0;
 constexpr int64_t kRows = 4, kPair = 64, kHeader = 16;  // a group: 4 rows, 4 float32 scales first
@@ -78,72 +82,6 @@ bool vnni_available() {
 
 int64_t pairs_of(int64_t K) { return (K + kPair - 1) / kPair; }
 int64_t group_bytes(int64_t K) { return kHeader + pairs_of(K) * kRows * kPair; }
-
-// x's rows quantized per row: codes [M, P * 64] (zero past K), scales [M], 128 * sum of codes [M]
-struct TokenCodes {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> offset;
-  int64_t ldq = 0;
-};
-
-// one row's scale (float32 division, as torch's) and codes (rint in the default rounding mode:
-// half to even, as torch.round), returning 128 * the codes' sum
-int32_t quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-  float s = amax / 127.5f;
-  if (s == 0.f) s = FLT_EPSILON;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
-    sum += q[k];
-  }
-  *scale = s;
-  return 128 * sum;
-}
-
-#if SRT_CPU_X86
-// the same in 16 lanes (division and round-to-nearest-even are exact operations: the same codes)
-SRT_TARGET_W8A8 int32_t quantize_row_avx512(const float* row, int64_t K, int8_t* q, float* scale) {
-  __m512 m = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-  float s = _mm512_reduce_max_ps(m) / 127.5f;
-  if (s == 0.f) s = FLT_EPSILON;
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
-    sum = _mm512_add_epi32(sum, c);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
-  }
-  *scale = s;
-  return 128 * _mm512_reduce_add_epi32(sum);
-}
-#endif
-
-TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool vec) {
-  TokenCodes t;
-  t.ldq = pairs_of(K) * kPair;
-  t.q.assign(static_cast<size_t>(M * t.ldq), 0);
-  t.scale.resize(static_cast<size_t>(M));
-  t.offset.resize(static_cast<size_t>(M));
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      int8_t* q = t.q.data() + i * t.ldq;
-#if SRT_CPU_X86
-      if (vec) {
-        t.offset[i] = quantize_row_avx512(x + i * ldx, K, q, &t.scale[i]);
-        continue;
-      }
-#endif
-      (void)vec;
-      t.offset[i] = quantize_row(x + i * ldx, K, q, &t.scale[i]);
-    }
-  });
-  return t;
-}
 
 // dots[(i - i0) * ldd + r] = sum_k q[i][k] w_r[k] for the group at g and activation rows i0 .. i1
 void dots_scalar(const uint8_t* g, int64_t P, const TokenCodes& t, int64_t i0, int64_t i1, int32_t* dots,
@@ -256,12 +194,14 @@ void dots_vnni(const uint8_t* g, int64_t p0, int64_t p1, int64_t gbytes, const T
 
 bool gguf_w8a8_fast() { return detect_isa() == CpuIsa::kAvx512 && vnni_available(); }
 
-at::Tensor gguf_pack_w8a8(const at::Tensor& data) {
+at::Tensor gguf_pack_w8a8(const at::Tensor& data, c10::string_view layout) {
   const char* op = "gguf_pack_w8a8";
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               op, ": data must be contiguous uint8 Q8_0 rows [N, bytes per row]");
   const int64_t N = data.size(0), bpr = data.size(1);
   TORCH_CHECK(bpr > 0 && bpr % kBlockBytes == 0, op, ": Q8_0 rows take a multiple of 34 bytes, got ", bpr);
+  TORCH_CHECK(layout == "groups" || layout == "amx", op, ": layout must be 'groups' or 'amx', got '", layout, "'");
+  if (layout == "amx") return w8a8_pack_panels(data);
   const int64_t K = bpr / kBlockBytes * kBlock, G = (N + kRows - 1) / kRows;
   at::Tensor packed = at::zeros({G, group_bytes(K)}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
@@ -290,11 +230,15 @@ at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64
   const int64_t M = x.size(0), K = x.size(1), G = (N + kRows - 1) / kRows, P = pairs_of(K);
   TORCH_CHECK(K > 0 && K % kBlock == 0 && K <= kMaxK, op, ": the row length ", K,
               " must be a positive multiple of 32 up to ", kMaxK);
+  const bool panels = w8a8_is_panels(packed, N, K);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.dim() == 2 && packed.size(0) == G && packed.size(1) == group_bytes(K),
-              op, ": packed must be gguf_pack_w8a8's [", G, ", ", group_bytes(K), "] uint8 for ", N, " rows of ", K);
-  const bool scalar = requested_isa(op, isa) != CpuIsa::kAvx512 || !vnni_available();
+                  packed.dim() == 2 && (panels || (packed.size(0) == G && packed.size(1) == group_bytes(K))),
+              op, ": packed must be gguf_pack_w8a8's [", G, ", ", group_bytes(K), "] (groups) or its AMX panels, uint8, for ",
+              N, " rows of ", K);
+  const bool avx512 = requested_isa(op, isa) == CpuIsa::kAvx512;
   const float* bp = checked_bias(op, bias, N);
+  if (panels) return w8a8_linear_panels(x, packed, N, bp, avx512 && w8a8_amx_available());
+  const bool scalar = !avx512 || !vnni_available();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const TokenCodes t = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, !scalar);
@@ -346,14 +290,16 @@ at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64
 
 namespace {
 bool gguf_w8a8_fast_op() { return gguf_w8a8_fast(); }
+bool gguf_w8a8_amx_op() { return w8a8_amx_available(); }
 }  // namespace
 
 }  // namespace srt_cpu
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
-  m.def("gguf_pack_w8a8(Tensor data) -> Tensor");
+  m.def("gguf_pack_w8a8(Tensor data, str layout=\"groups\") -> Tensor");
   m.def("gguf_linear_w8a8(Tensor x, Tensor packed, int n, Tensor? bias=None, str isa=\"\") -> Tensor");
   m.def("gguf_w8a8_fast() -> bool", &srt_cpu::gguf_w8a8_fast_op);
+  m.def("gguf_w8a8_amx() -> bool", &srt_cpu::gguf_w8a8_amx_op);
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {

@@ -1,0 +1,89 @@
+// W8A8's activation codes: each row of x quantized to int8 with one float32 scale (the scheme's
+// per-token quantization), shared by the int8 kernels of w8a8_linear.cpp (VNNI groups) and
+// w8a8_amx.cpp (AMX panels).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if SRT_CPU_X86
+#include <immintrin.h>
+#define SRT_TARGET_W8A8_CODES __attribute__((target("avx512f,avx512bw,avx512vl")))
+#endif
+
+namespace srt_cpu {
+namespace w8a8 {
+
+// x's rows quantized per row: codes [M, ldq] (ldq: K rounded up to 64, zero past K), scales [M], 128 * sum of codes [M]
+struct TokenCodes {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> offset;
+  int64_t ldq = 0;
+};
+
+// one row's scale (float32 division, as torch's) and codes (rint in the default rounding mode:
+// half to even, as torch.round), returning 128 * the codes' sum
+inline int32_t quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  float s = amax / 127.5f;
+  if (s == 0.f) s = FLT_EPSILON;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
+    sum += q[k];
+  }
+  *scale = s;
+  return 128 * sum;
+}
+
+#if SRT_CPU_X86
+// the same in 16 lanes (division and round-to-nearest-even are exact operations: the same codes)
+SRT_TARGET_W8A8_CODES inline int32_t quantize_row_avx512(const float* row, int64_t K, int8_t* q, float* scale) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  float s = _mm512_reduce_max_ps(m) / 127.5f;
+  if (s == 0.f) s = FLT_EPSILON;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    sum = _mm512_add_epi32(sum, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
+  }
+  *scale = s;
+  return 128 * _mm512_reduce_add_epi32(sum);
+}
+#endif
+
+inline TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool vec) {
+  TokenCodes t;
+  t.ldq = (K + 63) / 64 * 64;
+  t.q.assign(static_cast<size_t>(M * t.ldq), 0);
+  t.scale.resize(static_cast<size_t>(M));
+  t.offset.resize(static_cast<size_t>(M));
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int8_t* q = t.q.data() + i * t.ldq;
+#if SRT_CPU_X86
+      if (vec) {
+        t.offset[i] = quantize_row_avx512(x + i * ldx, K, q, &t.scale[i]);
+        continue;
+      }
+#endif
+      (void)vec;
+      t.offset[i] = quantize_row(x + i * ldx, K, q, &t.scale[i]);
+    }
+  });
+  return t;
+}
+
+}  // namespace w8a8
+}  // namespace srt_cpu
