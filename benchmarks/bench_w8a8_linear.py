@@ -83,7 +83,9 @@ def main() -> None:
             row: list = [name, f"{n}x{k}", m]
             times = []
             for lay in layouts:
-                t = best_time(lambda w, x=x, n=n: ops.gguf_linear_w8a8(x, w, n, None, ""), packed[lay], args.repeats)
+                t = best_time(
+                    lambda w, x=x, n=n: ops.gguf_linear_w8a8(x, w, n, None, ""), packed[lay], args.repeats
+                )
                 gbs = n * k / t / 1e9
                 row += [f"{t * 1e3:.2f}", f"{gbs:.1f}" + (f" ({gbs / bw:.2f})" if m == 1 else ""), f"{2 * m * n * k / t / 1e9:.0f}"]  # fmt: skip
                 times.append(t)

@@ -210,7 +210,9 @@ class QuantizedWeight(nn.Module):
         scales = data.view(self.out_features, -1, 34)[:, :, :2]
         if not bool(scales.eq(scales[:, :1]).all()):
             return False
-        self.register_buffer("data0", torch.ops.srt_cpu.gguf_pack_w8a8(data.contiguous(), layout), persistent=False)
+        self.register_buffer(
+            "data0", torch.ops.srt_cpu.gguf_pack_w8a8(data.contiguous(), layout), persistent=False
+        )
         self.x8_rows = 0
         self._native = (self._data(0), W8A8_TYPE, self.out_features)
         self.token_int8 = True

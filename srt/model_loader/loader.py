@@ -125,7 +125,9 @@ def get_model(
         _store_embeddings_bf16(model)
     moved, layout = use_int8_kernels(model)
     if moved:
-        logger.info("W8A8: %d linear layers on the int8 kernel (%s; inputs quantized per token in it)", moved, layout)
+        logger.info(
+            "W8A8: %d linear layers on the int8 kernel (%s; inputs quantized per token in it)", moved, layout
+        )
     if int8_activations:
         if not keeps_blocks(quantization):
             raise ConfigError("int8 activations need GGUF weights kept quantized (quantization gguf)")
