@@ -64,14 +64,14 @@ def main() -> None:
     ap.add_argument("--layouts", default="", help="default: groups, and amx where the CPU has AMX-INT8")
     ap.add_argument("--float", action="store_true", help="also time the float32 path")
     args = ap.parse_args()
-    from srt.kernels.cpu import gguf, native_available
+    from srt.kernels.cpu import native_available, w8a8
     from srt.layers.linear import fake_quant_rows
 
-    if not (native_available() and gguf.w8a8_fast()):
+    if not (native_available() and w8a8.w8a8_fast()):
         raise SystemExit("the int8 kernel's vector path needs the native kernels and AVX-512 VNNI")
     ops = torch.ops.srt_cpu
     gen = torch.Generator().manual_seed(0)
-    layouts = args.layouts.split(",") if args.layouts else ["groups"] + (["amx"] if gguf.w8a8_amx() else [])
+    layouts = args.layouts.split(",") if args.layouts else ["groups"] + (["amx"] if w8a8.w8a8_amx() else [])
     bw = memory_read_bandwidth()["bandwidth_gbs"]
     rows = []
     for name, (n, k) in SHAPES.items():

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.kernels.cpu import gguf as gguf_kernels
+from srt.kernels.cpu import w8a8 as w8a8_kernels
 from srt.utils.errors import WeightLoadError
 
 F32_TYPE = 0  # ggml's type id of float32
@@ -202,7 +203,7 @@ class QuantizedWeight(nn.Module):
         ``layout``: "groups" (AVX-512 VNNI) or "amx" (panels for AMX-INT8 tiles).
         Returns whether it does (else the caller keeps quantizing x itself before the float32
         kernels)."""
-        if self._native is None or self._native[1] != Q8_0_TYPE or not gguf_kernels.w8a8_fast():
+        if self._native is None or self._native[1] != Q8_0_TYPE or not w8a8_kernels.w8a8_fast():
             return False
         data, qtype, x8_rows = self._native
         if x8_rows:
@@ -339,7 +340,7 @@ class QuantizedWeight(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 ``[out, in]`` (tests, tools)."""
         if self.token_int8:
-            codes, scales = gguf_kernels.unpack_w8a8(self._data(0), self.out_features, self.in_features)
+            codes, scales = w8a8_kernels.unpack_w8a8(self._data(0), self.out_features, self.in_features)
             return codes.float() * scales.unsqueeze(1)
         parts = []
         for i, (_, _, qtype) in enumerate(self.segments):

@@ -123,11 +123,7 @@ def get_model(
     prepare_weights(model)
     if linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16:
         _store_embeddings_bf16(model)
-    moved, layout = use_int8_kernels(model)
-    if moved:
-        logger.info(
-            "W8A8: %d linear layers on the int8 kernel (%s; inputs quantized per token in it)", moved, layout
-        )
+    use_int8_kernels(model)
     if int8_activations:
         if not keeps_blocks(quantization):
             raise ConfigError("int8 activations need GGUF weights kept quantized (quantization gguf)")

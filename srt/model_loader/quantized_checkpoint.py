@@ -20,6 +20,7 @@ of activation ordering) are errors; an incomplete set of a layer's tensors is an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -28,6 +29,7 @@ from srt.configs.cpu_features import cpu_flags
 from srt.configs.device import probe_bf16
 from srt.configs.quant_config import GPTQ, QuantScheme
 from srt.kernels.cpu import gguf as gguf_kernels
+from srt.kernels.cpu import w8a8 as w8a8_kernels
 from srt.layers.linear import Linear
 from srt.layers.moe import MoEExperts
 from srt.layers.quantized_weight import BlockScaledCodes, GGUFTensor, ScaledRows
@@ -47,6 +49,8 @@ _REFUSED_LEAVES = (
     "weight_global_scale",
     "activation_scale",
 )
+
+logger = logging.getLogger(__name__)
 
 
 def convert_weights(
@@ -116,19 +120,24 @@ def quantize_inputs_of(model: torch.nn.Module, quantized: set[str], kind: str) -
     return marked
 
 
-def use_int8_kernels(model: torch.nn.Module) -> tuple[int, str]:
+def use_int8_kernels(model: torch.nn.Module) -> int:
     """After ``prepare_weights``: each linear layer that quantizes its inputs to int8 per token
     (W8A8) on Q8_0 blocks of one scale a row moves to the int8 kernel
     (``QuantizedWeight.use_token_int8``: the same per-token codes, integer dot products); returns
-    how many did (none on CPUs without AVX-512 VNNI, which keep the float32 kernels) and the
-    weights' layout (``int8_layout``)."""
+    how many did (none on CPUs without AVX-512 VNNI, which keep the float32 kernels), logging them
+    and the weights' layout (``int8_layout``)."""
     layers = [
         m.qweight
         for m in model.modules()
         if isinstance(m, Linear) and m.token_quant == "int8" and m.qweight is not None
     ]
     layout = int8_layout() if layers else "groups"
-    return sum(q.use_token_int8(layout) for q in layers), layout
+    moved = sum(q.use_token_int8(layout) for q in layers)
+    if moved:
+        logger.info(
+            "W8A8: %d linear layers on the int8 kernel (%s; inputs quantized per token in it)", moved, layout
+        )
+    return moved
 
 
 def int8_layout() -> str:
@@ -137,7 +146,7 @@ def int8_layout() -> str:
     which ``w8a8_amx`` then sees; else ``"groups"`` (the AVX-512 VNNI kernel's)."""
     if "amx_int8" not in cpu_flags() or not probe_bf16("cpu"):
         return "groups"
-    return "amx" if gguf_kernels.w8a8_amx() else "groups"
+    return "amx" if w8a8_kernels.w8a8_amx() else "groups"
 
 
 def _check_late(name: str, leaf: str, tensor: torch.Tensor, scheme: QuantScheme) -> None:

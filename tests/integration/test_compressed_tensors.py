@@ -27,7 +27,7 @@ import torch
 from srt import Engine
 from srt.configs.cpu_features import cpu_bf16_units
 from srt.configs.quant_config import UnsupportedQuantizationError
-from srt.kernels.cpu import gguf
+from srt.kernels.cpu import w8a8
 from srt.model_loader.quantized_checkpoint import int8_layout
 from tests.helpers.hf_reference import make_prompts
 from tests.helpers.quantized_serving import serve_and_match
@@ -166,7 +166,7 @@ def test_quantized_layers_are_kept_as_blocks_of_the_checkpoints_bytes(tmp_path, 
         per_32 = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[QTYPE[scheme]]
         held = sum(b.numel() * b.element_size() for n, b in q.named_buffers() if n.startswith("data"))
         n, k = q.out_features, q.in_features
-        if scheme == "w8a8" and gguf.w8a8_fast():  # on the int8 kernel: the codes and a float32 scale a row
+        if scheme == "w8a8" and w8a8.w8a8_fast():  # on the int8 kernel: the codes and a float32 scale a row
             assert q.token_int8, proj
             if int8_layout() == "amx":  # panels of 64 rows
                 assert held == -(-n // 64) * (256 + 64 * k), proj

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from srt.configs import cpu_features
-from srt.kernels.cpu import _op_registered, gguf, native_available
+from srt.kernels.cpu import _op_registered, native_available
+from srt.kernels.cpu import w8a8 as w8a8_kernels
 from srt.layers.linear import Linear, fake_quant_rows
 from srt.layers.quantized_weight import GGUFTensor
 from srt.model_loader import quantized_checkpoint
@@ -126,7 +127,7 @@ def test_the_packed_rows_hold_the_codes_and_scales(layout, n, k):
         assert packed.numel() == -(-n // 4) * (16 + -(-k // 64) * 256)
     else:
         assert packed.numel() == -(-n // 64) * (256 + 64 * k)
-    got_codes, got_scale = gguf.unpack_w8a8(packed, n, k)
+    got_codes, got_scale = w8a8_kernels.unpack_w8a8(packed, n, k)
     assert torch.equal(got_codes, codes) and torch.equal(got_scale, scale.reshape(-1))
 
 
@@ -152,15 +153,17 @@ def test_amx_tiles_are_taken_exactly_where_the_cpu_has_them(monkeypatch):
     flags = cpu_features.cpu_flags()
     has_amx = {"amx_int8", "amx_tile"} <= flags and cpu_features.cpu_isa_cap() in (None, "avx512")
     capped = bool(os.environ.get("ONEDNN_MAX_CPU_ISA"))
-    assert gguf.w8a8_amx() == (has_amx and not capped)
+    assert w8a8_kernels.w8a8_amx() == (has_amx and not capped)
     monkeypatch.setattr(quantized_checkpoint, "probe_bf16", lambda device: False)
     assert quantized_checkpoint.int8_layout() == "groups"
     monkeypatch.setattr(quantized_checkpoint, "probe_bf16", lambda device: True)
-    assert quantized_checkpoint.int8_layout() == ("amx" if gguf.w8a8_amx() else "groups")
+    assert quantized_checkpoint.int8_layout() == ("amx" if w8a8_kernels.w8a8_amx() else "groups")
 
 
 @needs_native
-@pytest.mark.skipif(not gguf.w8a8_fast(), reason="no AVX-512 VNNI: W8A8 layers keep the float32 kernels")
+@pytest.mark.skipif(
+    not w8a8_kernels.w8a8_fast(), reason="no AVX-512 VNNI: W8A8 layers keep the float32 kernels"
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("uniform", [True, False])
 def test_a_w8a8_layer_moves_to_the_int8_kernel_only_with_one_scale_a_row(layout, uniform):
