@@ -5,6 +5,7 @@ test_torch_native_attention (shuffled pages, NaN in every slot the backend must 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -107,3 +108,38 @@ def test_native_decode_args_follow_the_batch(native):
     extend = make_case(ForwardMode.EXTEND, [0, 4], [9, 3], page_size=16, seed=4)
     backend.init_forward_metadata(extend.fb)
     assert backend.native_decode_args() is None
+
+
+def bf16_case(mode, prefixes, extends, seed):
+    """A case of make_case with bf16 activations and a bf16 KV pool (NaN slots kept)."""
+    case = make_case(mode, prefixes, extends, 4, heads=8, kv_heads=2, head_dim=64, seed=seed)
+    pool = case.fb.token_to_kv_pool
+    pool.k_buffer = [b.bfloat16() for b in pool.k_buffer]
+    pool.v_buffer = [b.bfloat16() for b in pool.v_buffer]
+    pool.dtype = torch.bfloat16
+    case.q, case.k, case.v = case.q.bfloat16(), case.k.bfloat16(), case.v.bfloat16()
+    return case
+
+
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("mode,prefixes,extends", CASES[2:])
+def test_bf16_extends_take_sdpa_exactly_where_amx_tiles_run(native, amx, mode, prefixes, extends):
+    """bf16 extends go to torch's SDPA on AMX CPUs (bit for bit torch-native's), to the native
+    float32 kernel elsewhere (within bf16 rounding of it); the choice follows the CPU."""
+    from srt.configs.bf16_probe import ISA_ENV
+    from srt.configs.cpu_features import cpu_bf16_units
+
+    want = cpu_bf16_units() == "amx" and not os.environ.get(ISA_ENV)
+    assert FusedCPUAttnBackend(None)._bf16_sdpa == want
+    backend = FusedCPUAttnBackend(None)
+    backend._bf16_sdpa = amx
+    case, twin = bf16_case(mode, prefixes, extends, 5), bf16_case(mode, prefixes, extends, 5)
+    case.fb.attn_backend = backend
+    backend.init_forward_metadata(case.fb)
+    out = backend.forward(case.q, case.k, case.v, case.layer, case.fb)
+    oracle = run_backend(twin)
+    assert torch.isfinite(out).all()
+    if amx:
+        ne = sum(e for e in extends if e > 1) if mode == ForwardMode.MIXED else out.shape[0]
+        assert torch.equal(out[:ne], oracle[:ne])
+    torch.testing.assert_close(out.float(), oracle.float(), rtol=2e-2, atol=2e-2)

@@ -165,8 +165,7 @@ void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
       at::native::cpublas::brgemm(rows, kNR, K, lda, kNR, kNR, false, xa + m0 * lda, w + p * Kh * kNR * 2, c,
                                   true);
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j)
-          o[(m0 + i) * N + p * kNR + j] = static_cast<at::BFloat16>(c[i * kNR + j] + (bias ? bias[p * kNR + j] : 0.f));
+        store_row(c + i * kNR, bias != nullptr ? bias + p * kNR : nullptr, cols, o + (m0 + i) * N + p * kNR);
     }
     at::native::cpublas::brgemm_release(true);
   });
