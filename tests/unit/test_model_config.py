@@ -188,13 +188,18 @@ def test_resolve_dtype_names():
 
 
 @pytest.fixture
-def fresh_probe(monkeypatch):
+def fresh_probe():
+    """The probe's caches cleared and ``ONEDNN_MAX_CPU_ISA`` unset for the test, then put back as
+    they were (the probe sets the variable itself: it must not reach the tests run after)."""
+    saved = os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
     device_mod._probe_bf16_cached.cache_clear()
     probe_mod.cpu_bf16_usable.cache_clear()
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     yield
     device_mod._probe_bf16_cached.cache_clear()
     probe_mod.cpu_bf16_usable.cache_clear()
+    os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
+    if saved is not None:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = saved
 
 
 def test_bf16_isa_cap_when_native_probe_traps(monkeypatch, fresh_probe):

@@ -69,6 +69,7 @@ HEADERS = (
     "isa_instances.h",
     "small_linear_rows.h",
     "vec.h",
+    "w8a8_codes.h",
 )  # hashed with the sources
 # tuples: cpp_extension.load appends to the lists it is given, which would change the hash
 EXTRA_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")

@@ -118,16 +118,15 @@ void dots_few(int64_t rows, const int8_t* codes, int64_t K, const int8_t* q, int
 
 bool w8a8_amx_available() {
 #if SRT_CPU_X86
-  static const bool has = [] {
+  static const bool tiles = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tiles = ((d >> 24) & 1u) && ((d >> 25) & 1u);  // AMX-TILE, AMX-INT8
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    const bool capped = cap != nullptr && cap[0] != '\0' && std::strstr(cap, "AMX") == nullptr &&
-                        std::strcmp(cap, "ALL") != 0 && std::strcmp(cap, "DEFAULT") != 0;
-    return tiles && !capped;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u) && ((d >> 25) & 1u);  // AMX-TILE, -INT8
   }();
-  return has && detect_isa() == CpuIsa::kAvx512;
+  // read each time: the bf16 probe sets the cap in this process when the tiles trap
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const bool capped = cap != nullptr && cap[0] != '\0' && std::strstr(cap, "AMX") == nullptr &&
+                      std::strcmp(cap, "ALL") != 0 && std::strcmp(cap, "DEFAULT") != 0;
+  return tiles && !capped && detect_isa() == CpuIsa::kAvx512;
 #else
   return false;
 #endif
@@ -138,25 +137,10 @@ bool w8a8_is_panels(const at::Tensor& packed, int64_t N, int64_t K) {
 }
 
 at::Tensor w8a8_pack_panels(const at::Tensor& data) {
-  const char* op = "gguf_pack_w8a8";
-  const int64_t N = data.size(0), bpr = data.size(1), K = bpr / kBlockBytes * kBlock;
-  const int64_t P = (N + kNB - 1) / kNB;
-  at::Tensor packed = at::zeros({P, panel_bytes(K)}, data.options());
-  TORCH_CHECK(K > 0, op, ": empty rows");
-  const uint8_t* src = data.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      uint8_t* out = dst + p * panel_bytes(K);
-      for (int64_t r = 0; r < kNB && p * kNB + r < N; ++r) {
-        const uint8_t* row = src + (p * kNB + r) * bpr;
-        const float scale = gguf_simple::half_at(row);
-        std::memcpy(out + r * sizeof(float), &scale, sizeof(float));
-        for (int64_t k = 0; k < K; ++k) out[kHead + (k / 4 * kNB + r) * 4 + k % 4] = row[k / kBlock * kBlockBytes + 2 + k % kBlock];
-      }
-    }
-  });
-  return packed;
+  const int64_t K = data.size(1) / kBlockBytes * kBlock;
+  TORCH_CHECK(K > 0, "gguf_pack_w8a8: empty rows");
+  return w8a8::regroup_rows(data, kNB, panel_bytes(K), 0,
+                            [](int64_t r, int64_t k) { return kHead + (k / 4 * kNB + r) * 4 + k % 4; });
 }
 
 at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,

@@ -3,13 +3,17 @@
 // w8a8_amx.cpp (AMX panels).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "gguf_simple_rows.h"
 
 #if SRT_CPU_X86
 #include <immintrin.h>
@@ -83,6 +87,30 @@ inline TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t 
     }
   });
   return t;
+}
+
+// Q8_0 rows [N, K / 32 * 34] of one scale each regrouped once at load into blocks of R rows, `bytes`
+// each (the last padded with zeros): a block starts with its rows' scales as float32, and row r's
+// code k goes to byte place(r, k) of its block, xor `flip`
+template <typename Place>
+at::Tensor regroup_rows(const at::Tensor& data, int64_t R, int64_t bytes, uint8_t flip, Place place) {
+  constexpr int64_t kBlock = 32, kBlockBytes = 34;
+  const int64_t N = data.size(0), bpr = data.size(1), K = bpr / kBlockBytes * kBlock;
+  at::Tensor packed = at::zeros({(N + R - 1) / R, bytes}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* out = dst + g * bytes;
+      for (int64_t r = 0; r < R && g * R + r < N; ++r) {
+        const uint8_t* row = src + (g * R + r) * bpr;
+        const float scale = gguf_simple::half_at(row);
+        std::memcpy(out + r * sizeof(float), &scale, sizeof(float));
+        for (int64_t k = 0; k < K; ++k) out[place(r, k)] = row[k / kBlock * kBlockBytes + 2 + k % kBlock] ^ flip;
+      }
+    }
+  });
+  return packed;
 }
 
 }  // namespace w8a8

@@ -198,29 +198,15 @@ at::Tensor gguf_pack_w8a8(const at::Tensor& data, c10::string_view layout) {
   const char* op = "gguf_pack_w8a8";
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               op, ": data must be contiguous uint8 Q8_0 rows [N, bytes per row]");
-  const int64_t N = data.size(0), bpr = data.size(1);
+  const int64_t bpr = data.size(1);
   TORCH_CHECK(bpr > 0 && bpr % kBlockBytes == 0, op, ": Q8_0 rows take a multiple of 34 bytes, got ", bpr);
   TORCH_CHECK(layout == "groups" || layout == "amx", op, ": layout must be 'groups' or 'amx', got '", layout, "'");
   if (layout == "amx") return w8a8_pack_panels(data);
-  const int64_t K = bpr / kBlockBytes * kBlock, G = (N + kRows - 1) / kRows;
-  at::Tensor packed = at::zeros({G, group_bytes(K)}, data.options());
-  const uint8_t* src = data.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* out = dst + g * group_bytes(K);
-      for (int64_t r = 0; r < kRows && g * kRows + r < N; ++r) {
-        const uint8_t* row = src + (g * kRows + r) * bpr;
-        const float scale = gguf_simple::half_at(row);
-        std::memcpy(out + r * sizeof(float), &scale, sizeof(float));
-        for (int64_t b = 0; b < K / kBlock; ++b) {
-          uint8_t* to = out + kHeader + (b / 2 * kRows + r) * kPair + b % 2 * kBlock;
-          for (int64_t j = 0; j < kBlock; ++j) to[j] = row[b * kBlockBytes + 2 + j] ^ 0x80;
-        }
-      }
-    }
+  const int64_t K = bpr / kBlockBytes * kBlock;
+  return w8a8::regroup_rows(data, kRows, group_bytes(K), 0x80, [](int64_t r, int64_t k) {
+    const int64_t b = k / kBlock;
+    return kHeader + (b / 2 * kRows + r) * kPair + b % 2 * kBlock + k % kBlock;
   });
-  return packed;
 }
 
 at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
