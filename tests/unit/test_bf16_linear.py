@@ -2,9 +2,9 @@
 
 Every path the CPU runs (``scalar``, ``avx2``, ``avx512`` widening the weights in registers;
 ``avx512_bf16`` on ``vdpbf16ps``; ``brgemm`` through ATen's CPUBlas) against a float64 reference,
-at tails of rows (1-70, past the 8-row tile and the 64-row brgemm block), columns (not multiples of
-the 32-column panel) and k (2 to 2500, past the 1024-k blocks that several tiles of rows share, and
-0); bf16 and float32 activations; with and without bias. The paths a
+at tails of rows (1-70, past the 8-row tile and the 64-row brgemm block; 260-300, past brgemm's
+chunks of rows), columns (not multiples of the 32-column panel) and k (2 to 3400, past the 1024-k
+blocks that several tiles of rows share and the blocks brgemm splits a long k into, and 0); bf16 and float32 activations; with and without bias. The paths a
 CPU lacks are skipped with the kernel's own reason (tests/unit/test_isa_lowering.py runs this file
 again under ``SRT_CPU_ISA=avx2`` and ``scalar``).
 
@@ -35,6 +35,8 @@ SHAPES = [
     (17, 576, 96),
     (70, 1024, 65),
     (20, 2500, 70),
+    (300, 3200, 70),  # brgemm: two chunks of rows (256 + 44), k whole
+    (260, 3400, 40),  # brgemm: k in two blocks (3,200 + 200) summed in float32, chunks of 256 + 4 rows
     (2, 2, 5),
     (4, 0, 3),
 ]

@@ -148,27 +148,55 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
   });
 }
 
-// x bf16, K even: one brgemm per (panel, block of kBrgemmMB rows), float32 into a buffer, then bias
-// and the rounding to bf16.
+// Blocking of the brgemm path (AMX CPUs, whose cores have 2 MiB of L2): a chunk of rows of x whose
+// block of k fits kBrgemmXBytes stays in L2 while every panel passes over it, so x is read from
+// memory once per chunk rather than once per panel; k is split (the float32 sums accumulated in a
+// buffer) where a chunk of kBrgemmMinChunk rows of the whole k would not fit, so the weights are
+// re-read once per chunk of at least that many rows. A task is kBrgemmGroup panels x kBrgemmMB
+// rows. Qwen2.5-1.5B's layers on an Intel Xeon with AMX (2 cores), against one brgemm per panel
+// over all rows: 1.2x at 2,048 rows (the down projection, k 8,960: 1.1x), equal at 256-512.
+constexpr int64_t kBrgemmXBytes = 1600 << 10;
+constexpr int64_t kBrgemmMinChunk = 256;
+constexpr int64_t kBrgemmGroup = 4;
+
+// x bf16, K even: one brgemm per (panel, block of kBrgemmMB rows, block of k), float32 into a
+// buffer, then bias and the rounding to bf16.
 void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kh = packed.size(1);
   const at::BFloat16* xa = x.data_ptr<at::BFloat16>();
   const int64_t lda = x.stride(0);
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  const int64_t MB = (M + kBrgemmMB - 1) / kBrgemmMB;
-  at::parallel_for(0, P * MB, 1, [&](int64_t t0, int64_t t1) {
-    alignas(64) float c[kBrgemmMB * kNR];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / MB, m0 = (t % MB) * kBrgemmMB;
-      const int64_t rows = std::min(kBrgemmMB, M - m0), cols = std::min(kNR, N - p * kNR);
-      at::native::cpublas::brgemm(rows, kNR, K, lda, kNR, kNR, false, xa + m0 * lda, w + p * Kh * kNR * 2, c,
-                                  true);
-      for (int64_t i = 0; i < rows; ++i)
-        store_row(c + i * kNR, bias != nullptr ? bias + p * kNR : nullptr, cols, o + (m0 + i) * N + p * kNR);
+  const int64_t kb =
+      std::min(K, std::max<int64_t>(64, kBrgemmXBytes / (2 * std::min(M, kBrgemmMinChunk)) / 64 * 64));
+  const int64_t Mc = std::min(M, std::max(kBrgemmMB, kBrgemmXBytes / (2 * kb) / kBrgemmMB * kBrgemmMB));
+  const bool split = kb < K;  // the sums of a chunk live in `acc` across the blocks of k
+  std::vector<float> acc(split ? Mc * P * kNR : 0);
+  const int64_t groups = (P + kBrgemmGroup - 1) / kBrgemmGroup;
+  for (int64_t c0 = 0; c0 < M; c0 += Mc) {
+    const int64_t mc = std::min(Mc, M - c0), MB = (mc + kBrgemmMB - 1) / kBrgemmMB;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+      const int64_t kc = std::min(kb, K - k0);
+      const bool last = k0 + kc == K;
+      at::parallel_for(0, groups * MB, 1, [&](int64_t t0, int64_t t1) {
+        alignas(64) float cbuf[kBrgemmMB * kNR];
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t mi = (t % MB) * kBrgemmMB, m0 = c0 + mi, rows = std::min(kBrgemmMB, mc - mi);
+          const int64_t p0 = (t / MB) * kBrgemmGroup, p1 = std::min(P, p0 + kBrgemmGroup);
+          for (int64_t p = p0; p < p1; ++p) {
+            float* c = split ? acc.data() + (p * Mc + mi) * kNR : cbuf;
+            at::native::cpublas::brgemm(rows, kNR, kc, lda, kNR, kNR, k0 > 0, xa + m0 * lda + k0,
+                                        w + p * Kh * kNR * 2 + k0 * kNR, c, true);
+            if (!last) continue;
+            const int64_t cols = std::min(kNR, N - p * kNR);
+            for (int64_t i = 0; i < rows; ++i)
+              store_row(c + i * kNR, bias != nullptr ? bias + p * kNR : nullptr, cols, o + (m0 + i) * N + p * kNR);
+          }
+        }
+        at::native::cpublas::brgemm_release(true);
+      });
     }
-    at::native::cpublas::brgemm_release(true);
-  });
+  }
 }
 
 }  // namespace
