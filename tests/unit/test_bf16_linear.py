@@ -4,8 +4,8 @@ Every path the CPU runs (``scalar``, ``avx2``, ``avx512`` widening the weights i
 ``avx512_bf16`` on ``vdpbf16ps``; ``brgemm`` through ATen's CPUBlas) against a float64 reference,
 at tails of rows (1-70, past the 8-row tile and the 64-row brgemm block; 260-300, past brgemm's
 chunks of rows), columns (not multiples of the 32-column panel) and k (2 to 3400, past the 1024-k
-blocks that several tiles of rows share and the blocks brgemm splits a long k into, and 0); bf16 and float32 activations; with and without bias. The paths a
-CPU lacks are skipped with the kernel's own reason (tests/unit/test_isa_lowering.py runs this file
+blocks that several tiles of rows share and the blocks brgemm splits a long k into, and 0); bf16
+and float32 activations; with and without bias. The paths a CPU lacks are skipped with the kernel's own reason (tests/unit/test_isa_lowering.py runs this file
 again under ``SRT_CPU_ISA=avx2`` and ``scalar``).
 
 Bounds. Products of bf16 values are exact in float32, so the only error of a float32 result is the

@@ -139,8 +139,8 @@ bool w8a8_is_panels(const at::Tensor& packed, int64_t N, int64_t K) {
 at::Tensor w8a8_pack_panels(const at::Tensor& data) {
   const int64_t K = data.size(1) / kBlockBytes * kBlock;
   TORCH_CHECK(K > 0, "gguf_pack_w8a8: empty rows");
-  return w8a8::regroup_rows(data, kNB, panel_bytes(K), 0,
-                            [](int64_t r, int64_t k) { return kHead + (k / 4 * kNB + r) * 4 + k % 4; });
+  return w8a8::regroup_rows<4>(data, kNB, panel_bytes(K), 0,
+                               [](int64_t r, int64_t k) { return kHead + (k / 4 * kNB + r) * 4; });
 }
 
 at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,

@@ -91,10 +91,12 @@ inline TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t 
 
 // Q8_0 rows [N, K / 32 * 34] of one scale each regrouped once at load into blocks of R rows, `bytes`
 // each (the last padded with zeros): a block starts with its rows' scales as float32, and row r's
-// code k goes to byte place(r, k) of its block, xor `flip`
-template <typename Place>
+// codes k .. k + Run - 1 (k a multiple of Run, which divides 32) go to the consecutive bytes from
+// place(r, k) of its block, xor `flip`
+template <int64_t Run, typename Place>
 at::Tensor regroup_rows(const at::Tensor& data, int64_t R, int64_t bytes, uint8_t flip, Place place) {
-  constexpr int64_t kBlock = 32, kBlockBytes = 34;
+  constexpr int64_t kBlock = 32, kBlockBytes = gguf_simple::kSizeQ8_0;
+  static_assert(kBlock % Run == 0, "a run of codes lies in one Q8_0 block");
   const int64_t N = data.size(0), bpr = data.size(1), K = bpr / kBlockBytes * kBlock;
   at::Tensor packed = at::zeros({(N + R - 1) / R, bytes}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
@@ -106,7 +108,11 @@ at::Tensor regroup_rows(const at::Tensor& data, int64_t R, int64_t bytes, uint8_
         const uint8_t* row = src + (g * R + r) * bpr;
         const float scale = gguf_simple::half_at(row);
         std::memcpy(out + r * sizeof(float), &scale, sizeof(float));
-        for (int64_t k = 0; k < K; ++k) out[place(r, k)] = row[k / kBlock * kBlockBytes + 2 + k % kBlock] ^ flip;
+        for (int64_t k = 0; k < K; k += Run) {
+          uint8_t* to = out + place(r, k);
+          const uint8_t* from = row + k / kBlock * kBlockBytes + 2 + k % kBlock;
+          for (int64_t j = 0; j < Run; ++j) to[j] = from[j] ^ flip;
+        }
       }
     }
   });

@@ -203,9 +203,9 @@ at::Tensor gguf_pack_w8a8(const at::Tensor& data, c10::string_view layout) {
   TORCH_CHECK(layout == "groups" || layout == "amx", op, ": layout must be 'groups' or 'amx', got '", layout, "'");
   if (layout == "amx") return w8a8_pack_panels(data);
   const int64_t K = bpr / kBlockBytes * kBlock;
-  return w8a8::regroup_rows(data, kRows, group_bytes(K), 0x80, [](int64_t r, int64_t k) {
+  return w8a8::regroup_rows<kBlock>(data, kRows, group_bytes(K), 0x80, [](int64_t r, int64_t k) {
     const int64_t b = k / kBlock;
-    return kHeader + (b / 2 * kRows + r) * kPair + b % 2 * kBlock + k % kBlock;
+    return kHeader + (b / 2 * kRows + r) * kPair + b % 2 * kBlock;
   });
 }
 
