@@ -113,12 +113,39 @@ def default_model_dir() -> str:
 
 
 def load_default_hf_model():
+    """transformers' own float32 load of the default GGUF. Parsing the GGUF takes transformers
+    about 17 s (its metadata arrays, twice), so the loaded weights and config are kept on disk
+    beside the references (keyed like them by the versions and the file) and later loads in
+    this or another test process read them back: the same tensors, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model_dir(), gguf_file=DEFAULT_GGUF, dtype=torch.float32
-    )
+    gguf = Path(default_model_dir()) / DEFAULT_GGUF
+    blob = json.dumps([DEFAULT_MODEL_KEY, str(gguf), gguf.stat().st_size, _versions()])
+    folder = CACHE_DIR / f"hf-model-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+    if (folder / "model.safetensors").exists():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+    _save_float_copy(model, folder)
     return model.eval()
+
+
+def _save_float_copy(model, folder: Path) -> None:
+    """The GGUF-loaded model as a plain float32 folder (transformers refuses to save a model it
+    loaded from a GGUF, so the config and tensors are written directly), renamed into place."""
+    from safetensors.torch import save_model
+
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config))
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process got there first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_default_tokenizer():

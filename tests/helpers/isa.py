@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -64,28 +63,31 @@ def available_isas() -> list[str]:
     return [isa for isa in ISAS if isa_available(isa)]
 
 
-# argv: op name, output .npy, then the arguments: "t:<path>.npy" (a tensor) or "i:<int>"
-_OP_UNDER_ISA = """
-import sys, numpy as np, torch
+# argv: op name, the calls' argument lists (torch.save), where the outputs go (torch.save)
+_OPS_UNDER_ISA = """
+import sys, torch
 from srt.kernels import cpu as cpu_kernels
 cpu_kernels.load()
-args = [torch.from_numpy(np.load(a[2:])) if a.startswith("t:") else int(a[2:]) for a in sys.argv[3:]]
-np.save(sys.argv[2], getattr(torch.ops.srt_cpu, sys.argv[1])(*args).numpy())
+op = getattr(torch.ops.srt_cpu, sys.argv[1])
+torch.save([op(*args) for args in torch.load(sys.argv[2])], sys.argv[3])
 """
+
+
+def ops_under_isa(
+    isa: str, op: str, calls: list[list[torch.Tensor | int]], tmp: Path, env: dict[str, str] | None = None
+) -> list[torch.Tensor]:
+    """``torch.ops.srt_cpu.<op>(*args)`` for each ``args`` of ``calls``, all in one fresh process
+    under ``SRT_CPU_ISA=isa`` (the ISA is fixed per process), for checks that every ISA branch
+    gives the same bits; ``env`` adds other variables the kernels read once per process (tuning
+    knobs)."""
+    torch.save([list(args) for args in calls], tmp / "calls.pt")
+    argv = [sys.executable, "-c", _OPS_UNDER_ISA, op, str(tmp / "calls.pt"), str(tmp / "outs.pt")]
+    subprocess.run(argv, check=True, env={**os.environ, **(env or {}), "SRT_CPU_ISA": isa}, timeout=300)
+    return torch.load(tmp / "outs.pt")
 
 
 def op_under_isa(
     isa: str, op: str, args: list[torch.Tensor | int], tmp: Path, env: dict[str, str] | None = None
 ) -> torch.Tensor:
-    """``torch.ops.srt_cpu.<op>(*args)`` in a fresh process under ``SRT_CPU_ISA=isa`` (the ISA is
-    fixed per process), for checks that every ISA branch gives the same bits; ``env`` adds other
-    variables the kernels read once per process (tuning knobs)."""
-    argv = [sys.executable, "-c", _OP_UNDER_ISA, op, str(tmp / "out.npy")]
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            np.save(tmp / f"arg{i}.npy", a.numpy())
-            argv.append(f"t:{tmp / f'arg{i}.npy'}")
-        else:
-            argv.append(f"i:{int(a)}")
-    subprocess.run(argv, check=True, env={**os.environ, **(env or {}), "SRT_CPU_ISA": isa}, timeout=300)
-    return torch.from_numpy(np.load(tmp / "out.npy"))
+    """One call of ``ops_under_isa``."""
+    return ops_under_isa(isa, op, [args], tmp, env)[0]

@@ -290,16 +290,17 @@ def test_x8_gives_the_same_bits_on_every_isa(qtype, tmp_path):
     (M >= 13) 12-row tiles of 16 lanes; per lane the operations are those of the AVX2 code, so
     SRT_CPU_ISA=avx2 gives the same bits (an odd group count exercises the single-group tail,
     M = 40 and 300 a short last tile)."""
-    from tests.helpers.isa import isa_available, op_under_isa, skip_reason
+    from tests.helpers.isa import isa_available, ops_under_isa, skip_reason
 
     if not isa_available("avx512"):
         pytest.skip(skip_reason("avx512"))
     k, n = cols_for(qtype), 8 * 9 + 3
     packed = gguf.pack_x8(random_blocks(n, k, qtype, seed=qtype), qtype)
-    for m in (1, 3, 5, 6, 7, 9, 12, 13, 40, 300):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        here = gguf.quant_linear_x8(x, packed, qtype, n)
-        assert torch.equal(here, op_under_isa("avx2", "gguf_linear_x8", [x, packed, qtype, n], tmp_path)), m
+    ms = (1, 3, 5, 6, 7, 9, 12, 13, 40, 300)
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in ms]
+    there = ops_under_isa("avx2", "gguf_linear_x8", [[x, packed, qtype, n] for x in xs], tmp_path)
+    for m, x, avx2 in zip(ms, xs, there):
+        assert torch.equal(gguf.quant_linear_x8(x, packed, qtype, n), avx2), m
 
 
 @needs_x8

