@@ -44,7 +44,7 @@ browser:
 	command -v chromedriver >/dev/null 2>&1 || echo "no chromium/chromedriver: the browser tests will be skipped"
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 serve: setup
 	$(PY) -m srt.launch_server $(SERVE_ARGS)

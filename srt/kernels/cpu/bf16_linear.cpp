@@ -39,28 +39,10 @@
 #include "cpu_ops.h"
 #include "vec.h"
 
-#if SRT_CPU_X86
-#include <cpuid.h>
-#endif
-
 namespace srt_cpu {
 namespace {
 
 constexpr int64_t kBrgemmMB = 64;  // rows a brgemm call
-
-// AMX-BF16 tiles (CPUID leaf 7, EDX bit 22): oneDNN's brgemm runs on them (it asks the kernel for
-// the tile state itself, and falls back to AVX512-BF16 where it may not use them)
-bool cpu_has_amx_bf16() {
-#if SRT_CPU_X86
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u);
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
 
 // Without AMX, srt's vdpbf16ps tiles beat the brgemm at every row count measured (1-256 rows, 1.5x
 // from 16 rows on an AMD Zen 5): brgemm only where the CPU has AMX, from kAmxBrgemmRows rows, unless
@@ -71,7 +53,7 @@ constexpr int64_t kNever = INT64_MAX;
 
 int64_t brgemm_rows_from_env() {
   const char* env = std::getenv("SRT_BF16_BRGEMM_M");
-  if (env == nullptr || env[0] == '\0') return cpu_has_amx_bf16() ? kAmxBrgemmRows : kNever;
+  if (env == nullptr || env[0] == '\0') return cpu_has_amx(kAmxBf16) ? kAmxBrgemmRows : kNever;
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
   TORCH_CHECK(end != env && *end == '\0' && v >= 0, "SRT_BF16_BRGEMM_M must be an integer >= 0, got '", env, "'");

@@ -24,6 +24,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define SRT_CPU_X86 1
 #else
@@ -67,6 +68,25 @@ inline CpuIsa hardware_isa() {
   return isa;
 #else
   return CpuIsa::kScalar;
+#endif
+}
+
+// AMX features as CPUID leaf 7 reports them in EDX (AMX-BF16 bit 22, AMX-TILE 24, AMX-INT8 25),
+// read once: true when the CPU has every one of `features`. What the CPU reports only; whether the
+// OS lets this process use the tiles is checked where they are used (oneDNN asks the kernel for
+// the tile state, and the Python side probes the tiles in a child process).
+enum AmxFeature : unsigned { kAmxBf16 = 1u << 22, kAmxTile = 1u << 24, kAmxInt8 = 1u << 25 };
+
+inline bool cpu_has_amx(unsigned features) {
+#if SRT_CPU_X86
+  static const unsigned edx = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) ? d : 0u;
+  }();
+  return (edx & features) == features;
+#else
+  (void)features;
+  return false;
 #endif
 }
 

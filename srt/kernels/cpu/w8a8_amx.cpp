@@ -29,10 +29,6 @@
 #include "gguf_simple_rows.h"
 #include "w8a8_codes.h"
 
-#if SRT_CPU_X86
-#include <cpuid.h>
-#endif
-
 namespace srt_cpu {
 namespace {
 
@@ -118,10 +114,7 @@ void dots_few(int64_t rows, const int8_t* codes, int64_t K, const int8_t* q, int
 
 bool w8a8_amx_available() {
 #if SRT_CPU_X86
-  static const bool tiles = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u) && ((d >> 25) & 1u);  // AMX-TILE, -INT8
-  }();
+  const bool tiles = cpu_has_amx(kAmxTile | kAmxInt8);
   // read each time: the bf16 probe sets the cap in this process when the tiles trap
   const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
   const bool capped = cap != nullptr && cap[0] != '\0' && std::strstr(cap, "AMX") == nullptr &&
