@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -143,8 +144,6 @@ def _save_float_copy(model, folder: Path) -> None:
     try:
         os.replace(tmp, folder)
     except OSError:  # another process got there first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
 
 
