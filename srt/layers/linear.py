@@ -108,6 +108,16 @@ class Linear(nn.Module):
         out = self._base_forward(x)
         return out if self.lora is None else self.lora(x, out)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` for a gate/up layer in one pass where the backend has one
+        (``LinearBackend.apply_silu_mul``) and nothing else touches the output (no LoRA, quantized
+        weight, token quantization or output scale); else None: call the layer, then the activation."""
+        if self.lora is not None or self.qweight is not None or self.token_quant is not None:
+            return None
+        if self.output_scale is not None:
+            return None
+        return self.linear_backend.apply_silu_mul(x, self.weight, self.bias, self.packed_weight)
+
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_quant is not None and not (self.qweight is not None and self.qweight.token_int8):
             x = fake_quant_rows(x, self.token_quant)  # else the int8 kernel quantizes x itself

@@ -80,6 +80,14 @@ class LinearBackend(ABC):
         after loading), or None: the default has no packed form."""
         return None
 
+    def apply_silu_mul(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor | None:
+        """``silu_and_mul(apply(x, weight, bias, packed))`` for a gate/up weight (gate rows first)
+        in one pass, ``[..., out / 2]``, the same values; None where the backend has no such pass
+        (the default): apply, then the activation."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -218,6 +226,20 @@ class NativeLinear(LinearBackend):
             b32 = None if bias is None else bias.float().contiguous()
             out = torch.ops.srt_cpu.packed_linear(x2.float(), packed, weight.shape[0], b32)
         return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    def apply_silu_mul(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor | None:
+        """bf16 packed weights and activations: ``torch.ops.srt_cpu.bf16_linear_silu_mul`` (on the
+        brgemm path each gate panel's sums meet their up panel's before they are stored)."""
+        if packed is None or packed.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+            return None
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        out = torch.ops.srt_cpu.bf16_linear_silu_mul(
+            x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias
+        )
+        return out.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def _native_or_fallback(weight_dtype: torch.dtype | None) -> LinearBackend:

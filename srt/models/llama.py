@@ -87,12 +87,18 @@ class LlamaMLP(nn.Module):
         rows = mlp_chunk_rows(self.gate_up_proj.out_features, x.element_size())
         lora = self.gate_up_proj.lora is not None or self.down_proj.lora is not None  # rows as one batch
         if x.dim() != 2 or x.shape[0] <= rows or lora:
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+            return self.down_proj(self._activated(x))
         out = x.new_empty(x.shape[0], self.down_proj.out_features)
         for start in range(0, x.shape[0], rows):
             part = x[start : start + rows]
-            out[start : start + rows] = self.down_proj(self.act_fn(self.gate_up_proj(part)))
+            out[start : start + rows] = self.down_proj(self._activated(part))
         return out
+
+    def _activated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: one pass where the linear backend fuses SiLU into the gate/up matmul."""
+        if type(self.act_fn) is SiluAndMul and (out := self.gate_up_proj.silu_and_mul(x)) is not None:
+            return out
+        return self.act_fn(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):

@@ -204,3 +204,60 @@ def test_tied_embedding_reads_its_rows_from_the_bf16_head():
         other.weight.copy_(plain.roll(1, 0))
     with pytest.raises(ValueError, match="does not hold"):
         other.read_rows_from(torch.ops.srt_cpu.pack_bf16_weight(plain))
+
+
+# ---------------------------------------------------------------- gate/up with SiLU in one pass
+@pytest.mark.parametrize(
+    "m,k,d,with_bias",
+    [
+        (300, 256, 96, False),  # brgemm (where the CPU takes it): chunks of 256 + 44 rows, 3 unit panels
+        (70, 3400, 64, True),  # k split into blocks summed in float32, a bias on gate and up
+        (65, 128, 32, True),  # one 64-row block and a row
+        (5, 128, 64, False),  # under the brgemm rows: the two ops
+        (40, 64, 48, True),  # d not a multiple of the 32-column panel: the two ops
+        (0, 64, 32, False),
+    ],
+)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+def test_gate_up_with_silu_is_silu_and_mul_of_the_linear(m, k, d, with_bias, x_dtype):
+    """``bf16_linear_silu_mul`` gives the bits of ``silu_and_mul(bf16_linear(...))``: fused (the
+    brgemm path, each gate panel's float32 sums rounded as the separate ops round the stored output)
+    or not; and the separate ops are near silu(gate) * up in float64."""
+    x, w, bias = _data(m, k, 2 * d, seed=m + k + d)
+    x, bias = x.to(x_dtype), (bias.bfloat16() if with_bias else None)
+    packed = torch.ops.srt_cpu.pack_bf16_weight(w)
+    ops = torch.ops.srt_cpu
+    want = ops.silu_and_mul(ops.bf16_linear(x, packed, 2 * d, bias, ""))
+    got = ops.bf16_linear_silu_mul(x, packed, 2 * d, bias)
+    assert got.shape == (m, d) and got.dtype == x_dtype
+    assert torch.equal(got, want)
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    ref = F.silu(ref[:, :d]) * ref[:, d:]
+    if m:  # each of gate and up within 2^-8 of its magnitude, silu and the product rounded to bf16
+        assert float((got.double() - ref).abs().max()) <= 2.0**-6 * float(ref.abs().max())
+
+
+def test_llama_mlp_takes_the_fused_gate_up():
+    """A bf16 MLP on the native backend gives the same bits through the one-pass gate/up as through
+    the layer and the activation, whole or in row chunks."""
+    from srt.models import llama
+
+    backend = create_linear_backend("native")
+    mlp = llama.LlamaMLP(64, 96, False, torch.bfloat16, backend)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for lin in (mlp.gate_up_proj, mlp.down_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g).bfloat16() * 0.1)
+            lin.prepare_weights()
+    x = torch.randn(600, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        fused = mlp(x)
+        assert mlp.gate_up_proj.silu_and_mul(x) is not None
+        separate = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
+        old = llama.MLP_CHUNK_BYTES
+        try:
+            llama.MLP_CHUNK_BYTES = 256 * 192 * 2  # chunks of 256 rows
+            chunked = mlp(x)
+        finally:
+            llama.MLP_CHUNK_BYTES = old
+    assert torch.equal(fused, separate) and torch.equal(chunked, separate)

@@ -7,6 +7,10 @@
 //       past N. A float32 weight is rounded to bf16 (exact for a bf16 checkpoint). An odd K (no
 //       model has one) is refused: x's K must then equal the weight's exactly.
 //   bf16_linear(x [M, K] bf16 or float32, packed, N, bias [N]?, isa = "") -> out [M, N], x's dtype
+//   bf16_linear_silu_mul(x, packed, N, bias?) -> [M, N / 2]: silu_and_mul of bf16_linear's output (a
+//       gate/up weight, gate rows first), the same bits; on the brgemm path with N / 2 a multiple of
+//       32 in one pass (each gate panel with its up panel, the activation applied as the sums are
+//       stored), else the two ops one after the other.
 //
 // The paths (`isa`: "" picks, or one named to test it):
 //   "brgemm"       x bf16, at least bf16_brgemm_rows() rows, a CPU with AMX-BF16 (6 rows; never
@@ -142,9 +146,14 @@ constexpr int64_t kBrgemmMinChunk = 256;
 constexpr int64_t kBrgemmGroup = 4;
 
 // x bf16, K even: one brgemm per (panel, block of kBrgemmMB rows, block of k), float32 into a
-// buffer, then bias and the rounding to bf16.
-void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& out) {
+// buffer, then bias and the rounding to bf16. silu_mul (a gate/up weight, gate rows first, d = N / 2
+// a multiple of kNR): a task's unit is gate panel p with up panel p + P / 2, and the output, [M, d],
+// silu_and_mul of the two (silu_mul_f32_bf16), so the gate/up output never goes to memory.
+void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& out,
+                bool silu_mul = false) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kh = packed.size(1);
+  const int64_t units = silu_mul ? P / 2 : P, group = silu_mul ? kBrgemmGroup / 2 : kBrgemmGroup;
+  const int64_t ldo = out.size(1);
   const at::BFloat16* xa = x.data_ptr<at::BFloat16>();
   const int64_t lda = x.stride(0);
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
@@ -154,25 +163,44 @@ void run_brgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
   const int64_t Mc = std::min(M, std::max(kBrgemmMB, kBrgemmXBytes / (2 * kb) / kBrgemmMB * kBrgemmMB));
   const bool split = kb < K;  // the sums of a chunk live in `acc` across the blocks of k
   std::vector<float> acc(split ? Mc * P * kNR : 0);
-  const int64_t groups = (P + kBrgemmGroup - 1) / kBrgemmGroup;
+  const int64_t groups = (units + group - 1) / group;
   for (int64_t c0 = 0; c0 < M; c0 += Mc) {
     const int64_t mc = std::min(Mc, M - c0), MB = (mc + kBrgemmMB - 1) / kBrgemmMB;
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
       const int64_t kc = std::min(kb, K - k0);
       const bool last = k0 + kc == K;
       at::parallel_for(0, groups * MB, 1, [&](int64_t t0, int64_t t1) {
-        alignas(64) float cbuf[kBrgemmMB * kNR];
+        alignas(64) float cbuf[2][kBrgemmMB * kNR];
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t mi = (t % MB) * kBrgemmMB, m0 = c0 + mi, rows = std::min(kBrgemmMB, mc - mi);
-          const int64_t p0 = (t / MB) * kBrgemmGroup, p1 = std::min(P, p0 + kBrgemmGroup);
-          for (int64_t p = p0; p < p1; ++p) {
-            float* c = split ? acc.data() + (p * Mc + mi) * kNR : cbuf;
-            at::native::cpublas::brgemm(rows, kNR, kc, lda, kNR, kNR, k0 > 0, xa + m0 * lda + k0,
-                                        w + p * Kh * kNR * 2 + k0 * kNR, c, true);
+          const int64_t u0 = (t / MB) * group, u1 = std::min(units, u0 + group);
+          for (int64_t u = u0; u < u1; ++u) {
+            float* c[2];
+            for (int h = 0; h < 1 + silu_mul; ++h) {  // the unit's panels: p, and p + units (its up panel)
+              const int64_t p = u + h * units;
+              c[h] = split ? acc.data() + (p * Mc + mi) * kNR : cbuf[h];
+              at::native::cpublas::brgemm(rows, kNR, kc, lda, kNR, kNR, k0 > 0, xa + m0 * lda + k0,
+                                          w + p * Kh * kNR * 2 + k0 * kNR, c[h], true);
+            }
             if (!last) continue;
-            const int64_t cols = std::min(kNR, N - p * kNR);
-            for (int64_t i = 0; i < rows; ++i)
-              store_row(c + i * kNR, bias != nullptr ? bias + p * kNR : nullptr, cols, o + (m0 + i) * N + p * kNR);
+            const int64_t cols = std::min(kNR, ldo - u * kNR);
+            at::BFloat16* orow = o + m0 * ldo + u * kNR;
+            if (!silu_mul) {
+              for (int64_t i = 0; i < rows; ++i)
+                store_row(c[0] + i * kNR, bias != nullptr ? bias + u * kNR : nullptr, cols, orow + i * ldo);
+              continue;
+            }
+            for (int64_t i = 0; i < rows; ++i) {
+              float* g = c[0] + i * kNR;
+              float* up = c[1] + i * kNR;
+              if (bias != nullptr) {
+                for (int64_t j = 0; j < kNR; ++j) {
+                  g[j] += bias[u * kNR + j];
+                  up[j] += bias[(u + units) * kNR + j];
+                }
+              }
+              silu_mul_f32_bf16(g, up, orow + i * ldo, kNR);
+            }
           }
         }
         at::native::cpublas::brgemm_release(true);
@@ -233,6 +261,27 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(N % 2 == 0, "bf16_linear_silu_mul: N (gate and up rows) must be even, got ", N);
+  const bool fused = x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                     (N / 2) % kNR == 0 && packed.dim() == 4 && packed.size(0) * kNR == N &&
+                     pick_path("bf16_linear", "", true, x.size(0), bf16_brgemm_rows(), true) == Bf16Path::kBrgemm;
+  if (!fused || x.size(0) == 0 || x.size(1) == 0) return silu_and_mul(bf16_linear(x, packed, N, bias, ""));
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(2) == kNR &&
+                  x.size(1) == 2 * packed.size(1),
+              "bf16_linear_silu_mul: packed must come from pack_bf16_weight for x's ", x.size(1), " columns");
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bf16_linear_silu_mul: bias must have ", N, " elements, got ", bias->numel());
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({x.size(0), N / 2}, x.options());
+  run_brgemm(xc, packed, N, b32.defined() ? b32.data_ptr<float>() : nullptr, out, true);
+  return out;
+}
+
 std::string bf16_linear_path(int64_t M, bool x_bf16) {
   return path_name(pick_path("bf16_linear", "", x_bf16, M, bf16_brgemm_rows(), true));
 }
@@ -242,12 +291,17 @@ at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, c
                             c10::string_view) {
   return at::empty({x.size(0), N}, x.options());
 }
+at::Tensor bf16_linear_silu_mul_meta(const at::Tensor& x, const at::Tensor&, int64_t N,
+                                     const c10::optional<at::Tensor>&) {
+  return at::empty({x.size(0), N / 2}, x.options());
+}
 }  // namespace
 }  // namespace srt_cpu
 
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("pack_bf16_weight(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, str isa=\"\") -> Tensor");
+  m.def("bf16_linear_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("bf16_linear_path(int m, bool x_bf16) -> str", &srt_cpu::bf16_linear_path);
   m.def("bf16_brgemm_rows() -> int", &srt_cpu::bf16_brgemm_rows);
 }
@@ -255,6 +309,10 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("pack_bf16_weight", &srt_cpu::pack_bf16_weight);
   m.impl("bf16_linear", &srt_cpu::bf16_linear);
+  m.impl("bf16_linear_silu_mul", &srt_cpu::bf16_linear_silu_mul);
 }
 
-TORCH_LIBRARY_IMPL(srt_cpu, Meta, m) { m.impl("bf16_linear", &srt_cpu::bf16_linear_meta); }
+TORCH_LIBRARY_IMPL(srt_cpu, Meta, m) {
+  m.impl("bf16_linear", &srt_cpu::bf16_linear_meta);
+  m.impl("bf16_linear_silu_mul", &srt_cpu::bf16_linear_silu_mul_meta);
+}

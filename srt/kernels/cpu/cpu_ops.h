@@ -38,6 +38,10 @@ inline CpuIsa requested_isa(const char* op, c10::string_view requested) {
 at::Tensor pack_bf16_weight(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                        c10::string_view isa);
+// bf16_linear.cpp: silu(x @ gate^T) * (x @ up^T) for a gate/up weight packed as one [2d, K], gate rows
+// first: the same bits as silu_and_mul(bf16_linear(x, packed, N, bias)), fused where it can be
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                const c10::optional<at::Tensor>& bias);
 // bf16_linear.cpp: from how many rows a bf16 x goes through brgemm (SRT_BF16_BRGEMM_M, default 16)
 int64_t bf16_brgemm_rows();
 // fp8_linear.cpp: FP8 (e4m3) codes kept in one byte ([P, K/2, 64] uint8), widened to bf16 panels in
@@ -57,6 +61,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
 
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
+// out[j] = silu_and_mul's bf16 value for gate g[j] and up u[j] each rounded to bf16 first, j < n
+void silu_mul_f32_bf16(const float* g, const float* u, at::BFloat16* out, int64_t n);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin,
                   int64_t head_dim);

@@ -45,12 +45,13 @@ struct RowFns {
   decltype(&scalar::silu_and_mul_rows_bf16) silu_and_mul_bf16;
   decltype(&scalar::add_rms_norm_rows_bf16) add_rms_norm_bf16;
   decltype(&scalar::rotary_rows_bf16) rotary_bf16;
+  decltype(&scalar::silu_mul_f32_bf16) silu_mul_f32_bf16;
 };
 
 #define SRT_ROW_FNS(ns)                                                                                     \
   RowFns {                                                                                                  \
     &ns::silu_and_mul_rows, &ns::add_rms_norm_rows, &ns::rotary_rows, &ns::silu_and_mul_rows_bf16,        \
-        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16                                                  \
+        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16, &ns::silu_mul_f32_bf16                          \
   }
 
 const RowFns& row_fns() {
@@ -81,6 +82,10 @@ T* raw(const at::Tensor& t) {
 }
 
 }  // namespace
+
+void silu_mul_f32_bf16(const float* g, const float* u, at::BFloat16* out, int64_t n) {
+  row_fns().silu_mul_f32_bf16(g, u, reinterpret_cast<uint16_t*>(out), n);
+}
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x", "silu_and_mul");

@@ -112,6 +112,23 @@ SRT_ISA_TARGET void silu_and_mul_rows_bf16(const uint16_t* x, int64_t xs, uint16
   }
 }
 
+// o[j] = silu_and_mul_rows_bf16's value for the gate g[j] and up u[j] rounded to bf16 first (a fused
+// gate/up projection's float32 sums, bf16_linear_silu_mul): the same bits as rounding them, then that
+SRT_ISA_TARGET void silu_mul_f32_bf16(const float* g, const float* u, uint16_t* o, int64_t n) {
+  const V::reg one = V::set1(1.f), neg = V::set1(-1.f);
+  int64_t j = 0;
+  for (; j + V::W <= n; j += V::W) {
+    const V::reg gv = V::round_bf16(V::load(g + j));
+    const V::reg s = V::round_bf16(V::div(gv, V::add(one, V::exp(V::mul(gv, neg)))));
+    V::store_bf16(o + j, V::mul(s, V::round_bf16(V::load(u + j))));
+  }
+  for (; j < n; ++j) {
+    const float gj = VecScalar::round_bf16(g[j]);
+    const float s = VecScalar::round_bf16(gj / (1.f + std::exp(-gj)));
+    o[j] = float_to_bf16_bits(s * VecScalar::round_bf16(u[j]));
+  }
+}
+
 // r += x (rounded; x null: r as it is, not written), then
 // o = round(round(r * rsqrt(mean(r^2) + eps)) * w); o [T, h] contiguous
 SRT_ISA_TARGET void add_rms_norm_rows_bf16(const uint16_t* x, int64_t xs, uint16_t* r, int64_t rs, const uint16_t* w,
