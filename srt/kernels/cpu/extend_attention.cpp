@@ -17,7 +17,8 @@
 //   Keys no query of a sequence sees (before its first query's window) are never transposed or read.
 //
 // D must be a multiple of 64 (every ISA's key block; the Python caller falls back to SDPA
-// otherwise). Per call, each (sequence, KV head)'s K is transposed once to [D][keys]; then work
+// otherwise). Per call, each (sequence, KV head)'s K is transposed once to blocks of 64 keys, each
+// [D][64] (contiguous, so a block's rows never share L1 sets as a long [D][keys]'s do); then work
 // items of up to RT query rows of one head (extend_attention_kernel.h) run on torch's threads,
 // taken longest first from a shared counter (the causal mask makes late rows the costly ones).
 #include <ATen/ATen.h>
@@ -43,7 +44,7 @@
 namespace srt_cpu {
 namespace {
 
-using RowsFn = void (*)(int, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+using RowsFn = void (*)(int, const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
                         int64_t, float, float, float*, int64_t, float*, float*);
 
 struct Impl {
@@ -108,7 +109,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0 || D == 0) return out;
-  // every sequence's K, per KV head, as [D][keys padded to kPad] (zeros past the last key)
+  // every sequence's K, per KV head, as blocks of kPad keys [D][kPad] (zeros past the last key)
   // (in chunks of kPad keys: enough pieces to share among the threads)
   std::vector<float> kt(static_cast<size_t>(kt_off[B]));  // every slot written below
   // the first key sequence b's queries see (its first query's window), rounded down to a chunk
@@ -126,11 +127,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t i = i0; i < i1; ++i) {
       const auto [b, hk, t0] = chunks[i];
       const int64_t pad = (ss[b] + kPad - 1) / kPad * kPad, n = std::min(kPad, ss[b] - t0);
-      float* dst = kt.data() + kt_off[b] + hk * D * pad + t0;
-      for (int64_t d = 0; d < D; ++d) std::fill(dst + d * pad + n, dst + d * pad + kPad, 0.f);
+      float* dst = kt.data() + kt_off[b] + hk * D * pad + t0 * D;  // block t0 / kPad
+      for (int64_t d = 0; d < D; ++d) std::fill(dst + d * kPad + n, dst + (d + 1) * kPad, 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const float* src = kp + (ks[b] + t0 + t) * k.stride(0) + hk * k.stride(1);
-        for (int64_t d = 0; d < D; ++d) dst[d * pad + t] = src[d];
+        for (int64_t d = 0; d < D; ++d) dst[d * kPad + t] = src[d];
       }
     }
   });
@@ -158,7 +159,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int R = static_cast<int>(std::min<int64_t>(impl.rt, es[b] - it.j0));
       const int64_t pad = (ss[b] + kPad - 1) / kPad * kPad;
       impl.rows(R, qp + (qs[b] + it.j0) * q.stride(0) + h * q.stride(1), q.stride(0),
-                kt.data() + kt_off[b] + hk * D * pad, pad, vp + ks[b] * v.stride(0) + hk * v.stride(1), v.stride(0), D,
+                kt.data() + kt_off[b] + hk * D * pad, vp + ks[b] * v.stride(0) + hk * v.stride(1), v.stride(0), D,
                 prefix + it.j0, window_left, static_cast<float>(scale), static_cast<float>(logit_cap),
                 op + ((qs[b] + it.j0) * H + h) * D, H * D, scratch.data(), scratch.data() + impl.rt * kPad);
     }

@@ -9,8 +9,8 @@
 //   scaled, soft-capped (cap > 0: cap * tanh(s / cap)), masked (key t visible to row r iff
 //   lo_r <= t <= lim_r, lo_r = lim_r - window_left with a window, else 0), online softmax per row
 //   O [R, D]  += P [R, kb] @ V[t0 .. t0 + kb)    the same tile, V's rows streamed, D in KB chunks
-// Kt is the sequence's K for one KV head transposed to [D][keys] (zero past the last key), built
-// once per call by the caller, so both products are plain register-tiled GEMMs. Blocks wholly
+// Kt is the sequence's K for one KV head transposed to blocks of kKeyBlock keys, [D][kKeyBlock] each
+// (zero past the last key), built once per call by the caller, so both products are plain register-tiled GEMMs. Blocks wholly
 // before the first row's window are skipped, not masked.
 
 namespace srt_cpu {
@@ -22,6 +22,8 @@ constexpr int W = Vec::W;
 constexpr int NV = 4;                                      // vectors per tile row
 constexpr int KB = NV * W;                                 // keys per block (and D per PV pass)
 constexpr int RT = W == 16 ? 6 : (W == 8 ? 3 : 4);         // rows per tile (R x NV accumulators)
+constexpr int64_t kKeyBlock = 64;                          // keys a block of the transposed K
+static_assert(kKeyBlock % KB == 0, "a key block holds whole blocks of the tile");
 
 // c[r][0 .. KB) = (acc ? c : 0) + sum_{k < kc} a[r * lda + k] * b[k * ldb + 0 .. KB), r < R
 template <int R>
@@ -67,11 +69,12 @@ SRT_ISA_TARGET inline void softcap_block(float* s, float cap) {
   }
 }
 
-// One work item (see the top). q: the first row's query (row stride q_stride); kt: [D][kt_stride]
-// for the item's KV head; v: key 0's V row of that head (row stride v_stride); lim0: the last key
+// One work item (see the top). q: the first row's query (row stride q_stride); kt: the item's KV
+// head's K as blocks of kKeyBlock keys, each [D][kKeyBlock] (a block's rows contiguous: a long
+// [D][keys] would put its rows a multiple of 4 KiB apart, in the same L1 sets); v: key 0's V row of that head (row stride v_stride); lim0: the last key
 // row 0 sees (rows r see keys 0 .. lim0 + r; with window >= 0, lim0 + r - window .. lim0 + r);
 // cap: the soft-cap (0: none); out: row stride out_stride. Scratch: s [RT * KB], o [RT * D].
-SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, int64_t kt_stride, const float* v,
+SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, const float* v,
                          int64_t v_stride, int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
                          int64_t out_stride, float* s, float* o) {
   float m[RT], l[RT];
@@ -85,7 +88,7 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
   const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
   for (int64_t t0 = first; t0 < n_keys; t0 += KB) {
     const int64_t kb = std::min<int64_t>(KB, n_keys - t0);
-    tile(R, q, q_stride, kt + t0, kt_stride, D, s, KB, false);
+    tile(R, q, q_stride, kt + t0 / kKeyBlock * D * kKeyBlock + t0 % kKeyBlock, kKeyBlock, D, s, KB, false);
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * KB;
       // the keys of this block row r sees: lo .. valid - 1
