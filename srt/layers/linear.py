@@ -112,9 +112,8 @@ class Linear(nn.Module):
         """``silu_and_mul(self(x))`` for a gate/up layer in one pass where the backend has one
         (``LinearBackend.apply_silu_mul``) and nothing else touches the output (no LoRA, quantized
         weight, token quantization or output scale); else None: call the layer, then the activation."""
-        if self.lora is not None or self.qweight is not None or self.token_quant is not None:
-            return None
-        if self.output_scale is not None:
+        altered = (self.lora, self.qweight, self.token_quant, self.output_scale)
+        if any(a is not None for a in altered):
             return None
         return self.linear_backend.apply_silu_mul(x, self.weight, self.bias, self.packed_weight)
 

@@ -239,11 +239,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(K == 2 * packed.size(1), "bf16_linear: x has ", K, " columns, the packed weight ", 2 * packed.size(1));
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "bf16_linear: N = ", N, " does not match ", P, " panels of ", kNR);
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "bf16_linear: bias must have ", N, " elements, got ", bias->numel());
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b32 = float32_bias("bf16_linear", bias, N);
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
   const Bf16Path path = pick_path("bf16_linear", isa, x_bf16, M, bf16_brgemm_rows(), true);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
@@ -271,11 +267,7 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(2) == kNR &&
                   x.size(1) == 2 * packed.size(1),
               "bf16_linear_silu_mul: packed must come from pack_bf16_weight for x's ", x.size(1), " columns");
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "bf16_linear_silu_mul: bias must have ", N, " elements, got ", bias->numel());
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b32 = float32_bias("bf16_linear_silu_mul", bias, N);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({x.size(0), N / 2}, x.options());
   run_brgemm(xc, packed, N, b32.defined() ? b32.data_ptr<float>() : nullptr, out, true);

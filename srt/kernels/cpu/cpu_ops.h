@@ -174,4 +174,11 @@ inline const float* checked_bias(const char* op, const c10::optional<at::Tensor>
   return bias->data_ptr<float>();
 }
 
+// the bias as n contiguous float32 values, whatever its float dtype (undefined when absent)
+inline at::Tensor float32_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == n, op, ": bias must have ", n, " elements, got ", bias->numel());
+  return bias->to(at::kFloat).contiguous();
+}
+
 }  // namespace srt_cpu

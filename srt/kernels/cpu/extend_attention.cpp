@@ -99,7 +99,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const std::vector<int64_t> qs = to_vector(q_starts, B, "q_starts"), ks = to_vector(kv_starts, B, "kv_starts"),
                              es = to_vector(extend_lens, B, "extend_lens"), ss = to_vector(seq_lens, B, "seq_lens");
   const Impl impl = pick(isa);
-  constexpr int64_t kPad = 64;  // keys: a multiple of every ISA's block
+  constexpr int64_t kPad = scalar::kKeyBlock;  // keys: the transposed K's block, every ISA's
   std::vector<int64_t> kt_off(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(es[b] >= 0 && es[b] <= ss[b] && qs[b] >= 0 && qs[b] + es[b] <= T && ks[b] >= 0 && ks[b] + ss[b] <= N,

@@ -9,9 +9,9 @@
 //   scaled, soft-capped (cap > 0: cap * tanh(s / cap)), masked (key t visible to row r iff
 //   lo_r <= t <= lim_r, lo_r = lim_r - window_left with a window, else 0), online softmax per row
 //   O [R, D]  += P [R, kb] @ V[t0 .. t0 + kb)    the same tile, V's rows streamed, D in KB chunks
-// Kt is the sequence's K for one KV head transposed to blocks of kKeyBlock keys, [D][kKeyBlock] each
-// (zero past the last key), built once per call by the caller, so both products are plain register-tiled GEMMs. Blocks wholly
-// before the first row's window are skipped, not masked.
+// Kt is the sequence's K for one KV head transposed to blocks of kKeyBlock keys, [D][kKeyBlock]
+// each (zero past the last key), built once per call by the caller, so both products are plain
+// register-tiled GEMMs. Blocks wholly before the first row's window are skipped, not masked.
 
 namespace srt_cpu {
 namespace SRT_ISA_NS {
@@ -70,8 +70,9 @@ SRT_ISA_TARGET inline void softcap_block(float* s, float cap) {
 }
 
 // One work item (see the top). q: the first row's query (row stride q_stride); kt: the item's KV
-// head's K as blocks of kKeyBlock keys, each [D][kKeyBlock] (a block's rows contiguous: a long
-// [D][keys] would put its rows a multiple of 4 KiB apart, in the same L1 sets); v: key 0's V row of that head (row stride v_stride); lim0: the last key
+// head's K as blocks of kKeyBlock keys, each [D][kKeyBlock] (a block's rows contiguous: in one
+// long [D][keys] they lie a whole sequence's row apart, in few L1 sets); v: key 0's V row of that
+// head (row stride v_stride); lim0: the last key
 // row 0 sees (rows r see keys 0 .. lim0 + r; with window >= 0, lim0 + r - window .. lim0 + r);
 // cap: the soft-cap (0: none); out: row stride out_stride. Scratch: s [RT * KB], o [RT * D].
 SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, const float* v,

@@ -369,11 +369,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   const Fp8Layout lay = layout_of(packed, K);
   const int64_t P = lay.P;
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "fp8_linear: N = ", N, " does not match ", P, " panels of ", kNR);
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "fp8_linear: bias must have ", N, " elements, got ", bias->numel());
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b32 = float32_bias("fp8_linear", bias, N);
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
   const Bf16Path path = pick_path("fp8_linear", isa, x_bf16, M, 0, false);
   const bool vbmi = cpu_has_vbmi() && path >= Bf16Path::kAvx512;
