@@ -68,7 +68,8 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
         "auto",
         "Weight quantization. gguf: keep a GGUF file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others "
         "dequantized); compressed-tensors, awq, gptq: an int8 / int4 checkpoint's layers as GGUF blocks; "
-        "none: dequantize to --dtype at load. auto: the model's own on CPU in float32, else none.",
+        "none: dequantize to --dtype at load. auto: the model's own on CPU in float32 (a W8A8 "
+        "checkpoint's in bfloat16 too), else none.",
         ["auto", "gguf", "compressed-tensors", "awq", "gptq", "none"],
     )
     enable_int8_activations: bool = _f(

@@ -7,7 +7,9 @@ The dtype follows the checkpoint, as far as the CPU computes it fast:
     bfloat16 or float16                                       AVX2 only (or the bf16 probe failed)  float32
     float32, or none written                                  any                                  float32
     a GGUF file (the default model included)                  any                                  float32
-    quantized: int8 / int4 (compressed-tensors, AWQ, GPTQ)     any                                  float32
+    W8A8 (int8 weights and per-token int8 activations)        as its declared dtype above, and      bfloat16
+                                                              AVX-512 VNNI (srt's int8 kernel)
+    other int8 / int4 (W8A16, W4A16, AWQ, GPTQ)               any                                  float32
     FP8 (a scale a row, a tensor or a block)                   as its declared dtype above
 
 An FP8 checkpoint's codes are exact in bf16, so it is served like a checkpoint of its declared
@@ -16,6 +18,12 @@ cache where the CPU has AVX512-VBMI (srt's fp8 linear; a block's scale applied a
 bf16 weights transformers dequantizes to), in bf16 elsewhere; the scales of rows or tensors
 multiply the layers' outputs. With float32 activations a block-scaled checkpoint is dequantized to
 float32.
+
+A W8A8 checkpoint's layers quantize their inputs to int8 per token inside srt's int8 kernel, which
+takes and returns bf16 as it does float32 (the same codes from the widened rows), so such a
+checkpoint is served in its declared bf16 like any bf16 one: attention, norms and the KV cache in
+bf16 (the unquantized LM head and embeddings are the checkpoint's bf16). The weight-only schemes'
+kernels (GGUF blocks times float32 activations) keep float32.
 
 bfloat16 halves the weights' memory and the bytes each decoded token reads, and runs batched
 matmuls on the CPU's bf16 units (srt's bf16 linear: ``vdpbf16ps`` for a few rows, oneDNN's brgemm,
@@ -37,8 +45,9 @@ import json
 import logging
 import os
 
-from srt.configs.cpu_features import cpu_bf16_units
+from srt.configs.cpu_features import cpu_bf16_units, cpu_flags
 from srt.configs.quant_config import (
+    QuantScheme,
     UnsupportedQuantizationError,
     parse_quantization,
     read_quantization_config,
@@ -69,14 +78,15 @@ def checkpoint_dtype(model_path: str | None) -> str | None:
     return None
 
 
-def _fp8(qc: dict) -> bool:
-    """An FP8 checkpoint (its layers keep their float8 codes and scales). A config srt cannot serve
-    is not one (its error comes where the quantization is resolved)."""
+def _scheme(qc: dict | None) -> QuantScheme | None:
+    """The checkpoint's quantization scheme; None without one, or for a config srt cannot serve (its
+    error comes where the quantization is resolved)."""
+    if qc is None:
+        return None
     try:
-        scheme = parse_quantization(qc)
+        return parse_quantization(qc)
     except UnsupportedQuantizationError:
-        return False
-    return scheme.fp8
+        return None
 
 
 def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None) -> tuple[str, str]:
@@ -85,20 +95,24 @@ def resolve_cpu_dtype(model_path: str | None, load_format: str, bf16_usable=None
     if load_format == "gguf" or (model_path or "").endswith(".gguf") or not model_path:
         return "float32", "GGUF weights run on their own kernels with float32 activations"
     qc = read_quantization_config(model_path)
-    fp8 = qc is not None and _fp8(qc)
-    if qc is not None and not fp8:
+    scheme = _scheme(qc)
+    fp8 = scheme is not None and scheme.fp8
+    w8a8 = scheme is not None and scheme.w8a8
+    if qc is not None and not (fp8 or w8a8):
         return (
             "float32",
             "the checkpoint's quantized layers run on srt's GGUF-block kernels with float32 activations",
         )
     declared = checkpoint_dtype(model_path)
-    if fp8:  # FP8 codes are exact in bf16: served like a checkpoint of its declared dtype
-        declared = f"{declared} (FP8 codes and scales)" if declared in _HALF else declared
+    if (fp8 or w8a8) and declared in _HALF:  # served like a checkpoint of its declared dtype
+        declared = f"{declared} ({'FP8 codes and scales' if fp8 else 'W8A8'})"
     if declared is None or not declared.startswith(_HALF):
         return "float32", f"the checkpoint is {declared or 'float32 (no dtype declared)'}"
     units = cpu_bf16_units()
     if units is None:
         return "float32", f"the checkpoint is {declared} but this CPU has no bf16 arithmetic (AVX2 only)"
+    if w8a8 and "avx512_vnni" not in cpu_flags():
+        return "float32", f"the checkpoint is {declared} but this CPU has no AVX-512 VNNI for the int8 kernel"
     if bf16_usable is None:
         from srt.configs.bf16_probe import cpu_bf16_usable as bf16_usable
     if not bf16_usable():

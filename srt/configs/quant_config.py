@@ -75,6 +75,12 @@ class QuantScheme:
         return self.format in _FP8_FORMATS or self.method == FP8
 
     @property
+    def w8a8(self) -> bool:
+        """int8 weights times activations quantized to int8 per token: srt's int8 kernel, which takes
+        float32 or bf16 rows."""
+        return not self.fp8 and self.token_quant == "int8"
+
+    @property
     def name(self) -> str:
         if self.fp8:
             return "FP8_DYNAMIC" if self.token_quant else "FP8 weights"
@@ -104,8 +110,9 @@ def resolve_quantization(
 ) -> str:
     """``--quantization`` resolved (``dtype`` is resolved already): auto is gguf for a GGUF model on
     CPU in float32, the checkpoint's method (compressed-tensors, awq, gptq) for an int8 / int4
-    checkpoint on CPU in float32 (its quantized layers on srt's GGUF-block kernels), else none (a
-    quantized checkpoint then dequantized at load).
+    checkpoint on CPU in float32, or a W8A8 one in bf16 too (its quantized layers on srt's
+    GGUF-block kernels; W8A8's on the int8 kernel, which takes bf16 rows), else none (a quantized
+    checkpoint then dequantized at load).
     ``ConfigError`` for a choice that does not fit the model, ``UnsupportedQuantizationError`` for
     a quantized checkpoint srt does not serve."""
     gguf_model = load_format == "gguf" or (
@@ -114,10 +121,13 @@ def resolve_quantization(
     qc = None if gguf_model else read_quantization_config(model_path)
     scheme = None if qc is None else parse_quantization(qc)
     cpu_float32 = device == "cpu" and dtype == "float32"
+    blocks_fit = cpu_float32 or (
+        device == "cpu" and dtype == "bfloat16" and scheme is not None and scheme.w8a8
+    )
     if requested == "auto":
         if gguf_model and cpu_float32:
             return "gguf"
-        if scheme is not None and cpu_float32 and not scheme.fp8:
+        if scheme is not None and blocks_fit and not scheme.fp8:
             _check_kept(scheme)
             return scheme.method
         if (
@@ -142,10 +152,10 @@ def resolve_quantization(
             f"--quantization {requested} needs a checkpoint with that quant_method, int8 or int4 (FP8 "
             "checkpoints are dequantized at load: --quantization none)."
         )
-    if requested != "none" and keeps_blocks(requested) and not cpu_float32:
+    if requested != "none" and keeps_blocks(requested) and not blocks_fit:
         raise ConfigError(
-            f"--quantization {requested} runs on CPU with float32 activations (--device cpu --dtype float32); "
-            "use --quantization none to dequantize the weights instead."
+            f"--quantization {requested} runs on CPU with float32 activations (--device cpu --dtype float32; "
+            "a W8A8 checkpoint's bfloat16 too); use --quantization none to dequantize the weights instead."
         )
     if requested not in ("gguf", "none") + KEPT_METHODS:
         raise ConfigError(

@@ -282,12 +282,20 @@ class QuantizedWeight(nn.Module):
 
     # ------------------------------------------------------------------ compute
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` (float32 activations; with
-        ``token_int8``, x quantized to int8 per row first)."""
+        """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` in x's dtype (with ``token_int8``, x
+        quantized to int8 per row first, the int8 kernel taking float32 or bf16 rows; the other
+        kernels compute on float32 activations)."""
         if self.token_int8:
-            x2 = x.reshape(-1, self.in_features).float().contiguous()
-            out = torch.ops.srt_cpu.gguf_linear_w8a8(x2, self._data(0), self.out_features, bias, "")
-            return out.view(*x.shape[:-1], self.out_features)
+            x2 = x.reshape(-1, self.in_features)
+            if x2.dtype not in (torch.float32, torch.bfloat16):
+                x2 = x2.float()
+            out = torch.ops.srt_cpu.gguf_linear_w8a8(
+                x2.contiguous(), self._data(0), self.out_features, bias, ""
+            )
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if x.dtype != torch.float32:  # a bf16 model's layer the int8 kernel does not take
+            out = self.linear(x.float(), None if bias is None else bias.float())
+            return out.to(x.dtype)
         if (
             self.float32_rows
             and x.dtype == torch.float32

@@ -14,7 +14,8 @@ srt's kernel (``--linear-backend native``, the default on AVX2 CPUs; or a bf16 o
 ``--weight-dtype bfloat16``, widened in registers), activations are float32 on
 the CPU, and the attention backend decodes through the native paged kernel (``fused_cpu``).
 A bf16 model (``--dtype bfloat16``, what a bf16 checkpoint gets on a CPU with bf16 arithmetic)
-takes it too, with bf16 activations: its projections bf16 panels, its norms and rope table bf16,
+takes it too, with bf16 activations: its projections bf16 panels, FP8 codes or a W8A8
+checkpoint's int8 rows (the int8 kernel takes and returns bf16), its norms and rope table bf16,
 the very kernels of the Python path on bf16 rows (elementwise.py), so again the same bits.
 EXTEND and MIXED batches, oneDNN or torch matmuls and everything else keep the layer-by-layer
 Python path. ``--disable-native-decode-layers`` turns it off.
@@ -43,7 +44,7 @@ import torch
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.moe import SparseMoeBlock
-from srt.layers.quantized_weight import QuantizedWeight
+from srt.layers.quantized_weight import W8A8_TYPE, QuantizedWeight
 
 if TYPE_CHECKING:
     from torch import nn
@@ -61,6 +62,8 @@ PACKED_FP8 = -4
 TOKEN_QUANT_KINDS = {None: 0, "int8": 1, "fp8": 2}
 # activation dtypes of the native stack (a float32 model, a bf16 one)
 _DTYPES = (torch.float32, torch.bfloat16)
+# the projections' kinds whose kernels take bf16 activations (a bf16 model's)
+_BF16_KINDS = (PACKED_BF16, PACKED_FP8, W8A8_TYPE)
 
 
 def _blocks(linear: Linear, float32: bool = False) -> list[tuple[torch.Tensor, int, int]] | None:
@@ -248,10 +251,11 @@ class NativeDecodeLayers:
             dense = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
             projections = (attn.qkv_proj, attn.o_proj, *dense)
             blocks = [_blocks(p, float32) for p in projections]
-            if dtype == torch.bfloat16 and not all(
-                s[1] in (PACKED_BF16, PACKED_FP8) for b in blocks if b for s in b
-            ):
-                return None, f"layer {i} has a projection that is not bf16 panels in a bf16 model"
+            if dtype == torch.bfloat16 and not all(s[1] in _BF16_KINDS for b in blocks if b for s in b):
+                return None, (
+                    f"layer {i} has a projection that is neither bf16 panels, FP8 codes nor W8A8 int8 "
+                    "rows in a bf16 model"
+                )
             if any(b is None for b in blocks):
                 return None, (
                     f"layer {i} has a projection that is neither natively supported GGUF types "

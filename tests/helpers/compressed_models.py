@@ -65,7 +65,7 @@ def quantization_config(scheme: str) -> dict:
 
 def _quantize(w: torch.Tensor, scheme: str, pow2_scales: bool = False) -> dict[str, torch.Tensor]:
     """The compressed tensors of one float32 weight [N, K], by leaf name (``pow2_scales``: FP8 scales
-    rounded up to powers of two)."""
+    and int8 scales rounded up to powers of two)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     n, k = w.shape
@@ -76,6 +76,8 @@ def _quantize(w: torch.Tensor, scheme: str, pow2_scales: bool = False) -> dict[s
         return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": scale}
     if scheme.startswith("w8"):
         scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
+        if pow2_scales:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         codes = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
         if scheme == "w8a8":
             return {"weight": codes, "weight_scale": scale}
@@ -107,8 +109,8 @@ def _quantize(w: torch.Tensor, scheme: str, pow2_scales: bool = False) -> dict[s
 
 def save_compressed(model, path: str | os.PathLike, scheme: str, pow2_scales: bool = False) -> str:
     """Write ``model`` (a float transformers model) at ``path`` as a ``scheme`` checkpoint (one of
-    ``SCHEMES``); its dtype is the one of the scales and float tensors. ``pow2_scales``: an FP8
-    scheme's scales are powers of two, so a code times its scale is exact in bf16 (transformers'
+    ``SCHEMES``); its dtype is the one of the scales and float tensors. ``pow2_scales``: an FP8 or
+    int8 scheme's scales are powers of two, so a code times its scale is exact in bf16 (transformers'
     decompressed bf16 weights are then the very values srt multiplies). Returns the path."""
     path = str(path)
     os.makedirs(path, exist_ok=True)

@@ -1,8 +1,9 @@
 """compressed-tensors checkpoints (W8A8, W8A16, W4A16 symmetric and with zero points; FP8_DYNAMIC
 and FP8, their float8 codes kept in bf16 and the outputs scaled per row) served with default
 flags: int8 / int4 layers kept as GGUF blocks on srt's kernels (W8A8's on the int8 kernel where
-the CPU has VNNI), float32 activations (W8A8's and FP8_DYNAMIC's quantized per token first),
-greedy tokens equal to the reference's up to the near-tie rule, through the real Engine.
+the CPU has VNNI), float32 activations (W8A8's and FP8_DYNAMIC's quantized per token first; W8A8
+and FP8 in their declared bf16 where the CPU computes in bf16), greedy tokens equal to the
+reference's up to the near-tie rule, through the real Engine.
 
 The reference is transformers' own load of the folder (through compressed-tensors: weights
 decompressed, W8A8's activations quantized to int8 per token), in float32. transformers 5.24 with
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from srt import Engine
-from srt.configs.cpu_features import cpu_bf16_units
+from srt.configs.cpu_features import cpu_bf16_units, cpu_flags
 from srt.configs.quant_config import UnsupportedQuantizationError
 from srt.kernels.cpu import w8a8
 from srt.model_loader.quantized_checkpoint import int8_layout
@@ -96,15 +97,17 @@ def _hf_model(path: str, dtype: torch.dtype = torch.float32):
 # an FP8 checkpoint (its codes exact in bf16) is served in its declared dtype, bf16, where the CPU
 # computes in bf16 (the probe passes on the CI machines), with float32 activations elsewhere
 FP8_DTYPE = "bfloat16" if cpu_bf16_units() else "float32"
-NOT_FP8 = tuple(s for s in SCHEMES if s not in FP8_SCHEMES)
+# a W8A8 one too where the int8 kernel runs (AVX-512 VNNI)
+W8A8_DTYPE = "bfloat16" if cpu_bf16_units() and "avx512_vnni" in cpu_flags() else "float32"
+WEIGHT_ONLY = tuple(s for s in SCHEMES if s not in FP8_SCHEMES and s != "w8a8")  # W8A16, W4A16
 
 
-@pytest.mark.parametrize("scheme", NOT_FP8)
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_reference(tmp_path, scheme):
     path = _checkpoint(tmp_path, scheme)
     if scheme == "w4a16_asym":  # transformers refuses the packed zero points (module docstring)
         ref = _reference_model(path)
-    else:  # transformers' own load; W8A8 quantizes its activations per token there (and in srt)
+    else:  # transformers' own load
         ref = _hf_model(path)
     if scheme in ("w8a16", "w4a16"):  # the decompression reference is transformers' where both load
         ids = torch.tensor([make_prompts([20], seed=3, vocab_size=320)[0]])
@@ -116,6 +119,30 @@ def test_compressed_checkpoint_serves_its_quantized_weights_and_matches_the_refe
     serve_and_match(
         path, make_prompts([4, 11, 37], seed=1, vocab_size=320), lambda: ref, "compressed-tensors", "bfloat16"
     )
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_w8a8_checkpoint_serves_on_the_int8_kernel_in_its_declared_dtype(tmp_path, dtype):
+    """W8A8's int8 codes and per-token int8 activations. ``--dtype auto`` serves the bf16 checkpoint
+    in bf16 where the CPU computes in bf16 and has the int8 kernel (it takes bf16 rows): the
+    reference is transformers in bf16 (compressed-tensors quantizing each input per token in bf16)
+    on scales that are powers of two, so its decompressed bf16 weights are the codes times the
+    scales srt multiplies. ``--dtype float32``: transformers in float32, on min-max scales.
+
+    In bf16 the two quantize each input from bf16 rows whose last bits differ now and then (srt's
+    attention and norms sum in another order; its codes' scale is float32, compressed-tensors' bf16),
+    so a code flips and the continuations part at a gap of a bf16 ulp or two of a logit (0.016-0.047
+    over 16 prompts of two models): each prompt may diverge once, at a gap below 0.25 (a checkpoint
+    served wrong misses from the first token by nats)."""
+    served = W8A8_DTYPE if dtype == "auto" else dtype
+    path = _checkpoint(tmp_path, "w8a8", pow2_scales=served == "bfloat16")
+    ref = _hf_model(path, getattr(torch, served))
+    kw = {} if dtype == "auto" else {"dtype": dtype}
+    tie = {"near_tie": 0.25, "max_ties": 3} if served == "bfloat16" else {}
+    batch = make_prompts([4, 11, 37], seed=1, vocab_size=320)
+    # the checkpoint's float tensors (LM head, embeddings, norms) in bf16, but under --dtype float32
+    weights = "bfloat16" if dtype == "auto" else "float32"
+    serve_and_match(path, batch, lambda: ref, "compressed-tensors", weights, served, **tie, **kw)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

@@ -75,6 +75,36 @@ def test_fp8_checkpoints_follow_their_declared_dtype_and_int4_ones_stay_float32(
     assert ("FP8 codes and scales" in reason) == kind.startswith("fp8"), reason
 
 
+@pytest.mark.parametrize(
+    "scheme,units,vnni,want",
+    [
+        ("w8a8", "amx", True, "bfloat16"),
+        ("w8a8", "avx512_bf16", True, "bfloat16"),
+        ("w8a8", "avx512_bf16", False, "float32"),  # no int8 kernel: the float32 path
+        ("w8a8", None, True, "float32"),
+        ("w8a16", "amx", True, "float32"),  # weight-only: GGUF-block kernels, float32 activations
+        ("w4a16", "amx", True, "float32"),
+    ],
+)
+def test_a_w8a8_checkpoint_follows_its_declared_dtype_where_the_int8_kernel_runs(
+    tmp_path, monkeypatch, scheme, units, vnni, want
+):
+    """W8A8's int8 kernel takes bf16 rows: a bf16 W8A8 checkpoint is served in bf16 where the CPU
+    computes in bf16 and has AVX-512 VNNI, with its layers kept quantized (``--quantization auto``
+    resolves to the checkpoint's method in bf16 too); weight-only int8 / int4 ones stay float32."""
+    from srt.configs.quant_config import resolve_quantization
+    from tests.helpers.compressed_models import quantization_config
+
+    monkeypatch.setattr(cpu_dtype, "cpu_bf16_units", lambda: units)
+    flags = {"avx512f", "avx512bw"} | ({"avx512_vnni"} if vnni else set())
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda: frozenset(flags))
+    path = _ckpt(tmp_path, torch_dtype="bfloat16", quantization_config=quantization_config(scheme))
+    dtype, reason = resolve_cpu_dtype(path, "auto", lambda: True)
+    assert dtype == want, reason
+    assert ("W8A8" in reason) == (scheme == "w8a8"), reason
+    assert resolve_quantization("auto", path, "auto", "cpu", dtype) == "compressed-tensors"
+
+
 def test_gguf_keeps_its_own_path(monkeypatch):
     monkeypatch.setattr(cpu_dtype, "cpu_bf16_units", lambda: "amx")
     assert resolve_cpu_dtype(None, "auto", lambda: True)[0] == "float32"  # the default model

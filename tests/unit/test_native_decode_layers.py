@@ -265,16 +265,23 @@ def test_default_model_float32_copies_native_equals_python():
     assert off.model.model.native_decode.float32_stack is None
 
 
-@pytest.mark.parametrize("scheme,kind", [("w8a8", "int8"), ("fp8_dynamic", "fp8")])
-def test_token_quantized_checkpoint_native_equals_python(tmp_path, scheme, kind):
-    """compressed-tensors W8A8 (the int8 kernel, or Q8_0 blocks) and FP8_DYNAMIC (the float8 codes
-    in bf16 panels, outputs scaled per row; Qwen2's qkv bias added after) checkpoints: each layer's
-    inputs quantized per token first, in the stack through the same ATen ops as the Python path."""
+@pytest.mark.parametrize(
+    "scheme,kind,dtype",
+    [("w8a8", "int8", "auto"), ("w8a8", "int8", "float32"), ("fp8_dynamic", "fp8", "auto")],
+)
+def test_token_quantized_checkpoint_native_equals_python(tmp_path, scheme, kind, dtype):
+    """compressed-tensors W8A8 (the int8 kernel, or Q8_0 blocks; in bf16 where ``--dtype auto`` gives
+    it bf16, and in float32) and FP8_DYNAMIC (the float8 codes in bf16 panels, outputs scaled per
+    row; Qwen2's qkv bias added after) checkpoints: each layer's inputs quantized per token first,
+    in the stack through the same ATen ops as the Python path."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoint")
+    from srt.configs.cpu_dtype import resolve_cpu_dtype
     from tests.helpers.compressed_models import save_compressed
 
     path = save_compressed(build_tiny_hf_model("qwen2", seed=1).to(torch.bfloat16), tmp_path / scheme, scheme)
-    runner = _runner(path, dtype="auto", gguf_float32_rows=0, linear_backend="native")
+    runner = _runner(path, dtype=dtype, gguf_float32_rows=0, linear_backend="native")
+    want = resolve_cpu_dtype(path, "auto")[0] if dtype == "auto" else dtype
+    assert runner.dtype == getattr(torch, want)
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert (qkv.qweight is not None) == (kind == "int8") and qkv.token_quant == kind
     assert (qkv.output_scale is not None) == (kind == "fp8")

@@ -7,7 +7,8 @@ integer sums in int64 here, the products in float64) within float32 rounding, on
 and the scalar loops, whatever the row counts (tiles of 4 x 4, chunks of 64 activation rows, an
 odd number of blocks), in both weight layouts: VNNI groups of 4 rows and AMX panels of 64 rows
 (w8a8_amx.cpp: brgemm on AMX-INT8 tiles where the CPU has them, scalar loops elsewhere), which give
-the same outputs bit for bit. A W8A8 layer moves to it only when every block of each row has the row's
+the same outputs bit for bit. A bf16 x (a W8A8 checkpoint served in bf16) gives the outputs of its
+float32 widening rounded to bf16. A W8A8 layer moves to it only when every block of each row has the row's
 scale; served end to end it is tested in tests/integration/test_compressed_tensors.py."""
 
 from __future__ import annotations
@@ -114,6 +115,25 @@ def test_w8a8_op_does_not_depend_on_the_thread_count_the_batch_or_the_layout(lay
     assert torch.equal(one, two) and torch.equal(one, alone)
     assert torch.equal(one, w8a8(x, data, None, "scalar", layout))
     assert torch.equal(one, w8a8(x, data, None, "", "groups"))
+
+
+@needs_native
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("isa", ["", "scalar"])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 96), (3, 17, 160), (9, 130, 1056), (70, 13, 224), (40, 70, 8224)])
+def test_bf16_rows_give_their_float32_widenings_outputs_rounded_to_bf16(layout, isa, m, n, k):
+    """The codes of a bf16 row are those of its exact float32 widening, and each output is the float32
+    output rounded to bf16 (the bias bf16 or float32), at row and column tails and on strided rows."""
+    _, _, data = q8_0_rows(n, k, seed=m + n)
+    x = torch.randn(2 * m, k, generator=torch.Generator().manual_seed(k)).bfloat16()[::2]
+    bias = torch.randn(n).bfloat16()
+    want = w8a8(x.float().contiguous(), data, bias.float(), isa, layout)
+    for b in (bias, bias.float()):
+        got = w8a8(x, data, b, isa, layout)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    assert torch.equal(w8a8(x, data, None, isa, layout), w8a8(x.float(), data, None, isa, layout).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        w8a8(x.half(), data, None, isa, layout)
 
 
 @needs_native

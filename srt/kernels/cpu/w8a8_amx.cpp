@@ -7,7 +7,7 @@
 //       with zero rows): each panel starts with its rows' 64 scales as float32, then the codes as
 //       signed bytes in VNNI quads: byte (k / 4, r, k % 4) of the panel is row r's code k. The
 //       checkpoint's bytes (N K + 4 N), held once.
-//   w8a8_linear_panels(x [M, K] f32, packed, N, bias?, vector) -> [M, N] f32
+//   w8a8_linear_panels(x [M, K] f32 or bf16, packed, N, bias?, vector) -> [M, N] in x's dtype
 //       Each x row's codes and scale as w8a8_codes.h makes them; per (panel, block of up to 32
 //       rows) one brgemm of signed x signed bytes into int32 (ATen's CPUBlas; oneDNN's ukernel runs
 //       it on AMX tiles), then out = float(dot) * (scale of x row * scale of w row) + bias: the
@@ -136,14 +136,16 @@ at::Tensor w8a8_pack_panels(const at::Tensor& data) {
                                [](int64_t r, int64_t k) { return kHead + (k / 4 * kNB + r) * 4; });
 }
 
-at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
-                              bool vector) {
+namespace {
+
+// T: x's and the output's element type (float or at::BFloat16)
+template <typename T>
+void run_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, bool vector,
+                at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), MB = (M + kMB - 1) / kMB;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const w8a8::TokenCodes t = w8a8::quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, vector);
+  const w8a8::TokenCodes t = w8a8::quantize_rows(x.data_ptr<T>(), x.stride(0), M, K, vector);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
+  T* y = out.data_ptr<T>();
   // tasks panel by panel, the row blocks of a panel consecutive (its codes stay in L2 meanwhile)
   at::parallel_for(0, P * MB, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) int32_t c[kMB * kNB];
@@ -166,15 +168,27 @@ at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
       float dw[kNB];
       std::memcpy(dw, panel, sizeof(dw));
       const int64_t n0 = p * kNB, cols = std::min(kNB, N - n0);
+      static_assert(kNB <= w8a8::kMaxRowOut, "a panel's outputs of a row are stored at once");
       for (int64_t i = 0; i < rows; ++i) {
-        float* yi = y + (m0 + i) * N + n0;
-        const float sa = t.scale[m0 + i];
-        for (int64_t j = 0; j < cols; ++j)
-          yi[j] = static_cast<float>(c[i * kNB + j]) * (sa * dw[j]) + (bias != nullptr ? bias[n0 + j] : 0.f);
+        w8a8::store_scaled(c + i * kNB, t.scale[m0 + i], dw, bias != nullptr ? bias + n0 : nullptr, cols,
+                           y + (m0 + i) * N + n0, vector);
       }
     }
     if (used_tiles) at::native::cpublas::brgemm_release(true);
   });
+}
+
+}  // namespace
+
+at::Tensor w8a8_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                              bool vector) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return out;
+  if (x.scalar_type() == at::kBFloat16) {
+    run_panels<at::BFloat16>(x, packed, N, bias, vector, out);
+  } else {
+    run_panels<float>(x, packed, N, bias, vector, out);
+  }
   return out;
 }
 

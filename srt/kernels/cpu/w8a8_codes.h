@@ -1,6 +1,7 @@
-// W8A8's activation codes: each row of x quantized to int8 with one float32 scale (the scheme's
-// per-token quantization), shared by the int8 kernels of w8a8_linear.cpp (VNNI groups) and
-// w8a8_amx.cpp (AMX panels).
+// W8A8's activation codes: each row of x (float32, or bf16 widened exactly) quantized to int8 with
+// one float32 scale (the scheme's per-token quantization), and the rows of outputs written back in
+// x's dtype; shared by the int8 kernels of w8a8_linear.cpp (VNNI groups) and w8a8_amx.cpp (AMX
+// panels).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,13 +12,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_simple_rows.h"
+#include "vec.h"
 
 #if SRT_CPU_X86
 #include <immintrin.h>
-#define SRT_TARGET_W8A8_CODES __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define SRT_TARGET_W8A8_CODES __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #endif
 
 namespace srt_cpu {
@@ -32,15 +35,17 @@ struct TokenCodes {
 };
 
 // one row's scale (float32 division, as torch's) and codes (rint in the default rounding mode:
-// half to even, as torch.round), returning 128 * the codes' sum
-inline int32_t quantize_row(const float* row, int64_t K, int8_t* q, float* scale) {
+// half to even, as torch.round), returning 128 * the codes' sum; a bf16 row gives the codes of its
+// float32 widening (exact)
+template <typename T>
+inline int32_t quantize_row(const T* row, int64_t K, int8_t* q, float* scale) {
   float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
   float s = amax / 127.5f;
   if (s == 0.f) s = FLT_EPSILON;
   int32_t sum = 0;
   for (int64_t k = 0; k < K; ++k) {
-    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[k] / s))));
+    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(static_cast<float>(row[k]) / s))));
     sum += q[k];
   }
   *scale = s;
@@ -48,16 +53,23 @@ inline int32_t quantize_row(const float* row, int64_t K, int8_t* q, float* scale
 }
 
 #if SRT_CPU_X86
+// 16 lanes of a float32 or bf16 row, as float32
+SRT_TARGET_W8A8_CODES inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SRT_TARGET_W8A8_CODES inline __m512 load16(const at::BFloat16* p) {
+  return VecAvx512::load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
 // the same in 16 lanes (division and round-to-nearest-even are exact operations: the same codes)
-SRT_TARGET_W8A8_CODES inline int32_t quantize_row_avx512(const float* row, int64_t K, int8_t* q, float* scale) {
+template <typename T>
+SRT_TARGET_W8A8_CODES inline int32_t quantize_row_avx512(const T* row, int64_t K, int8_t* q, float* scale) {
   __m512 m = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(row + k)));
   float s = _mm512_reduce_max_ps(m) / 127.5f;
   if (s == 0.f) s = FLT_EPSILON;
   const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += 16) {
-    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(row + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
     sum = _mm512_add_epi32(sum, c);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
@@ -67,7 +79,8 @@ SRT_TARGET_W8A8_CODES inline int32_t quantize_row_avx512(const float* row, int64
 }
 #endif
 
-inline TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool vec) {
+template <typename T>
+inline TokenCodes quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, bool vec) {
   TokenCodes t;
   t.ldq = (K + 63) / 64 * 64;
   t.q.assign(static_cast<size_t>(M * t.ldq), 0);
@@ -87,6 +100,42 @@ inline TokenCodes quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t 
     }
   });
   return t;
+}
+
+#if SRT_CPU_X86
+SRT_TARGET_W8A8_CODES inline void store_bf16_avx512(const float* f, int64_t cols, at::BFloat16* y) {
+  int64_t j = 0;
+  for (; j + 16 <= cols; j += 16) VecAvx512::store_bf16(reinterpret_cast<uint16_t*>(y + j), _mm512_loadu_ps(f + j));
+  for (; j < cols; ++j) y[j] = static_cast<at::BFloat16>(f[j]);
+}
+#endif
+
+constexpr int64_t kMaxRowOut = 64;  // outputs of a row store_scaled writes at once
+
+// outputs j < cols (at most kMaxRowOut) of one activation row: y[j] = float(dots[j]) * (sa * dw[j]) +
+// bias[j] (bias null: + 0) in float32, then in y's dtype (bf16 rounded as torch rounds, 16 lanes at
+// a time where `vec`): a bf16 output is the float32 output rounded, whatever the path
+template <typename OT>
+inline void store_scaled(const int32_t* dots, float sa, const float* dw, const float* bias, int64_t cols, OT* y,
+                         bool vec) {
+  float row[kMaxRowOut];
+  float* f = nullptr;
+  if constexpr (std::is_same_v<OT, float>) {
+    f = y;
+  } else {
+    f = row;
+  }
+  for (int64_t j = 0; j < cols; ++j) f[j] = static_cast<float>(dots[j]) * (sa * dw[j]) + (bias != nullptr ? bias[j] : 0.f);
+  if constexpr (!std::is_same_v<OT, float>) {
+#if SRT_CPU_X86
+    if (vec) {
+      store_bf16_avx512(row, cols, y);
+      return;
+    }
+#endif
+    (void)vec;
+    for (int64_t j = 0; j < cols; ++j) y[j] = static_cast<OT>(row[j]);
+  }
 }
 
 // Q8_0 rows [N, K / 32 * 34] of one scale each regrouped once at load into blocks of R rows, `bytes`

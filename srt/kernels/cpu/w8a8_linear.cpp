@@ -9,13 +9,15 @@
 //       its 4 rows' scales as float32, then for each pair p the 4 rows' 64 codes of columns
 //       64p .. 64p + 63, sign bit flipped (code + 128, as unsigned bytes; padding 0). The same
 //       bytes as the checkpoint's codes and scales (N K + 4 N), one contiguous stream per group.
-//   gguf_linear_w8a8(x [M, K] f32, packed, N, bias?, isa) -> [M, N] f32
-//       Each row of x: scale sa = max|x| / 127.5 (float32; a row of zeros: float32's epsilon),
+//   gguf_linear_w8a8(x [M, K] f32 or bf16, packed, N, bias?, isa) -> [M, N] in x's dtype
+//       Each row of x (a bf16 one widened to float32, exactly): scale sa = max|x| / 127.5 (float32; a row of zeros: float32's epsilon),
 //       codes q = clamp(round-half-even(x / sa), -128, 127): the codes and scale of srt/layers/
 //       linear.py's fake_quant_rows, bit for bit. Then out[m, n] = float(sum_k q[m, k] w[n, k]) *
 //       (sa[m] * dw[n]) + bias[n]. The integer sums are exact (|sum| < 2^31 for K <= 65536), so a
 //       row's outputs do not depend on the batch, the tiles or the threads, and against the float
 //       reference (codes * scales multiplied in float32) only that reference's rounding differs.
+//       A bf16 x (a W8A8 checkpoint served in bf16) gets the float32 outputs of its widening
+//       rounded to bf16; the bias may be either dtype (taken as float32).
 //   gguf_w8a8_fast() -> whether this CPU has the vector path (AVX-512 VNNI, and detect_isa() not
 //       lowered below AVX-512); elsewhere the op runs scalar loops (tests, and isa "scalar" /
 //       "avx2"), and srt keeps the float32 path instead.
@@ -209,28 +211,17 @@ at::Tensor gguf_pack_w8a8(const at::Tensor& data, c10::string_view layout) {
   });
 }
 
-at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                            const c10::optional<at::Tensor>& bias, c10::string_view isa) {
-  const char* op = "gguf_linear_w8a8";
-  check_activations(op, x);
+namespace {
+
+// the groups' kernel; T: x's and the output's element type (float or at::BFloat16)
+template <typename T>
+void run_groups(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bp, bool scalar,
+                at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), G = (N + kRows - 1) / kRows, P = pairs_of(K);
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && K <= kMaxK, op, ": the row length ", K,
-              " must be a positive multiple of 32 up to ", kMaxK);
-  const bool panels = w8a8_is_panels(packed, N, K);
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.dim() == 2 && (panels || (packed.size(0) == G && packed.size(1) == group_bytes(K))),
-              op, ": packed must be gguf_pack_w8a8's [", G, ", ", group_bytes(K), "] (groups) or its AMX panels, uint8, for ",
-              N, " rows of ", K);
-  const bool avx512 = requested_isa(op, isa) == CpuIsa::kAvx512;
-  const float* bp = checked_bias(op, bias, N);
-  if (panels) return w8a8_linear_panels(x, packed, N, bp, avx512 && w8a8_amx_available());
-  const bool scalar = !avx512 || !vnni_available();
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const TokenCodes t = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, !scalar);
+  const TokenCodes t = quantize_rows(x.data_ptr<T>(), x.stride(0), M, K, !scalar);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t gbytes = group_bytes(K);
-  float* y = out.data_ptr<float>();
+  T* y = out.data_ptr<T>();
   const int64_t blocks = (G + kBlockGroups - 1) / kBlockGroups;
   // activation rows per pass: a K block of their codes in about 512 KiB (a core's L2 share), 16 to
   // kXChunk; a pass over more than one tile of rows takes K block by block, every group of a
@@ -240,6 +231,7 @@ at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64
     const int64_t c1 = std::min(M, c0 + chunk);
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       constexpr int64_t ldd = kBlockGroups * kRows;  // one block's outputs of an activation row
+      static_assert(ldd <= w8a8::kMaxRowOut, "a block's outputs of a row are stored at once");
       int32_t dots[kXChunk * ldd];
       float dw[ldd];
       const int64_t kstep = !scalar && c1 - c0 > kXRows ? kPairBlock : P;
@@ -262,14 +254,43 @@ at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64
         }
         const int64_t n0 = ga * kRows, cols = std::min(N, gz * kRows) - n0;
         for (int64_t i = c0; i < c1; ++i) {
-          float* yi = y + i * N + n0;
-          const int32_t* di = dots + (i - c0) * ldd;
-          for (int64_t c = 0; c < cols; ++c) {
-            yi[c] = static_cast<float>(di[c]) * (t.scale[i] * dw[c]) + (bp != nullptr ? bp[n0 + c] : 0.f);
-          }
+          w8a8::store_scaled(dots + (i - c0) * ldd, t.scale[i], dw, bp != nullptr ? bp + n0 : nullptr, cols,
+                             y + i * N + n0, !scalar);
         }
       }
     });
+  }
+}
+
+}  // namespace
+
+at::Tensor gguf_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias, c10::string_view isa) {
+  const char* op = "gguf_linear_w8a8";
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2,
+              op, ": x must be a float32 or bf16 CPU tensor [M, K], got ", x.scalar_type(), " with ", x.dim(),
+              " dims");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x's last dim must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), G = (N + kRows - 1) / kRows;
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && K <= kMaxK, op, ": the row length ", K,
+              " must be a positive multiple of 32 up to ", kMaxK);
+  const bool panels = w8a8_is_panels(packed, N, K);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 2 && (panels || (packed.size(0) == G && packed.size(1) == group_bytes(K))),
+              op, ": packed must be gguf_pack_w8a8's [", G, ", ", group_bytes(K), "] (groups) or its AMX panels, uint8, for ",
+              N, " rows of ", K);
+  const bool avx512 = requested_isa(op, isa) == CpuIsa::kAvx512;
+  const at::Tensor b32 = float32_bias(op, bias, N);
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  if (panels) return w8a8_linear_panels(x, packed, N, bp, avx512 && w8a8_amx_available());
+  const bool scalar = !avx512 || !vnni_available();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (x.scalar_type() == at::kBFloat16) {
+    run_groups<at::BFloat16>(x, packed, N, bp, scalar, out);
+  } else {
+    run_groups<float>(x, packed, N, bp, scalar, out);
   }
   return out;
 }
