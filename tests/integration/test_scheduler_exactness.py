@@ -381,7 +381,8 @@ def real_workload() -> tuple[Item, ...]:
     from tests.helpers.hf_reference import make_prompts, make_shared_prefix_group
 
     # outputs up to 48 tokens: transformers' references (one prompt at a time, about 50 ms a
-    # token on 2 cores) are most of this module's time
+    # token on 2 cores, nearly all of it the model's own forward) are most of this module's time
+    # where they are not yet cached (tests/helpers/hf_reference.py)
     items = build_workload(make_prompts, make_shared_prefix_group, seed=0, max_new=REAL_MAX_NEW)
     for it in items:  # the references run with EOS disabled
         it.params = {"ignore_eos": True}
