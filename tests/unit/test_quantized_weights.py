@@ -90,6 +90,25 @@ def test_fused_linear_mixes_float_and_quantized_parts_in_any_order():
         torch.testing.assert_close(layer(x), x @ want.T + bias, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_rows_on_blocks_compute_on_their_float32_widening():
+    """A bf16 model's layer on GGUF blocks (a W8A8 checkpoint served in bf16 where the int8 kernel
+    does not run): the float32 kernels on the rows widened, the outputs in bf16, the bias either
+    dtype; one segment and several."""
+    gen = torch.Generator().manual_seed(5)
+    one, _ = _one_segment(64, 96, Q8_0, gen)
+    mixed = QuantizedWeight(128, 96)
+    mixed.add(0, _quantized(torch.randn(64, 96, generator=gen)), "w")
+    mixed.add(64, torch.randn(64, 96, generator=gen), "w")
+    mixed.finalize()
+    x = torch.randn(2, 5, 96, generator=gen).bfloat16()
+    for qw in (one, mixed):
+        bias = torch.randn(qw.out_features, generator=gen).bfloat16()
+        want = qw.linear(x.float(), bias.float())
+        for b in (bias, bias.float()):
+            got = qw.linear(x, b)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
 def test_adjacent_parts_of_one_type_merge_into_one_segment():
     gen = torch.Generator().manual_seed(1)
     parts = [torch.randn(32, 64, generator=gen) for _ in range(2)]
