@@ -27,9 +27,10 @@
 // The first layer's input norm has no residual to add (residual = the embedding output).
 //
 // Activations are float32, or bf16 for a bf16 model (its norms' weights and rope table bf16, its
-// projections bf16 panels, FP8 codes or W8A8 int8 rows, whose kernels take and return bf16): the same kernels on bf16 rows (float32 math, rounded to bf16 where the
-// Python path's bf16 ops round), its norms without a residual through the Python path's very ATen
-// ops, attention on float32 queries as the Python path's fused_cpu backend takes them.
+// projections bf16 panels, FP8 codes or W8A8 int8 rows, whose kernels take and return bf16): the
+// same kernels on bf16 rows (float32 math, rounded to bf16 where the Python path's bf16 ops round),
+// its norms without a residual through the Python path's very ATen ops, attention on float32
+// queries as the Python path's fused_cpu backend takes them.
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>

@@ -171,7 +171,7 @@ void run_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
       static_assert(kNB <= w8a8::kMaxRowOut, "a panel's outputs of a row are stored at once");
       for (int64_t i = 0; i < rows; ++i) {
         w8a8::store_scaled(c + i * kNB, t.scale[m0 + i], dw, bias != nullptr ? bias + n0 : nullptr, cols,
-                           y + (m0 + i) * N + n0, vector);
+                           y + (m0 + i) * N + n0);
       }
     }
     if (used_tiles) at::native::cpublas::brgemm_release(true);

@@ -102,40 +102,18 @@ inline TokenCodes quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, b
   return t;
 }
 
-#if SRT_CPU_X86
-SRT_TARGET_W8A8_CODES inline void store_bf16_avx512(const float* f, int64_t cols, at::BFloat16* y) {
-  int64_t j = 0;
-  for (; j + 16 <= cols; j += 16) VecAvx512::store_bf16(reinterpret_cast<uint16_t*>(y + j), _mm512_loadu_ps(f + j));
-  for (; j < cols; ++j) y[j] = static_cast<at::BFloat16>(f[j]);
-}
-#endif
-
 constexpr int64_t kMaxRowOut = 64;  // outputs of a row store_scaled writes at once
 
 // outputs j < cols (at most kMaxRowOut) of one activation row: y[j] = float(dots[j]) * (sa * dw[j]) +
-// bias[j] (bias null: + 0) in float32, then in y's dtype (bf16 rounded as torch rounds, 16 lanes at
-// a time where `vec`): a bf16 output is the float32 output rounded, whatever the path
+// bias[j] (bias null: + 0) in float32, then in y's dtype (vec.h's store_row): a bf16 output is the
+// float32 output rounded
 template <typename OT>
-inline void store_scaled(const int32_t* dots, float sa, const float* dw, const float* bias, int64_t cols, OT* y,
-                         bool vec) {
+inline void store_scaled(const int32_t* dots, float sa, const float* dw, const float* bias, int64_t cols, OT* y) {
   float row[kMaxRowOut];
-  float* f = nullptr;
-  if constexpr (std::is_same_v<OT, float>) {
-    f = y;
-  } else {
-    f = row;
-  }
+  float* f = row;
+  if constexpr (std::is_same_v<OT, float>) f = y;
   for (int64_t j = 0; j < cols; ++j) f[j] = static_cast<float>(dots[j]) * (sa * dw[j]) + (bias != nullptr ? bias[j] : 0.f);
-  if constexpr (!std::is_same_v<OT, float>) {
-#if SRT_CPU_X86
-    if (vec) {
-      store_bf16_avx512(row, cols, y);
-      return;
-    }
-#endif
-    (void)vec;
-    for (int64_t j = 0; j < cols; ++j) y[j] = static_cast<OT>(row[j]);
-  }
+  if constexpr (!std::is_same_v<OT, float>) store_row(row, nullptr, cols, y);
 }
 
 // Q8_0 rows [N, K / 32 * 34] of one scale each regrouped once at load into blocks of R rows, `bytes`

@@ -10,8 +10,8 @@
 //       64p .. 64p + 63, sign bit flipped (code + 128, as unsigned bytes; padding 0). The same
 //       bytes as the checkpoint's codes and scales (N K + 4 N), one contiguous stream per group.
 //   gguf_linear_w8a8(x [M, K] f32 or bf16, packed, N, bias?, isa) -> [M, N] in x's dtype
-//       Each row of x (a bf16 one widened to float32, exactly): scale sa = max|x| / 127.5 (float32; a row of zeros: float32's epsilon),
-//       codes q = clamp(round-half-even(x / sa), -128, 127): the codes and scale of srt/layers/
+//       Each row of x (a bf16 one widened to float32, exactly): scale sa = max|x| / 127.5
+//       (float32; a row of zeros: float32's epsilon), codes q = clamp(round-half-even(x / sa), -128, 127): the codes and scale of srt/layers/
 //       linear.py's fake_quant_rows, bit for bit. Then out[m, n] = float(sum_k q[m, k] w[n, k]) *
 //       (sa[m] * dw[n]) + bias[n]. The integer sums are exact (|sum| < 2^31 for K <= 65536), so a
 //       row's outputs do not depend on the batch, the tiles or the threads, and against the float
@@ -255,7 +255,7 @@ void run_groups(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
         const int64_t n0 = ga * kRows, cols = std::min(N, gz * kRows) - n0;
         for (int64_t i = c0; i < c1; ++i) {
           w8a8::store_scaled(dots + (i - c0) * ldd, t.scale[i], dw, bp != nullptr ? bp + n0 : nullptr, cols,
-                             y + i * N + n0, !scalar);
+                             y + i * N + n0);
         }
       }
     });
