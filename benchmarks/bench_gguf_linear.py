@@ -20,15 +20,21 @@ Protocol (fixed seeds, random GGUF blocks with finite scales):
     the copy is faster (where it crosses 1 sets ``--gguf-float32-rows``);
   * ``--q8a``: also (d) ``q8a``: ``gguf_linear_q8a`` (activations quantized to int8 blocks, integer
     dot products) on the same weight copies, and ``q/q8a``, gguf_linear's time over q8a's
-    (``--no-f32`` skips (b) and (c)).
+    (``--no-f32`` skips (b) and (c));
+  * ``--x8-a24``: for Q4_0 / Q4_1 (the 7B shapes in Q4_0 too), (f) the x8 layout's two decode
+    paths at every M: ``gguf_linear_x8`` on float32 lanes (the process runs with
+    ``SRT_GGUF_X8_A24_M=0``, so it never switches) and ``gguf_linear_x8_a24`` (24-bit activations,
+    integer dot products), and ``f32/a24``, the first's time over the second's. A small
+    ``--cycle-mib`` (8) keeps the weights in the last-level cache: the kernels' compute speed.
 
     python benchmarks/bench_gguf_linear.py [--ms 1,4,8,16,32,64,300] [--shapes default,7b]
-        [--threads N] [--cycle-mib 96] [--q8a] [--packed] [--no-f32]
+        [--threads N] [--cycle-mib 96] [--q8a] [--packed] [--no-f32] [--x8-a24]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +55,7 @@ from srt.kernels.cpu.gguf import (  # noqa: E402
     native_qtypes,
     pack_x8,
     q8a_qtypes,
+    x8_a24_qtypes,
     x8_qtypes,
 )
 from tests.helpers.gguf_models import random_code_blocks as random_blocks  # noqa: E402
@@ -88,7 +95,12 @@ def main() -> None:
     ap.add_argument("--q8a", action="store_true", help="also time gguf_linear_q8a (int8 activations)")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 baselines (b) and (c)")
     ap.add_argument("--packed", action="store_true", help="also time srt's packed float32 kernel (e)")
+    ap.add_argument(
+        "--x8-a24", action="store_true", help="also time the x8 layout's float and 24-bit paths (f)"
+    )
     args = ap.parse_args()
+    if args.x8_a24:  # read once by the kernels: gguf_linear_x8 stays on its float32 lanes at every M
+        os.environ["SRT_GGUF_X8_A24_M"] = "0"
     if args.threads:
         torch.set_num_threads(args.threads)
     load()
@@ -101,7 +113,7 @@ def main() -> None:
     if "default" in args.shapes:
         shapes += DEFAULT_SHAPES
     if "7b" in args.shapes:
-        qs = [3] + [q for q in (12, 14) if q in native_qtypes()]
+        qs = ([2] if args.x8_a24 else []) + [3] + [q for q in (12, 14) if q in native_qtypes()]
         shapes += [(name, n, k, q) for name, n, k in SEVEN_B for q in qs]
     cycle = args.cycle_mib << 20
     bw = read_bandwidth_gbs() * 1e9
@@ -111,7 +123,8 @@ def main() -> None:
     hdr = f"{'shape':>8} {'N x K':>12} {'type':>5} {'M':>4} {'q ms':>8} {'f32 small':>9} {'f32 onednn':>10}"
     hdr += f" {'q/onednn':>8} {'GB/s':>6} {'bound ms':>8}"
     hdr += f" {'q8a ms':>8} {'q/q8a':>6} {'q8a GB/s':>8}" if args.q8a else ""
-    print(hdr + (f" {'q model':>8} {'f32 packed':>10} {'q/packed':>8}" if args.packed else ""))
+    hdr += f" {'q model':>8} {'f32 packed':>10} {'q/packed':>8}" if args.packed else ""
+    print(hdr + (f" {'x8 f32':>8} {'x8 a24':>8} {'f32/a24':>7} {'a24 GB/s':>8}" if args.x8_a24 else ""))
     for name, n, k, q in shapes:
         data = random_blocks(n, k, q)
         w = dequantize(data, q, k)
@@ -122,6 +135,7 @@ def main() -> None:
             packed = [torch.ops.mkldnn._reorder_linear_weight(c, 32) for c in fcopies]
             del fcopies
         versus = packed_weights(data, w, q, cycle) if args.packed else None
+        x8 = _clones(pack_x8(data, q), cycle) if args.x8_a24 and q in x8_a24_qtypes() else None
         for m in ms:
             x = torch.randn(m, k)
             tq = timeit([partial(torch.ops.srt_cpu.gguf_linear, x, d, q, None) for d in qcopies])
@@ -145,6 +159,10 @@ def main() -> None:
                 line += f" {t8 * 1e3:8.3f} {tq / t8:6.2f} {data.numel() / t8 / 1e9:8.1f}"
             if versus is not None:
                 line += packed_columns(x, q, n, *versus)
+            if x8 is not None:
+                tf = timeit([partial(torch.ops.srt_cpu.gguf_linear_x8, x, c, q, n, None) for c in x8])
+                ta = timeit([partial(torch.ops.srt_cpu.gguf_linear_x8_a24, x, c, q, n, None) for c in x8])
+                line += f" {tf * 1e3:8.3f} {ta * 1e3:8.3f} {tf / ta:7.2f} {x8[0].numel() / ta / 1e9:8.1f}"
             print(line)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
+from tests.helpers.a24_checks import activations, check_24_bit_error
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa
 from tests.helpers.threads import with_threads
@@ -25,31 +26,6 @@ QTYPES = [12, 14]  # Q4_K, Q6_K
 A24 = gguf.a24_qtypes()
 A24_ROWS = 3  # gguf_linear takes the path below this many rows (gguf_a24_rows)
 needs_a24 = pytest.mark.skipif(not A24, reason="gguf_linear_a24 needs the native kernels and AVX-512 VNNI")
-
-
-def activations(m: int, k: int, seed: int) -> torch.Tensor:
-    """Gaussian rows, an outlier column (50x, as LLM activations have), an all-zero block, a tiny
-    block (below 1e-30: counted as zeros) and a huge one."""
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
-    x[:, 5] *= 50.0
-    x[0, 32:64] = 0.0
-    x[-1, 64:96] = 1e-35
-    x[-1, 96:128] *= 3e4
-    return x
-
-
-def check_24_bit_error(y: torch.Tensor, x: torch.Tensor, data: torch.Tensor, qtype: int, bias=None) -> None:
-    k = x.shape[1]
-    w = gguf.dequantize_ref(data, qtype, k).double()
-    ref = x.double() @ w.T
-    block_max = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, dim=1)
-    bound = block_max @ w.abs().T
-    if bias is not None:
-        ref = ref + bias.double()
-        bound = bound + bias.double().abs()
-    err = (y.double() - ref).abs()
-    # 2^-21: eight float32 units of the block's largest term; one byte of V lost would be 2^-16
-    assert bool((err <= 2.0**-21 * bound + 1e-30).all()), f"max error / bound {(err / bound).max():.3g}"
 
 
 def test_available_exactly_with_avx512_vnni():

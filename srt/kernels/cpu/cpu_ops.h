@@ -78,6 +78,15 @@ bool gguf_a24_takes(int64_t qtype);
 // gguf_a24.cpp: below how many rows gguf_linear takes gguf_linear_a24 where it runs
 // (SRT_GGUF_A24_M, default 3)
 int64_t gguf_a24_rows();
+// gguf_x8_a24.cpp: the same numerics for Q4_0 and Q4_1 weights in the x8 layout (AVX-512 VNNI and
+// VBMI): out [M, N] = x [M, K] times the `groups` x8 groups at `packed` (+ bias); x8_a24_takes:
+// whether this CPU runs it for the type (SRT_GGUF_A24=0 turns it off, as gguf_linear_a24);
+// gguf_linear_x8 takes it below x8_a24_rows() rows (SRT_GGUF_X8_A24_M, default 13: every decode
+// batch up to its GEMM)
+bool x8_a24_takes(int64_t qtype);
+int64_t x8_a24_rows();
+void x8_linear_a24(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t groups,
+                   int64_t qtype, const float* bias, float* out, int64_t N);
 // gguf_linear.cpp: the register tiles (QuantRowOps::dot_tile) that gguf_linear runs for 2 rows
 // up to its GEMM (from gguf_a24_rows on where that runs): gguf_tile_ops, the type's row functions
 // where it has tiles on this CPU (SRT_GGUF_TILES=0: none); pack_tiles, x [M, K] (rows ldx apart)

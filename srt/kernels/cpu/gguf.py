@@ -117,6 +117,12 @@ def a24_qtypes() -> frozenset[int]:
     return _op_qtypes("gguf_linear_a24", "gguf_a24_qtypes")
 
 
+def x8_a24_qtypes() -> frozenset[int]:
+    """The types ``quant_linear_x8`` runs through the 24-bit path (``gguf_linear_x8_a24``) for 1-2
+    rows on this CPU (Q4_0 and Q4_1 with AVX-512 VNNI and VBMI); empty otherwise."""
+    return _op_qtypes("gguf_linear_x8_a24", "gguf_x8_a24_qtypes")
+
+
 def _row_bytes(qtype: int, cols: int) -> int:
     bs, ts = block_info(qtype)
     if cols <= 0 or cols % bs:

@@ -6,7 +6,8 @@
 //   gguf_linear_a24(x [M, K] f32, data [N, K / 256 * ts] u8, qtype, bias?) -> [M, N] f32
 //   gguf_a24_qtypes() -> the types this CPU runs it for (empty without AVX-512 VNNI)
 //
-// Numerics. Each block of 32 activations is written as 24-bit fixed point: with a = max |x| of
+// Numerics (the split itself: gguf_a24_split.h, shared with gguf_x8_a24.cpp). Each block of 32
+// activations is written as 24-bit fixed point: with a = max |x| of
 // the block, u = a / (127 * 2^16) and V_j = rint(x_j / u) (|V_j| <= 127 * 2^16), so that
 // |x_j - u V_j| <= about 0.75 u + 2^-24 |x_j|, that is a few 2^-24 of a: the size of the float32
 // rounding of any sum that holds the block's largest product. (It is not int8 quantization: the
@@ -43,26 +44,13 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "gguf_a24_split.h"
 #include "gguf_q8act_vnni.h"
 
 namespace srt_cpu {
 namespace {
 
-constexpr int64_t kBlock = 32;          // activations per scale u
-constexpr float kVmax = 127.f * 65536;  // |V| bound: the top byte stays in [-127, 127]
-constexpr int kMaxXTile = 4;            // activation rows per tile
-
-// M activation rows in 24-bit block fixed point
-struct A24 {
-  std::vector<int8_t> q;     // [M][3][K]: the planes hi, mid, lo of V
-  std::vector<float> u;      // [M][K / 32]: x ~ u V
-  std::vector<float> s;      // [M][K / 32]: float sum of x (Q4_K's minimum terms)
-  std::vector<int32_t> n32;  // [M][K / 4]: -32 (sum of V over 4 consecutive), Q6_K only
-  int64_t k = 0, nb = 0;
-  int64_t ld = 0;  // bytes from one plane to the next: K plus a cache line, so that the planes of a
-                   // tile do not all map to the same L1 sets when K is a multiple of 4 KiB
-  const int8_t* plane(int64_t i, int p) const { return q.data() + (3 * i + p) * ld; }
-};
+constexpr int kMaxXTile = 4;  // activation rows per tile
 
 // bytes of a Q4_K / Q6_K row of `cols` weights
 int64_t row_bytes(int64_t qtype, int64_t cols) {
@@ -70,77 +58,13 @@ int64_t row_bytes(int64_t qtype, int64_t cols) {
 }
 
 #if SRT_CPU_X86
-// Q4_K's planes put the blocks of each 128 activations in the order 0, 2, 1, 3: one 64-byte load of
-// a super-block's codes gives the low nibbles of 64 bytes (sub-blocks 4k and 4k + 2) and, shifted,
-// the high ones (4k + 1 and 4k + 3), so each code vector meets 64 consecutive plane bytes
-inline int64_t plane_offset_q4k(int64_t b) {
-  constexpr int64_t kOrder[4] = {0, 2, 1, 3};
-  return (b - b % 4 + kOrder[b % 4]) * kBlock;
-}
-
-// one row of x -> its planes, scales and sums (Q6_K: the offsets -32 sum V as well)
-SRT_TARGET_VNNI void split_row(const float* x, int64_t K, bool q4k, int8_t* hi, int8_t* mid, int8_t* lo, float* u,
-                              float* s, int32_t* n32) {
-  const bool offsets = !q4k;
-  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i vmax = _mm512_set1_epi32(static_cast<int>(kVmax)), vmin = _mm512_set1_epi32(-static_cast<int>(kVmax));
-  const __m512i c128 = _mm512_set1_epi32(128), m255 = _mm512_set1_epi32(255);
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
-    s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-    const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
-    float ub = 0.f, inv = 0.f;
-    if (nan || !(amax <= 3.4e38f)) {
-      ub = std::numeric_limits<float>::quiet_NaN();  // inf or NaN in the block: the sums are NaN
-    } else if (amax >= 1e-30f) {
-      ub = amax / kVmax;
-      inv = kVmax / amax;
-    }
-    u[b] = ub;
-    const __m512 vi = _mm512_set1_ps(inv);
-    for (int h = 0; h < 2; ++h) {
-      __m512i V = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? v0 : v1, vi));  // round to nearest
-      V = _mm512_min_epi32(_mm512_max_epi32(V, vmin), vmax);
-      // balanced base-256 digits: lo, mid in [-128, 127]; the shifts are exact (multiples of 256)
-      const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(V, c128), m255), c128);
-      const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(V, l), 8);
-      const __m512i m = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(t, c128), m255), c128);
-      const __m512i H = _mm512_srai_epi32(_mm512_sub_epi32(t, m), 8);
-      const int64_t o = b * kBlock + 16 * h;
-      const int64_t po = q4k ? plane_offset_q4k(b) + 16 * h : o;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + po), _mm512_cvtepi32_epi8(H));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(mid + po), _mm512_cvtepi32_epi8(m));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + po), _mm512_cvtepi32_epi8(l));
-      if (offsets) {
-        alignas(64) int32_t vs[16];
-        _mm512_store_si512(vs, V);
-        for (int g = 0; g < 4; ++g) n32[o / 4 + g] = -32 * (vs[4 * g] + vs[4 * g + 1] + vs[4 * g + 2] + vs[4 * g + 3]);
-      }
-    }
-  }
-}
-
-A24 split_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k) {
-  const bool offsets = !q4k;
-  A24 a;
-  a.k = K;
-  a.ld = K + 64;
-  a.nb = K / kBlock;
-  a.q.resize(static_cast<size_t>(3 * M * a.ld));
-  a.u.resize(static_cast<size_t>(M * a.nb));
-  a.s.resize(static_cast<size_t>(M * a.nb));
-  if (offsets) a.n32.resize(static_cast<size_t>(M * K / 4));
-  for (int64_t i = 0; i < M; ++i) {
-    int8_t* base = a.q.data() + 3 * i * a.ld;
-    split_row(x + i * ldx, K, q4k, base, base + a.ld, base + 2 * a.ld, a.u.data() + i * a.nb, a.s.data() + i * a.nb,
-              offsets ? a.n32.data() + i * K / 4 : nullptr);
-  }
-  return a;
-}
-
 namespace qv = q8act::vnni;
+using a24::A24;
+using a24::Split;
+using a24::split_x;
+
+// the split each type's tiles read
+inline Split split_mode(int64_t qtype) { return qtype == kGgmlQ4_K ? Split::kQ4K : Split::kQ6K; }
 
 // sum over 64 codes x V, 4 products per int32 lane
 SRT_INLINE_VNNI __m512i dot24(__m512i codes, const int8_t* hi, const int8_t* mid, const int8_t* lo) {
@@ -309,7 +233,7 @@ at::Tensor gguf_linear_a24(const at::Tensor& x, const at::Tensor& data, int64_t 
   if (M == 0 || N == 0) return out;
 #if SRT_CPU_X86
   const auto tiles = tiles_for(qtype);
-  const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, qtype == kGgmlQ4_K);
+  const A24 a = split_x(x.data_ptr<float>(), x.stride(0), M, K, split_mode(qtype));
   float* op_out = out.data_ptr<float>();
   const auto group = [&](int64_t, int64_t n, int64_t rows, const uint8_t* w) {
     tile_rows(tiles, w, bpr, rows, a, 0, M, op_out + n, N);
@@ -398,7 +322,7 @@ at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& sta
   for (size_t b = 0; b < gate_up.size(); ++b) {
     const int q4k = gate_up_qtypes[b] == kGgmlQ4_K ? 1 : 0;
     if (!have[q4k]) {
-      split[q4k] = split_x(xc.data_ptr<float>(), H, P, H, q4k == 1);
+      split[q4k] = split_x(xc.data_ptr<float>(), H, P, H, split_mode(gate_up_qtypes[b]));
       have[q4k] = true;
     }
     experts_small(gate_up_qtypes[b], gate_up[b], active, starts, split[q4k], xt, h.data_ptr<float>(), width, col);
@@ -406,7 +330,7 @@ at::Tensor moe_experts_a24(const at::Tensor& xs, const std::vector<int64_t>& sta
   }
   const at::Tensor act = silu_and_mul(h);
   TORCH_CHECK(act.size(1) == I, "moe_experts: gate_up's width ", width, " is not twice down's columns ", I);
-  const A24 sa = split_x(act.data_ptr<float>(), I, P, I, down_qtype == kGgmlQ4_K);
+  const A24 sa = split_x(act.data_ptr<float>(), I, P, I, split_mode(down_qtype));
   const std::vector<TileX> at = pack_experts(act.data_ptr<float>(), I, I, active, starts);
   at::Tensor y = at::empty({P, H}, xs.options());
   experts_small(down_qtype, down, active, starts, sa, at, y.data_ptr<float>(), H, 0);

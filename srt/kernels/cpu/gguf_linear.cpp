@@ -9,6 +9,8 @@
 // contiguous ranges of weight rows, so the quantized weights stream from memory once per call):
 //   M <= 2        Q4_K and Q6_K on CPUs with AVX-512 VNNI: gguf_linear_a24 (x as 24-bit fixed
 //                 point per block of 32, integer dot products: gguf_a24.cpp);
+//   M <= 12       Q4_0 and Q4_1 in the x8 layout (gguf_linear_x8) on CPUs with AVX-512 VNNI and
+//                 VBMI: the same numerics (gguf_x8_a24.cpp);
 //   M <= 3 (4)    dot_rows: each block dequantized in registers and applied to all rows (decode:
 //                 bound by reading the weights, about 1/6 of float32's bytes for 4-bit types);
 //   2 <= M <= 27  types with register tiles (AVX-512: Q4_K, Q6_K; from 3 rows where the 24-bit
@@ -696,6 +698,10 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
   float* op = out.data_ptr<float>();
   const int64_t groups = packed.size(0), gbytes = x8::kRows * bpr, nb = K / x8::kBlock;
 
+  if (M < x8_a24_rows() && x8_a24_takes(qtype)) {  // decode on 24-bit activations (gguf_x8_a24.cpp)
+    x8_linear_a24(xp, ldx, M, K, pp, groups, qtype, bp, op, N);
+    return out;
+  }
 #if SRT_CPU_X86
   if (gguf_isa() != CpuIsa::kScalar) {
     if (M < gemm_m_limit()) {  // decode: 8 rows per lane set, straight from the packed bytes
@@ -747,7 +753,32 @@ at::Tensor gguf_linear_x8(const at::Tensor& x, const at::Tensor& packed, int64_t
   return out;
 }
 
+// gguf_linear_x8's path on 24-bit activations (gguf_x8_a24.cpp) at any row count: for tests and
+// measurements (gguf_linear_x8 takes it below x8_a24_rows() rows)
+at::Tensor gguf_linear_x8_a24(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t rows,
+                              const c10::optional<at::Tensor>& bias) {
+  constexpr const char* op = "gguf_linear_x8_a24";
+  check_activations(op, x);
+  check_packed(op, packed, qtype, rows, x.size(1));
+  TORCH_CHECK(x8_a24_takes(qtype), op, ": ggml type ", qtype,
+              " needs Q4_0 or Q4_1 and an x86-64 CPU with AVX-512 VNNI and VBMI (and SRT_GGUF_A24 not 0)");
+  const float* bp = checked_bias(op, bias, rows);
+  at::Tensor out = at::empty({x.size(0), rows}, x.options());
+  if (x.size(0) == 0 || rows == 0) return out;
+  x8_linear_a24(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), packed.size(0),
+                qtype, bp, out.data_ptr<float>(), rows);
+  return out;
+}
+
 namespace {
+
+std::vector<int64_t> gguf_x8_a24_qtypes() {
+  std::vector<int64_t> out;
+  for (int q : {kGgmlQ4_0, kGgmlQ4_1}) {
+    if (x8_a24_takes(q)) out.push_back(q);
+  }
+  return out;
+}
 
 std::vector<int64_t> gguf_qtypes() {
   std::vector<int64_t> out;
@@ -767,6 +798,8 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("gguf_pack_x8(Tensor data, int qtype) -> Tensor");
   m.def("gguf_unpack_x8(Tensor packed, int qtype, int rows, int cols, Tensor? ids=None) -> Tensor");
   m.def("gguf_linear_x8(Tensor x, Tensor packed, int qtype, int rows, Tensor? bias=None) -> Tensor");
+  m.def("gguf_linear_x8_a24(Tensor x, Tensor packed, int qtype, int rows, Tensor? bias=None) -> Tensor");
+  m.def("gguf_x8_a24_qtypes() -> int[]", &srt_cpu::gguf_x8_a24_qtypes);
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
@@ -775,4 +808,5 @@ TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("gguf_pack_x8", &srt_cpu::gguf_pack_x8);
   m.impl("gguf_unpack_x8", &srt_cpu::gguf_unpack_x8);
   m.impl("gguf_linear_x8", &srt_cpu::gguf_linear_x8);
+  m.impl("gguf_linear_x8_a24", &srt_cpu::gguf_linear_x8_a24);
 }
