@@ -37,6 +37,19 @@ def hardware_isa() -> str | None:
     return torch.ops.srt_cpu.cpu_hardware_isa() if cpu_isa() is not None else None
 
 
+def cpuinfo_flags() -> set[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (the first processor's); skips the calling test
+    where there is no /proc/cpuinfo. Tests that a kernel is there exactly when the CPU has its
+    instructions compare against these, not against what the kernels detect themselves."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def isa_available(isa: str) -> bool:
     best = cpu_isa()
     return best is not None and ISAS.index(isa) <= ISAS.index(best)

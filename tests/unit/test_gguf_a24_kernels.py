@@ -11,15 +11,13 @@ one checks that the op is there exactly when /proc/cpuinfo says so."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
 from tests.helpers.a24_checks import activations, check_24_bit_error
 from tests.helpers.gguf_models import random_code_blocks
-from tests.helpers.isa import cpu_isa
+from tests.helpers.isa import cpu_isa, cpuinfo_flags
 from tests.helpers.threads import with_threads
 
 QTYPES = [12, 14]  # Q4_K, Q6_K
@@ -31,15 +29,7 @@ needs_a24 = pytest.mark.skipif(not A24, reason="gguf_linear_a24 needs the native
 def test_available_exactly_with_avx512_vnni():
     if cpu_isa() is None or not _op_registered("gguf_linear_a24"):
         pytest.skip("native CPU kernels unavailable")
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo")
-    flags = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    vnni = cpu_isa() == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    vnni = cpu_isa() == "avx512" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpuinfo_flags()
     assert A24 == (frozenset(QTYPES) if vnni else frozenset())
     if not vnni:
         with pytest.raises(RuntimeError, match="AVX-512 VNNI"):

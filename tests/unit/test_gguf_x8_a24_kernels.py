@@ -11,15 +11,13 @@ that the path is there exactly when /proc/cpuinfo says so."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
 from tests.helpers.a24_checks import activations, check_24_bit_error
 from tests.helpers.gguf_models import random_code_blocks
-from tests.helpers.isa import cpu_isa
+from tests.helpers.isa import cpu_isa, cpuinfo_flags
 from tests.helpers.threads import with_threads
 
 QTYPES = [2, 3]  # Q4_0, Q4_1
@@ -40,16 +38,8 @@ def x8_a24(x, pk, qtype, n, bias=None):
 def test_available_exactly_with_vnni_and_vbmi():
     if cpu_isa() is None or not _op_registered("gguf_linear_x8_a24"):
         pytest.skip("native CPU kernels unavailable")
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo")
-    flags = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
     wanted = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
-    there = cpu_isa() == "avx512" and wanted <= flags
+    there = cpu_isa() == "avx512" and wanted <= cpuinfo_flags()
     assert X8_A24 == (frozenset(QTYPES) if there else frozenset())
     if not there:
         with pytest.raises(RuntimeError, match="VBMI"):

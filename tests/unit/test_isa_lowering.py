@@ -31,6 +31,8 @@ KERNEL_TESTS = [
         "test_cpu_elementwise",
         "test_layers",
         "test_gguf_kernels",
+        "test_gguf_a24_kernels",
+        "test_gguf_x8_a24_kernels",
         "test_gguf_kquant_kernels",
         "test_gguf_q8a_kernels",
         "test_quantized_weights",
