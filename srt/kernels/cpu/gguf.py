@@ -118,8 +118,8 @@ def a24_qtypes() -> frozenset[int]:
 
 
 def x8_a24_qtypes() -> frozenset[int]:
-    """The types ``quant_linear_x8`` runs through the 24-bit path (``gguf_linear_x8_a24``) for 1-2
-    rows on this CPU (Q4_0 and Q4_1 with AVX-512 VNNI and VBMI); empty otherwise."""
+    """The types ``quant_linear_x8`` runs through the 24-bit path (``gguf_linear_x8_a24``) for decode
+    batches (1-12 rows) on this CPU (Q4_0 and Q4_1 with AVX-512 VNNI and VBMI); empty otherwise."""
     return _op_qtypes("gguf_linear_x8_a24", "gguf_x8_a24_qtypes")
 
 
