@@ -27,8 +27,8 @@ from srt.models.gemma3 import Gemma3ForCausalLM
 from srt.models.vision_common import (
     VisionLanguageMixin,
     decoder_config,
+    srt_tower,
     tower_level_names,
-    use_srt_linears,
 )
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageMixin, Gemma3ForCausalLM):
         vc = config.vision_config
         vc._attn_implementation = "sdpa"
         tower = AutoModel.from_config(vc).to(dtype)
-        self.vision_tower = use_srt_linears(tower, dtype, linear_backend).eval()
+        self.vision_tower = srt_tower(tower, dtype, linear_backend)
         self.multi_modal_projector = Gemma3MultiModalProjector(config).to(dtype).eval()
 
     def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:

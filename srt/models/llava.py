@@ -28,6 +28,7 @@ from srt.models.qwen2 import Qwen2ForCausalLM
 from srt.models.vision_common import (
     VisionLanguageMixin,
     decoder_config,
+    srt_tower,
     tower_level_names,
     use_srt_linears,
 )
@@ -60,7 +61,7 @@ class LlavaImages(VisionLanguageMixin):
         vc = config.vision_config
         vc._attn_implementation = "sdpa"
         tower, projector = AutoModel.from_config(vc).to(dtype), self.projector_class()(config).to(dtype)
-        self.vision_tower = use_srt_linears(tower, dtype, linear_backend).eval()
+        self.vision_tower = srt_tower(tower, dtype, linear_backend)
         self.multi_modal_projector = use_srt_linears(projector, dtype, linear_backend)
         layer = config.vision_feature_layer
         self.feature_layers = list(layer) if isinstance(layer, (list, tuple)) else [layer]

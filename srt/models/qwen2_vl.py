@@ -21,7 +21,8 @@ import torch
 from srt.layers.mrope import MRotaryEmbedding
 from srt.models.llama import head_dim_of
 from srt.models.qwen2 import Qwen2ForCausalLM
-from srt.models.vision_common import VisionLanguageMixin, decoder_config, use_srt_linears
+from srt.models.vision_common import VisionLanguageMixin, decoder_config, srt_tower
+from srt.models.vision_layers import use_rope_vision_attention
 
 if TYPE_CHECKING:
     from srt.layers.forward_batch import ForwardBatch
@@ -45,16 +46,18 @@ def _mrope_decoder_config(config: Any) -> tuple[Any, list[int]]:
 
 
 def _tower(vision_config: Any, model_type: str) -> torch.nn.Module:
+    """transformers' tower with srt's rope attention in place of its vision attention."""
     if model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower,
-        )
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+        tower_cls, attention_cls = hf.Qwen2_5_VisionTransformerPretrainedModel, hf.Qwen2_5_VLVisionAttention
     else:
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel as Tower,
-        )
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+
+        tower_cls, attention_cls = hf.Qwen2VisionTransformerPretrainedModel, hf.VisionAttention
     vision_config._attn_implementation = "sdpa"
-    return Tower._from_config(vision_config)
+    tower = tower_cls._from_config(vision_config)
+    return use_rope_vision_attention(tower, attention_cls, hf.apply_rotary_pos_emb_vision)
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):
@@ -71,7 +74,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):
         for layer in self.model.layers:
             layer.self_attn.rotary_emb = rope
         tower = _tower(config.vision_config, config.model_type).to(dtype)
-        self.visual = use_srt_linears(tower, dtype, linear_backend).eval()
+        self.visual = srt_tower(tower, dtype, linear_backend)
 
     def encode_images(self, images: list[ImageRun]) -> Sequence[torch.Tensor]:
         """Each image's embedding rows ``[length, hidden]``, from one tower call."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from srt.layers.linear import Linear
+from srt.models.vision_layers import use_fast_tower_layers
 from srt.multimodal.req_images import ImageRun, ImageSpan
 from srt.utils.errors import WeightLoadError
 
@@ -46,6 +47,13 @@ def use_srt_linears(tower: nn.Module, dtype: torch.dtype, linear_backend: Any) -
                 new.replicated = True
                 setattr(module, name, new)
     return tower
+
+
+def srt_tower(tower: nn.Module, dtype: torch.dtype, linear_backend: Any) -> nn.Module:
+    """A vision tower as srt runs it: its linear layers on srt's backend (`use_srt_linears`), its
+    patch convolutions and quick-GELU activations replaced (srt/models/vision_layers.py), in eval
+    mode."""
+    return use_fast_tower_layers(use_srt_linears(tower, dtype, linear_backend)).eval()
 
 
 def tower_level_names(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> dict[str, torch.Tensor]:

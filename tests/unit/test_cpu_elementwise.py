@@ -177,7 +177,69 @@ def test_bf16_rotary_in_place(native, heads, kv_heads, head_dim):
         assert bool(((got.double() - ref).abs() <= 3 * BF16_EPS * (x.double().abs().max() + 1)).all())
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], before_v)
     with pytest.raises(RuntimeError, match="of q's dtype"):
-        torch.ops.srt_cpu.rotary_neox_(q, k, positions, rope.cos_sin_cache.float(), head_dim)
+        torch.ops.srt_cpu.rotary_neox_(q, k, positions, rope.cos_sin_cache.half(), head_dim)
+
+
+@pytest.mark.parametrize("heads,head_dim,rows", [(16, 80, 37), (2, 16, 5), (3, 6, 1)])
+def test_bf16_rotary_with_a_float32_table_is_the_vision_rope(native, heads, head_dim, rows):
+    """bf16 q, k and a float32 table: transformers' ``apply_rotary_pos_emb_vision`` (float32 math on
+    the widened rows, rounded once), q and k strided views of a qkv output."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    gen = _gen(heads + head_dim)
+    freqs = torch.randn(rows, head_dim // 2, generator=gen) * 8
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    table = torch.cat((cos[:, : head_dim // 2], sin[:, : head_dim // 2]), dim=-1)
+    qkv = (torch.randn(rows, 3 * heads * head_dim, generator=gen) * 3).bfloat16()
+    q, k, v = qkv.split(heads * head_dim, dim=-1)
+    want_q, want_k = apply_rotary_pos_emb_vision(
+        q.view(rows, heads, head_dim), k.view(rows, heads, head_dim), cos, sin
+    )
+    q_ref, k_ref = q.clone(), k.clone()
+    elementwise.rotary_neox_ref(q_ref, k_ref, torch.arange(rows), table, head_dim)
+    assert torch.equal(q_ref.view_as(want_q), want_q) and torch.equal(k_ref.view_as(want_k), want_k)
+    v_before = v.clone()
+    elementwise.rotary_neox_(q, k, torch.arange(rows), table, head_dim)
+    for got, want in ((q.view_as(want_q), want_q), (k.view_as(want_k), want_k)):
+        # a fused multiply-add may flip a rounding: one ulp of the largest term at most, rarely
+        g, w = got.double(), want.double()
+        scale = q_ref.double().abs().max() * 2
+        assert bool(((g - w).abs() <= BF16_EPS * torch.maximum(w.abs(), scale * 2**-9)).all())
+        assert float((got != want).float().mean()) <= 0.02
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 8), (3, 37), (33, 5120), (0, 16), (2, 0)])
+def test_quick_gelu_matches_reference(native, rows, n):
+    wide = torch.randn(rows, n + 9, generator=_gen(rows + n)) * 6
+    x = wide[:, 4 : 4 + n]
+    got = torch.ops.srt_cpu.quick_gelu(x)
+    x64 = x.double()
+    assert got.shape == (rows, n) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), x64 * torch.sigmoid(1.702 * x64), atol=1e-5, rtol=1e-5)
+    ext = torch.tensor([[-1e4, -200.0, -52.0, -0.0, 0.0, 1e-30, 3.0, 60.0, 1e4, float("inf"), float("-inf")]])
+    got = torch.ops.srt_cpu.quick_gelu(ext)
+    want = elementwise.quick_gelu_ref(ext.double())
+    assert torch.isfinite(got[:, :9]).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.isnan(torch.ops.srt_cpu.quick_gelu(torch.tensor([[float("nan")]]))).all()
+
+
+@pytest.mark.parametrize("rows,n", [(1, 8), (3, 37), (33, 5120), (0, 16)])
+def test_bf16_quick_gelu(native, rows, n):
+    from transformers.activations import QuickGELUActivation
+
+    x = (torch.randn(rows, n + 9, generator=_gen(rows * n + 1)) * 4).bfloat16()[:, 4 : 4 + n]
+    got = torch.ops.srt_cpu.quick_gelu(x)
+    want = QuickGELUActivation()(x)  # 1.702 x rounded, its sigmoid rounded, the product rounded
+    # float64 from the rounded 1.702 x (its rounding, which sigmoid amplifies by |a| (1 - s), is
+    # transformers' too): then the sigmoid's and the product's roundings
+    ref64 = x.double() * torch.sigmoid((1.702 * x).double())
+    _assert_bf16_like_torch(got, want, ref64, rounds=3)
+    assert torch.equal(elementwise.quick_gelu(x), got)
+    x3 = x.contiguous().view(rows, 1, n)
+    assert torch.equal(elementwise.quick_gelu(x3), got.view(rows, 1, n))  # any leading dims
 
 
 def test_bf16_and_float32_do_not_mix(native):

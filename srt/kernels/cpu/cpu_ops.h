@@ -61,6 +61,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_buffe
 
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor quick_gelu(const at::Tensor& x);
 // out[j] = silu_and_mul's bf16 value for gate g[j] and up u[j] each rounded to bf16 first, j < n
 void silu_mul_f32_bf16(const float* g, const float* u, at::BFloat16* out, int64_t n);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);

@@ -1,10 +1,13 @@
 // Fused element-wise ops of a decoder layer, float32 or bf16, one pass over memory each:
 //
 //   silu_and_mul(x [T, 2d]) -> [T, d]             silu(x[:, :d]) * x[:, d:]
+//   quick_gelu(x [T, n]) -> [T, n]                x * sigmoid(1.702 x) (CLIP's, Qwen2-VL's towers)
 //   add_rms_norm_(x [T, h], residual [T, h], w [h], eps) -> [T, h]
 //       residual += x (in place), then residual * rsqrt(mean(residual^2) + eps) * w
 //   rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T], cos_sin [P, D]) (in place)
-//       per head: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin], cos/sin = cos_sin[pos] halves
+//       per head: [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin], cos/sin = cos_sin[pos] halves;
+//       bf16 q, k take a bf16 table (a bf16 decoder's rounding) or a float32 one (float32 math,
+//       each result rounded once: a vision tower's rope, as transformers computes it)
 //   apply_token_bitmask_(logits [B, V], rows [n], bitmask [n, W] int32) (in place)
 //       logits[rows[i], t] = -inf where bit t % 32 of bitmask[i][t / 32] is 0, and for t >= 32 W
 //       (constrained decoding; whole words of 0 / of 1 bits are filled / skipped at once)
@@ -46,12 +49,16 @@ struct RowFns {
   decltype(&scalar::add_rms_norm_rows_bf16) add_rms_norm_bf16;
   decltype(&scalar::rotary_rows_bf16) rotary_bf16;
   decltype(&scalar::silu_mul_f32_bf16) silu_mul_f32_bf16;
+  decltype(&scalar::quick_gelu_rows) quick_gelu;
+  decltype(&scalar::quick_gelu_rows_bf16) quick_gelu_bf16;
+  decltype(&scalar::rotary_rows_bf16_f32) rotary_bf16_f32;
 };
 
 #define SRT_ROW_FNS(ns)                                                                                     \
   RowFns {                                                                                                  \
     &ns::silu_and_mul_rows, &ns::add_rms_norm_rows, &ns::rotary_rows, &ns::silu_and_mul_rows_bf16,        \
-        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16, &ns::silu_mul_f32_bf16                          \
+        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16, &ns::silu_mul_f32_bf16, &ns::quick_gelu_rows,   \
+        &ns::quick_gelu_rows_bf16, &ns::rotary_rows_bf16_f32                                                \
   }
 
 const RowFns& row_fns() {
@@ -109,6 +116,26 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor quick_gelu(const at::Tensor& x) {
+  check_rows(x, "x", "quick_gelu");
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({T, n}, x.options());
+  if (T == 0 || n == 0) return out;
+  const int64_t grain = row_grain(n), xs = x.stride(0);
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* xp = raw<const uint16_t>(x);
+    uint16_t* op = raw<uint16_t>(out);
+    const auto fn = row_fns().quick_gelu_bf16;
+    at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(xp, xs, op, n, b, e); });
+    return out;
+  }
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto fn = row_fns().quick_gelu;
+  at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(xp, xs, op, n, b, e); });
+  return out;
+}
+
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x", "add_rms_norm_");
   check_rows(residual, "residual", "add_rms_norm_", x.scalar_type());
@@ -150,9 +177,11 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong &&
                   positions.is_contiguous(),
               "rotary_neox_: positions must be int64 contiguous [T]");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.scalar_type() == q.scalar_type() &&
-                  cos_sin.stride(1) == 1,
-              "rotary_neox_: cos_sin must be [max_position, head_dim] of q's dtype (", q.scalar_type(), ")");
+  const bool f32_table = q.scalar_type() == at::kBFloat16 && cos_sin.scalar_type() == at::kFloat;
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D &&
+                  (cos_sin.scalar_type() == q.scalar_type() || f32_table) && cos_sin.stride(1) == 1,
+              "rotary_neox_: cos_sin must be [max_position, head_dim] of q's dtype (", q.scalar_type(),
+              ") or, with bf16 q, float32");
   if (T == 0) return;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t P = cos_sin.size(0);
@@ -162,6 +191,14 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const
   const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
   const int64_t qs = q.stride(0), ks = k.stride(0), css = cos_sin.stride(0);
   const int64_t grain = row_grain((hq + hk) * D);
+  if (f32_table) {
+    uint16_t* qp = raw<uint16_t>(q);
+    uint16_t* kp = raw<uint16_t>(k);
+    const float* cs = cos_sin.data_ptr<float>();
+    const auto fn = row_fns().rotary_bf16_f32;
+    at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(qp, qs, hq, kp, ks, hk, pos, cs, css, D, b, e); });
+    return;
+  }
   if (q.scalar_type() == at::kBFloat16) {
     uint16_t* qp = raw<uint16_t>(q);
     uint16_t* kp = raw<uint16_t>(k);
@@ -222,12 +259,14 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::T
 TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("quick_gelu(Tensor x) -> Tensor");
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin, int head_dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("silu_and_mul", &srt_cpu::silu_and_mul);
+  m.impl("quick_gelu", &srt_cpu::quick_gelu);
   m.impl("add_rms_norm_", &srt_cpu::add_rms_norm_);
   m.impl("rotary_neox_", &srt_cpu::rotary_neox_);
   m.impl("apply_token_bitmask_", &srt_cpu::apply_token_bitmask_);

@@ -2,11 +2,16 @@
 extension is loaded, their pure-torch references otherwise (same contracts).
 
     silu_and_mul(x [T, 2d]) -> [T, d]                       silu(x[:, :d]) * x[:, d:]
+    quick_gelu(x [T, n]) -> [T, n]                          x * sigmoid(1.702 x) (CLIP's and
+        Qwen2-VL's vision towers; in bf16 as transformers' module rounds it: 1.702 x, its sigmoid,
+        the product)
     add_rms_norm_(x [T, h], residual [T, h], weight [h], eps) -> [T, h]
         residual += x (in place), returns residual * rsqrt(mean(residual^2, -1) + eps) * weight
     rotary_neox_(q [T, Hq*D], k [T, Hk*D], positions [T] int64, cos_sin [P, D], head_dim)
         rotates every head of q and k in place ("rotate half"): with [cos | sin] = cos_sin[pos],
-        [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin]
+        [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin]; bf16 q and k take a bf16 table (each
+        product rounded, as a bf16 decoder computes) or a float32 one (float32 math, each result
+        rounded once, as transformers computes a vision tower's rope)
     apply_token_bitmask_(logits [B, V], rows [n] int64, bitmask [n, W] int32)
         constrained decoding: -inf at every token a row's bitmask disallows (in place; the
         reference is srt.constrained.bitmask.apply_bitmask_, the same results bit for bit)
@@ -28,7 +33,14 @@ import torch.nn.functional as F
 from srt.constrained.bitmask import apply_bitmask_
 from srt.kernels.cpu import native_available
 
-__all__ = ["add_rms_norm_", "apply_token_bitmask_", "rotary_neox_", "silu_and_mul", "supports"]
+__all__ = [
+    "add_rms_norm_",
+    "apply_token_bitmask_",
+    "quick_gelu",
+    "rotary_neox_",
+    "silu_and_mul",
+    "supports",
+]
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,6 +61,10 @@ def supports(*tensors: torch.Tensor) -> bool:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
 
 
 def add_rms_norm_ref(
@@ -79,6 +95,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and supports(x):
+        return torch.ops.srt_cpu.quick_gelu(x)
+    if x.dim() > 2 and x.is_contiguous() and supports(x.view(-1, x.shape[-1])):
+        return torch.ops.srt_cpu.quick_gelu(x.view(-1, x.shape[-1])).view(x.shape)
+    return quick_gelu_ref(x)
+
+
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if supports(x, residual) and weight.dtype == x.dtype and weight.is_contiguous():
         return torch.ops.srt_cpu.add_rms_norm_(x, residual, weight, eps)
@@ -88,7 +112,10 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def rotary_neox_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_dim: int
 ) -> None:
-    if supports(q, k, cos_sin) and positions.dtype == torch.int64:
+    table_ok = supports(q, k, cos_sin) or (
+        q.dtype == torch.bfloat16 and cos_sin.dtype == torch.float32 and supports(q, k) and supports(cos_sin)
+    )
+    if table_ok and positions.dtype == torch.int64:
         torch.ops.srt_cpu.rotary_neox_(q, k, positions.contiguous(), cos_sin, head_dim)
         return
     rotary_neox_ref(q, k, positions, cos_sin, head_dim)

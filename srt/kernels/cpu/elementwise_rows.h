@@ -29,6 +29,21 @@ SRT_ISA_TARGET void silu_and_mul_rows(const float* x, int64_t xs, float* o, int6
   }
 }
 
+// x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's "quick_gelu"); o [T, n] contiguous
+SRT_ISA_TARGET void quick_gelu_rows(const float* x, int64_t xs, float* o, int64_t n, int64_t b, int64_t e) {
+  const V::reg one = V::set1(1.f), k = V::set1(-1.702f);
+  for (int64_t t = b; t < e; ++t) {
+    const float* xr = x + t * xs;
+    float* out = o + t * n;
+    int64_t j = 0;
+    for (; j + V::W <= n; j += V::W) {
+      const V::reg xv = V::load(xr + j);
+      V::store(out + j, V::div(xv, V::add(one, V::exp(V::mul(xv, k)))));
+    }
+    for (; j < n; ++j) out[j] = xr[j] / (1.f + std::exp(-1.702f * xr[j]));
+  }
+}
+
 // r += x; o = r * rsqrt(mean(r^2) + eps) * w; o [T, h] contiguous
 SRT_ISA_TARGET void add_rms_norm_rows(const float* x, int64_t xs, float* r, int64_t rs, const float* w, float* o,
                                       int64_t h, float eps, int64_t b, int64_t e) {
@@ -129,6 +144,29 @@ SRT_ISA_TARGET void silu_mul_f32_bf16(const float* g, const float* u, uint16_t* 
   }
 }
 
+// x * sigmoid(1.702 x) as transformers' bf16 module computes it: 1.702 x rounded, its sigmoid
+// rounded, then the product
+SRT_ISA_TARGET void quick_gelu_rows_bf16(const uint16_t* x, int64_t xs, uint16_t* o, int64_t n, int64_t b, int64_t e) {
+  const V::reg one = V::set1(1.f), k = V::set1(1.702f), neg = V::set1(-1.f);
+  for (int64_t t = b; t < e; ++t) {
+    const uint16_t* xr = x + t * xs;
+    uint16_t* out = o + t * n;
+    int64_t j = 0;
+    for (; j + V::W <= n; j += V::W) {
+      const V::reg xv = V::load_bf16(xr + j);
+      const V::reg a = V::round_bf16(V::mul(xv, k));
+      const V::reg s = V::round_bf16(V::div(one, V::add(one, V::exp(V::mul(a, neg)))));
+      V::store_bf16(out + j, V::mul(xv, s));
+    }
+    for (; j < n; ++j) {
+      const float xj = bf16_bits_to_float(xr[j]);
+      const float a = VecScalar::round_bf16(xj * 1.702f);
+      const float s = VecScalar::round_bf16(1.f / (1.f + std::exp(-a)));
+      out[j] = float_to_bf16_bits(xj * s);
+    }
+  }
+}
+
 // r += x (rounded; x null: r as it is, not written), then
 // o = round(round(r * rsqrt(mean(r^2) + eps)) * w); o [T, h] contiguous
 SRT_ISA_TARGET void add_rms_norm_rows_bf16(const uint16_t* x, int64_t xs, uint16_t* r, int64_t rs, const uint16_t* w,
@@ -194,6 +232,39 @@ SRT_ISA_TARGET void rotary_rows_bf16(uint16_t* q, int64_t qs, int64_t hq, uint16
     const uint16_t* c = cs + pos[t] * cs_stride;
     rotate_heads_bf16(q + t * qs, hq, D, c, c + D / 2);
     rotate_heads_bf16(k + t * ks, hk, D, c, c + D / 2);
+  }
+}
+
+// bf16 q, k and a float32 cos_sin table: float32 math, each result rounded once (a vision tower's
+// rope, which transformers computes in float32 on the widened rows)
+SRT_ISA_TARGET inline void rotate_heads_bf16_f32(uint16_t* x, int64_t n_heads, int64_t D, const float* cos,
+                                                 const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t hh = 0; hh < n_heads; ++hh) {
+    uint16_t* x1 = x + hh * D;
+    uint16_t* x2 = x1 + half;
+    int64_t j = 0;
+    for (; j + V::W <= half; j += V::W) {
+      const V::reg a = V::load_bf16(x1 + j), bb = V::load_bf16(x2 + j);
+      const V::reg c = V::load(cos + j), s = V::load(sin + j);
+      V::store_bf16(x1 + j, V::sub(V::mul(a, c), V::mul(bb, s)));
+      V::store_bf16(x2 + j, V::add(V::mul(bb, c), V::mul(a, s)));
+    }
+    for (; j < half; ++j) {
+      const float a = bf16_bits_to_float(x1[j]), bb = bf16_bits_to_float(x2[j]);
+      x1[j] = float_to_bf16_bits(a * cos[j] - bb * sin[j]);
+      x2[j] = float_to_bf16_bits(bb * cos[j] + a * sin[j]);
+    }
+  }
+}
+
+SRT_ISA_TARGET void rotary_rows_bf16_f32(uint16_t* q, int64_t qs, int64_t hq, uint16_t* k, int64_t ks, int64_t hk,
+                                         const int64_t* pos, const float* cs, int64_t cs_stride, int64_t D, int64_t b,
+                                         int64_t e) {
+  for (int64_t t = b; t < e; ++t) {
+    const float* c = cs + pos[t] * cs_stride;
+    rotate_heads_bf16_f32(q + t * qs, hq, D, c, c + D / 2);
+    rotate_heads_bf16_f32(k + t * ks, hk, D, c, c + D / 2);
   }
 }
 
