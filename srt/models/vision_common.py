@@ -50,10 +50,12 @@ def use_srt_linears(tower: nn.Module, dtype: torch.dtype, linear_backend: Any) -
 
 
 def srt_tower(tower: nn.Module, dtype: torch.dtype, linear_backend: Any) -> nn.Module:
-    """A vision tower as srt runs it: its linear layers on srt's backend (`use_srt_linears`), its
-    patch convolutions and quick-GELU activations replaced (srt/models/vision_layers.py), in eval
-    mode."""
-    return use_fast_tower_layers(use_srt_linears(tower, dtype, linear_backend)).eval()
+    """A vision tower as srt runs it: its linear layers on the model's backend for many rows
+    (`use_srt_linears`, ``LinearBackend.for_many_rows``: a tower sees every patch of an image at
+    once), its patch convolutions and quick-GELU activations replaced
+    (srt/models/vision_layers.py), in eval mode."""
+    backend = linear_backend.for_many_rows(dtype) if linear_backend is not None else None
+    return use_fast_tower_layers(use_srt_linears(tower, dtype, backend)).eval()
 
 
 def tower_level_names(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,10 @@ same weights, same outputs, in float32 and bf16."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -166,3 +170,33 @@ def test_clip_and_siglip_towers_swapped_give_transformers_outputs(kernels, kind,
         got = ours(pixels, output_hidden_states=True)
     _check(got.last_hidden_state, want.last_hidden_state, dtype)
     _check(got.hidden_states[-2], want.hidden_states[-2], dtype)
+
+
+def test_tower_linears_take_the_backend_for_many_rows():
+    """bf16 towers on a CPU with AMX tiles run their linear layers through oneDNN (``F.linear``:
+    faster than srt's brgemm path at a tower's row counts); float32 towers, and bf16 ones without
+    AMX, on srt's packed kernels. A child with the brgemm path off (``SRT_BF16_BRGEMM_M=0``) is
+    the no-AMX case on any CPU."""
+    if not cpu_kernels.load(build_if_missing=True):
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
+    from srt.layers.linear import Linear
+    from srt.layers.linear_backend import TORCH_LINEAR, NativeLinear
+
+    native = create_linear_backend("native", torch.bfloat16)
+    assert isinstance(native, NativeLinear)
+    amx = torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62
+    assert native.for_many_rows(torch.float32) is native
+    assert native.for_many_rows(torch.bfloat16) is (TORCH_LINEAR if amx else native)
+    assert TORCH_LINEAR.for_many_rows(torch.bfloat16) is TORCH_LINEAR
+    hf, config = _hf_visual("qwen2_vl", torch.bfloat16)
+    tower = srt_tower(qwen2_vl._tower(config.vision_config, config.model_type), torch.bfloat16, native)
+    backends = {type(m.linear_backend) for m in tower.modules() if isinstance(m, Linear)}
+    assert backends == {type(native.for_many_rows(torch.bfloat16))}
+    code = (
+        "import torch; from srt.kernels import cpu; cpu.load();"
+        "from srt.layers.linear_backend import create_linear_backend as c;"
+        "b = c('native', torch.bfloat16); print(b.for_many_rows(torch.bfloat16) is b)"
+    )
+    env = {**os.environ, "SRT_BF16_BRGEMM_M": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
