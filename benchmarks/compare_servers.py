@@ -575,13 +575,43 @@ def best_bounds(samples: list[dict]) -> dict:
     return {**best, "threads": samples[0]["threads"], "samples": samples}
 
 
-def add_fractions(results: dict[str, dict], target: Target, bounds: dict) -> str:
-    """Each run's fractions of its bounds (``server_stats.fractions``) into its row; the table."""
+def srt_model_override(srt_args: str) -> str | None:
+    """The ``--model-path`` that ``--srt-args`` hands srt (the last one, as its parser takes it)."""
+    tokens, path = shlex.split(srt_args), None
+    for i, tok in enumerate(tokens):
+        if tok == "--model-path" and i + 1 < len(tokens):
+            path = tokens[i + 1]
+        elif tok.startswith("--model-path="):
+            path = tok.split("=", 1)[1]
+    return path
+
+
+def srt_read_bytes(srt_args: str, target: Target) -> tuple[bool, int | None]:
+    """Whether ``--srt-args`` serves srt another model than the target, and then a decoded token's
+    weight bytes of it: its folder's safetensors but the embedding (``decode_read_bytes``); None
+    where they are not known from the files (a GGUF, a folder without safetensors)."""
+    path = srt_model_override(srt_args)
+    if path is None or os.path.abspath(path) == os.path.abspath(target.srt_model):
+        return False, None
+    if os.path.isdir(path) and any(Path(path).glob("*.safetensors")):
+        return True, quantized_checkpoint.decode_read_bytes(path)
+    return True, None
+
+
+def add_fractions(results: dict[str, dict], target: Target, bounds: dict, srt_args: str = "") -> str:
+    """Each run's fractions of its bounds (``server_stats.fractions``) into its row; the table. srt
+    serving another model through ``--srt-args`` is held to that model's bytes per token (no TPOT
+    bound where they are unknown)."""
     rows = []
     assert target.shape is not None
+    overridden, srt_bytes = srt_read_bytes(srt_args, target)
     for name, sec in results.items():
+        own = name == "srt" and overridden
         for r in sec["runs"]:
-            r["fractions"] = fractions(r, target.shape, bounds, target.read_bytes)
+            r["fractions"] = fractions(r, target.shape, bounds, srt_bytes if own else target.read_bytes)
+            if own and srt_bytes is None:
+                r["fractions"].pop("tpot_bound_ms", None)
+                r["fractions"].pop("tpot_bound_fraction", None)
             f = r["fractions"]
             cells = (
                 f.get("tpot_bound_fraction"),
@@ -634,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, r in enumerate(rounds):
             print(f"round {i + 1}: fractions of the bounds and memory")
-            print(add_fractions(r["servers"], target, bounds))
+            print(add_fractions(r["servers"], target, bounds, args.srt_args))
     inp, outp, ratio = target.workload
     workload = {
         "dataset": "random-ids",

@@ -243,3 +243,36 @@ def test_quantized_checkpoint_packs_codes_as_compressed_tensors_does():
             assert tuple(w.scale.shape) == (2, 4) and w.block == (128, 128)
         else:
             assert (w.rows, w.cols, w.qtype) == (256, 512, 2 if scheme == "w4a16" else 8)
+
+
+def test_srt_serving_another_model_is_held_to_its_own_bytes(tmp_path):
+    """``--srt-args "--model-path X"`` makes srt serve X: its TPOT bound is X's bytes per token,
+    and none where X's bytes are not known from safetensors headers (a GGUF file)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from benchmarks.compare_servers import Target, add_fractions, srt_model_override
+
+    assert srt_model_override("--dtype bfloat16 --model-path /a --model-path=/b") == "/b"
+    assert srt_model_override("--model-path '/x y' --port 1") == "/x y"
+    assert srt_model_override("--dtype bfloat16") is None
+    save_file({"lm_head.weight": torch.zeros(1000, 100, dtype=torch.int8)}, str(tmp_path / "m.safetensors"))
+    shape = model_shapes.load("qwen2.5-1.5b-bf16")
+    target = Target("/shape", [], "/shape", None, "/shape", "s", (1, 1, 1.0), shape)
+    bounds = {"read_gbs": 10.0, "matmul_gflops": 100.0}
+
+    def results():
+        run = {"concurrency": 1, "median_tpot_ms": 0.02, "all_metrics": {}}
+        return {"srt": {"runs": [dict(run)]}, "vllm": {"runs": [dict(run)]}}
+
+    res = results()
+    add_fractions(res, target, bounds, f"--model-path {tmp_path}")
+    assert res["srt"]["runs"][0]["fractions"]["tpot_bound_ms"] == pytest.approx(100000 / 10e9 * 1e3)
+    shape_ms = model_shapes.weight_bytes_per_token(shape) / 10e9 * 1e3
+    assert res["vllm"]["runs"][0]["fractions"]["tpot_bound_ms"] == pytest.approx(shape_ms, rel=1e-3)
+    res = results()
+    add_fractions(res, target, bounds, "--model-path /some/model.gguf")
+    assert "tpot_bound_ms" not in res["srt"]["runs"][0]["fractions"]
+    res = results()
+    add_fractions(res, target, bounds, "--model-path /shape")  # the target itself
+    assert res["srt"]["runs"][0]["fractions"]["tpot_bound_ms"] == pytest.approx(shape_ms, rel=1e-3)
