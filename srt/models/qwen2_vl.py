@@ -50,14 +50,18 @@ def _tower(vision_config: Any, model_type: str) -> torch.nn.Module:
     if model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
-        tower_cls, attention_cls = hf.Qwen2_5_VisionTransformerPretrainedModel, hf.Qwen2_5_VLVisionAttention
+        tower_cls = hf.Qwen2_5_VisionTransformerPretrainedModel
+        attention_cls = getattr(hf, "Qwen2_5_VLVisionAttention", None)
     else:
         from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
 
-        tower_cls, attention_cls = hf.Qwen2VisionTransformerPretrainedModel, hf.VisionAttention
+        tower_cls, attention_cls = (
+            hf.Qwen2VisionTransformerPretrainedModel,
+            getattr(hf, "VisionAttention", None),
+        )
     vision_config._attn_implementation = "sdpa"
     tower = tower_cls._from_config(vision_config)
-    return use_rope_vision_attention(tower, attention_cls, hf.apply_rotary_pos_emb_vision)
+    return use_rope_vision_attention(tower, attention_cls, getattr(hf, "apply_rotary_pos_emb_vision", None))
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):

@@ -101,6 +101,9 @@ class RopeVisionAttention(nn.Module):
     ) -> torch.Tensor:
         t, h, d = hidden_states.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv(hidden_states)  # [T, 3 h d]: q, k, v, each heads x head_dim
+        if position_embeddings is None:  # transformers 4's blocks may pass the angles alone
+            emb = torch.cat((kwargs["rotary_pos_emb"],) * 2, dim=-1)
+            position_embeddings = (emb.cos(), emb.sin())
         cos, sin = position_embeddings
         table = _rope_table(cos, sin, d)
         if table is not None:
@@ -145,8 +148,11 @@ def use_fast_tower_layers(tower: nn.Module) -> nn.Module:
     return tower
 
 
-def use_rope_vision_attention(tower: nn.Module, attention_cls: type, reference: Any) -> nn.Module:
+def use_rope_vision_attention(tower: nn.Module, attention_cls: type | None, reference: Any) -> nn.Module:
     """``tower`` with each ``attention_cls`` (Qwen2-VL's or Qwen2.5-VL's vision attention)
-    replaced by `RopeVisionAttention`; ``reference`` is that model's ``apply_rotary_pos_emb_vision``."""
+    replaced by `RopeVisionAttention`; ``reference`` is that model's ``apply_rotary_pos_emb_vision``.
+    Either None (a transformers release that names them otherwise): the tower as it is."""
+    if attention_cls is None or reference is None:
+        return tower
     _swap(tower, lambda c: RopeVisionAttention(c, reference) if type(c) is attention_cls else None)
     return tower

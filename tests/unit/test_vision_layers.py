@@ -200,3 +200,21 @@ def test_tower_linears_take_the_backend_for_many_rows():
     env = {**os.environ, "SRT_BF16_BRGEMM_M": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+def test_rope_attention_takes_the_angles_alone(kernels):
+    """A block that passes ``rotary_pos_emb`` (the angles) instead of ``position_embeddings``
+    (transformers 4's) gets the same result as with their cos and sin."""
+    hf, config = _hf_visual("qwen2_vl", torch.float32)
+    ours = _srt_visual("qwen2_vl", hf, config, torch.float32)
+    attn = next(m for m in ours.modules() if isinstance(m, vl.RopeVisionAttention))
+    t = 10
+    x = torch.randn(t, attn.qkv.in_features, generator=_gen(11))
+    freqs = torch.randn(t, attn.head_dim // 2, generator=_gen(12))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    with torch.no_grad():
+        want = attn(x, cu_seqlens=cu, position_embeddings=(emb.cos(), emb.sin()))
+        got = attn(x, cu_seqlens=cu, rotary_pos_emb=freqs)
+    assert torch.equal(got, want)
+    assert vl.use_rope_vision_attention(hf, None, None) is hf  # an unknown class: left alone
