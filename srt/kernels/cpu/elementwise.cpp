@@ -44,21 +44,21 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::
 struct RowFns {
   decltype(&scalar::silu_and_mul_rows) silu_and_mul;
   decltype(&scalar::add_rms_norm_rows) add_rms_norm;
-  decltype(&scalar::rotary_rows) rotary;
+  decltype(&scalar::rotary_rows<float>) rotary;
   decltype(&scalar::silu_and_mul_rows_bf16) silu_and_mul_bf16;
   decltype(&scalar::add_rms_norm_rows_bf16) add_rms_norm_bf16;
   decltype(&scalar::rotary_rows_bf16) rotary_bf16;
   decltype(&scalar::silu_mul_f32_bf16) silu_mul_f32_bf16;
   decltype(&scalar::quick_gelu_rows) quick_gelu;
   decltype(&scalar::quick_gelu_rows_bf16) quick_gelu_bf16;
-  decltype(&scalar::rotary_rows_bf16_f32) rotary_bf16_f32;
+  decltype(&scalar::rotary_rows<uint16_t>) rotary_bf16_f32;
 };
 
-#define SRT_ROW_FNS(ns)                                                                                     \
-  RowFns {                                                                                                  \
-    &ns::silu_and_mul_rows, &ns::add_rms_norm_rows, &ns::rotary_rows, &ns::silu_and_mul_rows_bf16,        \
-        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16, &ns::silu_mul_f32_bf16, &ns::quick_gelu_rows,   \
-        &ns::quick_gelu_rows_bf16, &ns::rotary_rows_bf16_f32                                                \
+#define SRT_ROW_FNS(ns)                                                                                   \
+  RowFns {                                                                                                \
+    &ns::silu_and_mul_rows, &ns::add_rms_norm_rows, &ns::rotary_rows<float>, &ns::silu_and_mul_rows_bf16, \
+        &ns::add_rms_norm_rows_bf16, &ns::rotary_rows_bf16, &ns::silu_mul_f32_bf16, &ns::quick_gelu_rows, \
+        &ns::quick_gelu_rows_bf16, &ns::rotary_rows<uint16_t>                                             \
   }
 
 const RowFns& row_fns() {

@@ -70,28 +70,42 @@ SRT_ISA_TARGET void add_rms_norm_rows(const float* x, int64_t xs, float* r, int6
   }
 }
 
-SRT_ISA_TARGET inline void rotate_heads(float* x, int64_t n_heads, int64_t D, const float* cos, const float* sin) {
+// x rows of float32 or bf16 (raw bits), through float32 lanes
+SRT_ISA_TARGET inline V::reg load_lanes(const float* p) { return V::load(p); }
+SRT_ISA_TARGET inline V::reg load_lanes(const uint16_t* p) { return V::load_bf16(p); }
+SRT_ISA_TARGET inline void store_lanes(float* p, V::reg v) { V::store(p, v); }
+SRT_ISA_TARGET inline void store_lanes(uint16_t* p, V::reg v) { V::store_bf16(p, v); }
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_bits_to_float(v); }
+inline void narrow(float* p, float v) { *p = v; }
+inline void narrow(uint16_t* p, float v) { *p = float_to_bf16_bits(v); }
+
+// float32 math on a float32 table: the float32 rope, and on bf16 rows (each result rounded once)
+// a vision tower's, which transformers computes in float32 on the widened rows
+template <typename T>
+SRT_ISA_TARGET inline void rotate_heads(T* x, int64_t n_heads, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
   for (int64_t hh = 0; hh < n_heads; ++hh) {
-    float* x1 = x + hh * D;
-    float* x2 = x1 + half;
+    T* x1 = x + hh * D;
+    T* x2 = x1 + half;
     int64_t j = 0;
     for (; j + V::W <= half; j += V::W) {
-      const V::reg a = V::load(x1 + j), bb = V::load(x2 + j);
+      const V::reg a = load_lanes(x1 + j), bb = load_lanes(x2 + j);
       const V::reg c = V::load(cos + j), s = V::load(sin + j);
-      V::store(x1 + j, V::sub(V::mul(a, c), V::mul(bb, s)));
-      V::store(x2 + j, V::add(V::mul(bb, c), V::mul(a, s)));
+      store_lanes(x1 + j, V::sub(V::mul(a, c), V::mul(bb, s)));
+      store_lanes(x2 + j, V::add(V::mul(bb, c), V::mul(a, s)));
     }
     for (; j < half; ++j) {
-      const float a = x1[j], bb = x2[j];
-      x1[j] = a * cos[j] - bb * sin[j];
-      x2[j] = bb * cos[j] + a * sin[j];
+      const float a = widen(x1[j]), bb = widen(x2[j]);
+      narrow(x1 + j, a * cos[j] - bb * sin[j]);
+      narrow(x2 + j, bb * cos[j] + a * sin[j]);
     }
   }
 }
 
 // rotate every head of q [T, hq*D] and k [T, hk*D] in place by cos_sin[pos[t]] = [cos | sin]
-SRT_ISA_TARGET void rotary_rows(float* q, int64_t qs, int64_t hq, float* k, int64_t ks, int64_t hk, const int64_t* pos,
+template <typename T>
+SRT_ISA_TARGET void rotary_rows(T* q, int64_t qs, int64_t hq, T* k, int64_t ks, int64_t hk, const int64_t* pos,
                                 const float* cs, int64_t cs_stride, int64_t D, int64_t b, int64_t e) {
   for (int64_t t = b; t < e; ++t) {
     const float* c = cs + pos[t] * cs_stride;
@@ -232,39 +246,6 @@ SRT_ISA_TARGET void rotary_rows_bf16(uint16_t* q, int64_t qs, int64_t hq, uint16
     const uint16_t* c = cs + pos[t] * cs_stride;
     rotate_heads_bf16(q + t * qs, hq, D, c, c + D / 2);
     rotate_heads_bf16(k + t * ks, hk, D, c, c + D / 2);
-  }
-}
-
-// bf16 q, k and a float32 cos_sin table: float32 math, each result rounded once (a vision tower's
-// rope, which transformers computes in float32 on the widened rows)
-SRT_ISA_TARGET inline void rotate_heads_bf16_f32(uint16_t* x, int64_t n_heads, int64_t D, const float* cos,
-                                                 const float* sin) {
-  const int64_t half = D / 2;
-  for (int64_t hh = 0; hh < n_heads; ++hh) {
-    uint16_t* x1 = x + hh * D;
-    uint16_t* x2 = x1 + half;
-    int64_t j = 0;
-    for (; j + V::W <= half; j += V::W) {
-      const V::reg a = V::load_bf16(x1 + j), bb = V::load_bf16(x2 + j);
-      const V::reg c = V::load(cos + j), s = V::load(sin + j);
-      V::store_bf16(x1 + j, V::sub(V::mul(a, c), V::mul(bb, s)));
-      V::store_bf16(x2 + j, V::add(V::mul(bb, c), V::mul(a, s)));
-    }
-    for (; j < half; ++j) {
-      const float a = bf16_bits_to_float(x1[j]), bb = bf16_bits_to_float(x2[j]);
-      x1[j] = float_to_bf16_bits(a * cos[j] - bb * sin[j]);
-      x2[j] = float_to_bf16_bits(bb * cos[j] + a * sin[j]);
-    }
-  }
-}
-
-SRT_ISA_TARGET void rotary_rows_bf16_f32(uint16_t* q, int64_t qs, int64_t hq, uint16_t* k, int64_t ks, int64_t hk,
-                                         const int64_t* pos, const float* cs, int64_t cs_stride, int64_t D, int64_t b,
-                                         int64_t e) {
-  for (int64_t t = b; t < e; ++t) {
-    const float* c = cs + pos[t] * cs_stride;
-    rotate_heads_bf16_f32(q + t * qs, hq, D, c, c + D / 2);
-    rotate_heads_bf16_f32(k + t * ks, hk, D, c, c + D / 2);
   }
 }
 
