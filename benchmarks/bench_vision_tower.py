@@ -44,17 +44,8 @@ def _towers(model: str, dtype: torch.dtype):
 
     config = AutoConfig.from_pretrained(model)
     vc = config.vision_config
-    vc._attn_implementation = "sdpa"
-    if config.model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower,
-        )
-    else:
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel as Tower,
-        )
     torch.manual_seed(0)
-    hf = Tower._from_config(vc).to(dtype).eval()
+    hf = qwen2_vl.transformers_tower(vc, config.model_type).to(dtype).eval()
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.02)
     ours = srt_tower(

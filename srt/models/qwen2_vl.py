@@ -45,22 +45,28 @@ def _mrope_decoder_config(config: Any) -> tuple[Any, list[int]]:
     return text, list(sections)
 
 
-def _tower(vision_config: Any, model_type: str) -> torch.nn.Module:
-    """transformers' tower with srt's rope attention in place of its vision attention."""
+def _hf_vision(model_type: str) -> tuple[Any, type, type | None]:
+    """transformers' module of the type's tower, the tower class, and its attention class (None
+    where this transformers release names it otherwise)."""
     if model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
-        tower_cls = hf.Qwen2_5_VisionTransformerPretrainedModel
-        attention_cls = getattr(hf, "Qwen2_5_VLVisionAttention", None)
-    else:
-        from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+        return hf, hf.Qwen2_5_VisionTransformerPretrainedModel, getattr(hf, "Qwen2_5_VLVisionAttention", None)
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
 
-        tower_cls, attention_cls = (
-            hf.Qwen2VisionTransformerPretrainedModel,
-            getattr(hf, "VisionAttention", None),
-        )
+    return hf, hf.Qwen2VisionTransformerPretrainedModel, getattr(hf, "VisionAttention", None)
+
+
+def transformers_tower(vision_config: Any, model_type: str) -> torch.nn.Module:
+    """transformers' tower as it ships (SDPA attention)."""
     vision_config._attn_implementation = "sdpa"
-    tower = tower_cls._from_config(vision_config)
+    return _hf_vision(model_type)[1]._from_config(vision_config)
+
+
+def _tower(vision_config: Any, model_type: str) -> torch.nn.Module:
+    """transformers' tower with srt's rope attention in place of its vision attention."""
+    hf, _, attention_cls = _hf_vision(model_type)
+    tower = transformers_tower(vision_config, model_type)
     return use_rope_vision_attention(tower, attention_cls, getattr(hf, "apply_rotary_pos_emb_vision", None))
 
 

@@ -79,11 +79,29 @@ def _rope_table(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Te
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
 
+class _RopeTables:
+    """The table and positions of a tower call's cos and sin, made once for all of its blocks
+    (every block of the call is handed the same two tensors)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._entry: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def get(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+        """(``_rope_table``'s table or None, ``arange`` of the rows)."""
+        if self._key is None or cos is not self._key[0] or sin is not self._key[1]:
+            table = _rope_table(cos, sin, head_dim)
+            positions = None if table is None else torch.arange(cos.shape[0], device=cos.device)
+            self._key, self._entry = (cos, sin), (table, positions)
+        return self._entry
+
+
 class RopeVisionAttention(nn.Module):
     """Qwen2-VL's ``VisionAttention`` / Qwen2.5-VL's ``Qwen2_5_VLVisionAttention`` (the same
-    forward), on the module's own ``qkv`` and ``proj``."""
+    forward), on the module's own ``qkv`` and ``proj``; ``tables`` is shared by the tower's
+    attention modules."""
 
-    def __init__(self, attn: nn.Module, reference: Any) -> None:
+    def __init__(self, attn: nn.Module, reference: Any, tables: _RopeTables) -> None:
         super().__init__()
         self.qkv = attn.qkv
         self.proj = attn.proj
@@ -91,6 +109,7 @@ class RopeVisionAttention(nn.Module):
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self._reference = reference  # transformers' rope function, for a table this cannot take
+        self._tables = tables
 
     def forward(
         self,
@@ -105,9 +124,8 @@ class RopeVisionAttention(nn.Module):
             emb = torch.cat((kwargs["rotary_pos_emb"],) * 2, dim=-1)
             position_embeddings = (emb.cos(), emb.sin())
         cos, sin = position_embeddings
-        table = _rope_table(cos, sin, d)
+        table, positions = self._tables.get(cos, sin, d)
         if table is not None:
-            positions = torch.arange(t, device=qkv.device)
             rotary_neox_(qkv[:, : h * d], qkv[:, h * d : 2 * h * d], positions, table, d)
             q, k, v = qkv.view(t, 3, h, d).permute(1, 2, 0, 3).unbind(0)  # each [h, T, d]
         else:
@@ -126,16 +144,13 @@ class RopeVisionAttention(nn.Module):
         return self.proj(out.transpose(0, 1).reshape(t, h * d))
 
 
-def _swap(tower: nn.Module, make: Any) -> int:
+def _swap(tower: nn.Module, make: Any) -> None:
     """Replace every child ``c`` of the tower's modules for which ``make(c)`` gives a module."""
-    swapped = 0
     for module in list(tower.modules()):
         for name, child in list(module.named_children()):
             new = make(child)
             if new is not None:
                 setattr(module, name, new)
-                swapped += 1
-    return swapped
 
 
 def use_fast_tower_layers(tower: nn.Module) -> nn.Module:
@@ -143,8 +158,12 @@ def use_fast_tower_layers(tower: nn.Module) -> nn.Module:
     docstring); any tower: the layers it lacks are left alone."""
     from transformers.activations import QuickGELUActivation
 
-    _swap(tower, lambda c: PatchConv(c) if PatchConv.takes(c) else None)
-    _swap(tower, lambda c: QuickGelu() if type(c) is QuickGELUActivation else None)
+    def make(child: nn.Module) -> nn.Module | None:
+        if PatchConv.takes(child):
+            return PatchConv(child)
+        return QuickGelu() if type(child) is QuickGELUActivation else None
+
+    _swap(tower, make)
     return tower
 
 
@@ -154,5 +173,6 @@ def use_rope_vision_attention(tower: nn.Module, attention_cls: type | None, refe
     Either None (a transformers release that names them otherwise): the tower as it is."""
     if attention_cls is None or reference is None:
         return tower
-    _swap(tower, lambda c: RopeVisionAttention(c, reference) if type(c) is attention_cls else None)
+    tables = _RopeTables()
+    _swap(tower, lambda c: RopeVisionAttention(c, reference, tables) if type(c) is attention_cls else None)
     return tower

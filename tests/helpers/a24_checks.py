@@ -34,3 +34,18 @@ def check_24_bit_error(y: torch.Tensor, x: torch.Tensor, data: torch.Tensor, qty
     err = (y.double() - ref).abs()
     # 2^-21: eight float32 units of the block's largest term; one byte of V lost would be 2^-16
     assert bool((err <= 2.0**-21 * bound + 1e-30).all()), f"max error / bound {(err / bound).max():.3g}"
+
+
+def check_taken_below(
+    default, a24_path, x: torch.Tensor, data: torch.Tensor, qtype: int, below, above
+) -> None:
+    """The dispatching op ``default(x_rows)`` takes the 24-bit ``a24_path(x_rows)``: the same bits at
+    each row count of ``below``; other sums at each of ``above`` (the path's row limit on), both
+    within the 24-bit error bound."""
+    for m in below:
+        assert torch.equal(default(x[:m]), a24_path(x[:m]))
+    for m in above:
+        y, a = default(x[:m]), a24_path(x[:m])
+        assert not torch.equal(y, a)
+        check_24_bit_error(y, x[:m], data, qtype)
+        check_24_bit_error(a, x[:m], data, qtype)

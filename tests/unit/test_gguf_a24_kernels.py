@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
-from tests.helpers.a24_checks import activations, check_24_bit_error
+from tests.helpers.a24_checks import activations, check_24_bit_error, check_taken_below
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa, cpuinfo_flags
 from tests.helpers.threads import with_threads
@@ -56,17 +56,15 @@ def test_gguf_linear_takes_it_below_its_row_limit(qtype):
     k = 512
     data = random_code_blocks(21, k, qtype, seed=3)
     x = activations(8, k, seed=4)
-    for m in range(1, limit):
-        assert torch.equal(
-            torch.ops.srt_cpu.gguf_linear(x[:m], data, qtype),
-            torch.ops.srt_cpu.gguf_linear_a24(x[:m], data, qtype),
-        )
-    for m in (limit, 8):
-        y = torch.ops.srt_cpu.gguf_linear(x[:m], data, qtype)
-        a = torch.ops.srt_cpu.gguf_linear_a24(x[:m], data, qtype)
-        assert not torch.equal(y, a)
-        check_24_bit_error(y, x[:m], data, qtype)
-        check_24_bit_error(a, x[:m], data, qtype)
+    check_taken_below(
+        lambda xm: torch.ops.srt_cpu.gguf_linear(xm, data, qtype),
+        lambda xm: torch.ops.srt_cpu.gguf_linear_a24(xm, data, qtype),
+        x,
+        data,
+        qtype,
+        below=range(1, limit),
+        above=(limit, 8),
+    )
 
 
 @needs_a24

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from srt.kernels.cpu import _op_registered, gguf
-from tests.helpers.a24_checks import activations, check_24_bit_error
+from tests.helpers.a24_checks import activations, check_24_bit_error, check_taken_below
 from tests.helpers.gguf_models import random_code_blocks
 from tests.helpers.isa import cpu_isa, cpuinfo_flags
 from tests.helpers.threads import with_threads
@@ -66,14 +66,15 @@ def test_gguf_linear_x8_takes_it_below_its_row_limit(qtype):
     k, n = 512, 40
     data, pk = packed(n, k, qtype, seed=3)
     x = activations(20, k, seed=4)
-    for m in (1, 2, 5, 8, A24_ROWS - 1):
-        assert torch.equal(gguf.quant_linear_x8(x[:m], pk, qtype, n), x8_a24(x[:m], pk, qtype, n))
-    for m in (A24_ROWS, 20):
-        y = gguf.quant_linear_x8(x[:m], pk, qtype, n)
-        a = x8_a24(x[:m], pk, qtype, n)
-        assert not torch.equal(y, a)
-        check_24_bit_error(y, x[:m], data, qtype)
-        check_24_bit_error(a, x[:m], data, qtype)
+    check_taken_below(
+        lambda xm: gguf.quant_linear_x8(xm, pk, qtype, n),
+        lambda xm: x8_a24(xm, pk, qtype, n),
+        x,
+        data,
+        qtype,
+        below=(1, 2, 5, 8, A24_ROWS - 1),
+        above=(A24_ROWS, 20),
+    )
 
 
 @needs_path
