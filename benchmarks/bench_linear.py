@@ -13,7 +13,9 @@ memory as in a real forward; the LM head is left out):
 In bf16 (weights and activations; ``--shape qwen2.5-1.5b`` for that model's layers, 28 of them,
 2.6 GB) the backends are ``native`` (srt's bf16 linear, the path it picks for the row count),
 ``native:PATH`` (one path forced: ``avx512_bf16``, ``brgemm``, ``avx512``, ``avx2``, ``scalar``; a
-path this CPU lacks is left out, saying so) and ``torch`` (``F.linear`` in bf16: oneDNN). The
+path this CPU lacks is left out, saying so), ``native+onednn`` (srt's bf16 linear with the oneDNN
+copies of ``--bf16-prefill-copy on``: oneDNN's matmul on them from 64 rows; a CPU without AMX tiles
+makes none) and ``torch`` (``F.linear`` in bf16: oneDNN). The
 crossover of ``native``'s paths (``SRT_BF16_BRGEMM_M``) is the row count from which ``brgemm`` wins.
 
     python benchmarks/bench_linear.py [--rows 1,4,8,16,32,64,128,512,2048]
@@ -48,8 +50,8 @@ class ForcedPath:
         self.path = path
         self.native = create_linear_backend("native")
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        return self.native.pack_weight(weight)
+    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
+        return self.native.pack_weight(weight, prefill)
 
     def apply(self, x, weight, bias=None, packed=None):
         return torch.ops.srt_cpu.bf16_linear(x, packed, weight.shape[0], bias, self.path)
@@ -57,6 +59,8 @@ class ForcedPath:
 
 def make_backend(name: str, dtype: torch.dtype):
     """A backend by name (``native:PATH``: one bf16 path), or None with the reason it cannot run here."""
+    if name == "native+onednn":  # the bf16 weights' oneDNN copies from 64 rows (--bf16-prefill-copy on)
+        return create_linear_backend("native", prefill_copy="on")
     if not name.startswith("native:"):
         return create_linear_backend(name)
     if dtype != torch.bfloat16:
@@ -102,7 +106,7 @@ def main() -> None:
     packs: dict[str, list] = {}
     packed = {}
     for n, b in backends.items():
-        key = "native" if n.startswith("native") else n
+        key = "native" if n == "native" or n.startswith("native:") else n
         if key not in packs:
             packs[key] = [[b.pack_weight(w) for w in layer] for layer in weights]
         packed[n] = packs[key]

@@ -43,11 +43,19 @@ The ``onednn`` backend keeps the float32 linear weights twice (plain and packed;
 accounting counts both). The ``native`` backend needs the packed form alone (``packed_only``):
 once a layer packed its weight it releases the plain one (a ``meta`` tensor keeps its shape and
 dtype), so a float32 model is held once. docs/benchmarks.md has the measured speed-ups.
+
+On a CPU with AMX tiles the ``native`` backend may keep a second form of each bf16 weight
+(``prefill_copy``): oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), which
+its matmul runs 1.1-1.35x faster than srt's brgemm path from ``ONEDNN_PREFILL_ROWS`` rows on
+(prefill; Qwen2.5-1.5B's layers on an Intel Xeon with AMX, 2 cores), at the cost of the weights'
+size again in memory. Below that (decode) srt's kernels stay faster or equal. ``auto`` makes the
+copy while the memory left available afterwards stays at least half of the machine's.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 
 import torch
@@ -75,9 +83,10 @@ class LinearBackend(ABC):
         """x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``; ``packed`` is
         what ``pack_weight(weight)`` returned, if anything."""
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
         """A prepacked copy of a loaded ``weight [out, in]`` for ``apply`` (called once per weight
-        after loading), or None: the default has no packed form."""
+        after loading), or None: the default has no packed form. ``prefill=False``: the layer never
+        sees a prompt's rows (the LM head: one row a sequence)."""
         return None
 
     def apply_silu_mul(
@@ -93,6 +102,10 @@ class LinearBackend(ABC):
         vision tower's: every patch of an image at once): this one, unless another is faster
         there."""
         return self
+
+    def load_summary(self) -> str | None:
+        """One line on what packing the loaded weights made, for the load log; None: nothing to say."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -134,7 +147,7 @@ class OneDNNLinear(LinearBackend):
 
     name = "onednn"
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
@@ -155,6 +168,30 @@ class OneDNNLinear(LinearBackend):
 
 TORCH_LINEAR = TorchLinear()
 
+# rows from which a bf16 layer's oneDNN copy (NativeLinear's prefill_copy) runs its matmul: oneDNN
+# was 0.95x srt's brgemm path at 32 rows, 1.09x at 64, 1.24-1.35x at 128-512 (Qwen2.5-1.5B's
+# layers, Intel Xeon with AMX, 2 cores)
+ONEDNN_PREFILL_ROWS = 64
+PREFILL_COPY_CHOICES = ("auto", "on", "off")
+
+
+def amx_bf16_tiles() -> bool:
+    """Whether bf16 matmuls run on AMX tiles here: srt's brgemm path is on (the CPU has AMX-BF16
+    and ``SRT_BF16_BRGEMM_M`` does not switch it off) and oneDNN is not capped below AMX
+    (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles trap)."""
+    if not (cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_brgemm_rows")):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62 and (cap in ("", "ALL") or "AMX" in cap)
+
+
+def _memory_left_after(nbytes: int) -> bool:
+    """Whether ``nbytes`` more leave at least half of the machine's memory available."""
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return mem.available - nbytes >= mem.total // 2
+
 
 class NativeLinear(LinearBackend):
     """srt's packed kernels for every CPU input of a packed weight, ``F.linear`` for weights it did
@@ -166,13 +203,23 @@ class NativeLinear(LinearBackend):
     float32 activations on a CPU without bf16 arithmetic: half the bytes, the same values). An FP8
     checkpoint's float8_e4m3fn codes go in one byte a code (``torch.ops.srt_cpu.fp8_linear``, see
     ``stores_fp8``). The plain weight of a packed layer is released (``packed_only``): autograd through it is refused.
+    ``prefill_copy`` (``auto`` / ``on`` / ``off``): on a CPU with AMX tiles, a bf16 weight's packed
+    form also carries oneDNN's blocked copy (its ``onednn_copy`` attribute), which runs inputs of
+    ``ONEDNN_PREFILL_ROWS`` bf16 rows or more (module docstring).
     Needs the native kernels loaded: ``create_linear_backend`` checks that."""
 
     name = "native"
     packed_only = True
 
-    def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, weight_dtype: torch.dtype | None = None, prefill_copy: str = "off") -> None:
+        if prefill_copy not in PREFILL_COPY_CHOICES:
+            raise ValueError(f"prefill_copy must be one of {PREFILL_COPY_CHOICES}, got {prefill_copy!r}")
         self.weight_dtype = weight_dtype
+        self.prefill_copy = prefill_copy
+        # what the copies took: bytes, layers copied, layers left without one for lack of memory
+        self.prefill_copy_bytes = 0
+        self.prefill_copies = 0
+        self.prefill_copies_skipped = 0
 
     @property
     def stores_fp8(self) -> bool:
@@ -198,10 +245,36 @@ class NativeLinear(LinearBackend):
         """bf16 on a CPU with AMX tiles: ``F.linear`` (oneDNN's bf16 matmul), which ran a vision
         tower's layers at 1,024 rows 1.04-1.36x faster than srt's brgemm path (Qwen2-VL-2B's tower,
         Intel Xeon with AMX, 2 cores); srt's kernels elsewhere (below AMX they beat oneDNN's)."""
-        amx = hasattr(torch.ops.srt_cpu, "bf16_brgemm_rows") and torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62
-        return TORCH_LINEAR if dtype == torch.bfloat16 and amx else self
+        return TORCH_LINEAR if dtype == torch.bfloat16 and amx_bf16_tiles() else self
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def load_summary(self) -> str | None:
+        if not (self.prefill_copies or self.prefill_copies_skipped):
+            return None
+        return (
+            f"bf16 prefill copies (--bf16-prefill-copy {self.prefill_copy}): {self.prefill_copies} layers, "
+            f"{self.prefill_copy_bytes / (1 << 20):.1f} MiB in oneDNN's layout for inputs of "
+            f"{ONEDNN_PREFILL_ROWS} rows or more; {self.prefill_copies_skipped} layers without one "
+            "(under half of the memory would have stayed available)"
+        )
+
+    def _attach_prefill_copy(self, weight: Tensor, packed: Tensor) -> None:
+        """Give a bf16 weight's packed form its oneDNN copy (``onednn_copy``) where ``prefill_copy``
+        asks for one: ``on`` on any CPU with AMX tiles, ``auto`` while memory allows."""
+        if self.prefill_copy == "off" or weight.dtype != torch.bfloat16 or not amx_bf16_tiles():
+            return
+        if not torch.backends.mkldnn.is_available():
+            return
+        nbytes = weight.numel() * weight.element_size()
+        if self.prefill_copy == "auto" and not _memory_left_after(nbytes):
+            self.prefill_copies_skipped += 1
+            return
+        packed.onednn_copy = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), ONEDNN_PREFILL_ROWS
+        )
+        self.prefill_copy_bytes += nbytes
+        self.prefill_copies += 1
+
+    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
         if weight.device.type != "cpu" or weight.dim() != 2:
             return None
         if weight.dtype == torch.float8_e4m3fn:  # an FP8 checkpoint's codes (stores_fp8)
@@ -210,7 +283,12 @@ class NativeLinear(LinearBackend):
             weight.dtype == torch.float32 and self.weight_dtype == torch.bfloat16
         ):
             # pairs of k: an odd in_features (no model has one) keeps its plain weight and F.linear
-            return torch.ops.srt_cpu.pack_bf16_weight(weight.detach()) if weight.shape[1] % 2 == 0 else None
+            if weight.shape[1] % 2:
+                return None
+            packed = torch.ops.srt_cpu.pack_bf16_weight(weight.detach())
+            if prefill:
+                self._attach_prefill_copy(weight, packed)
+            return packed
         if weight.dtype != torch.float32:
             return None
         return torch.ops.srt_cpu.pack_linear_weight(weight.detach())
@@ -227,6 +305,10 @@ class NativeLinear(LinearBackend):
                 "Build the model with another linear backend for this."
             )
         x2 = x.reshape(-1, x.shape[-1])
+        copy = _onednn_copy(packed, x2)
+        if copy is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x2, copy, bias, "none", [], "")
+            return out.view(*x.shape[:-1], weight.shape[0])
         if packed.dtype in (torch.bfloat16, torch.uint8):
             x2 = x2 if x2.dtype in (torch.bfloat16, torch.float32) else x2.float()
             op = (
@@ -249,17 +331,28 @@ class NativeLinear(LinearBackend):
             return None
         if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
             return None
+        if _onednn_copy(packed, x.reshape(-1, x.shape[-1])) is not None:
+            return None  # oneDNN's matmul on the copy, then the activation
         out = torch.ops.srt_cpu.bf16_linear_silu_mul(
             x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias
         )
         return out.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
-def _native_or_fallback(weight_dtype: torch.dtype | None) -> LinearBackend:
+def _onednn_copy(packed: Tensor, x2: Tensor) -> Tensor | None:
+    """The oneDNN copy of a bf16 packed weight when it should run ``x2``'s matmul: bf16 rows, at
+    least ``ONEDNN_PREFILL_ROWS`` of them; else None."""
+    copy = getattr(packed, "onednn_copy", None)
+    if copy is None or x2.dtype != torch.bfloat16 or x2.shape[0] < ONEDNN_PREFILL_ROWS:
+        return None
+    return copy
+
+
+def _native_or_fallback(weight_dtype: torch.dtype | None, prefill_copy: str) -> LinearBackend:
     """``NativeLinear`` when the native kernels are loaded; else, with a warning naming why, the
     ``onednn`` backend (``torch`` when oneDNN is unusable)."""
     if cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_linear"):
-        return NativeLinear(weight_dtype)
+        return NativeLinear(weight_dtype, prefill_copy)
     fallback = OneDNNLinear() if onednn_linear_available() else TORCH_LINEAR
     logger.warning(
         "linear backend native: the native kernels are unavailable (%s); using %s instead",
@@ -269,9 +362,12 @@ def _native_or_fallback(weight_dtype: torch.dtype | None) -> LinearBackend:
     return fallback
 
 
-def create_linear_backend(name: str, weight_dtype: torch.dtype | None = None) -> LinearBackend:
+def create_linear_backend(
+    name: str, weight_dtype: torch.dtype | None = None, prefill_copy: str = "off"
+) -> LinearBackend:
     """The backend of a resolved ``--linear-backend`` (``torch``, ``onednn`` or ``native``);
-    ``weight_dtype``: the native backend's storage dtype for float32 weights (see ``NativeLinear``).
+    ``weight_dtype``: the native backend's storage dtype for float32 weights, ``prefill_copy``:
+    its oneDNN copies of bf16 weights on AMX CPUs (``--bf16-prefill-copy``; see ``NativeLinear``).
 
     ``native`` without the native kernels gives the ``onednn`` (or ``torch``) backend, with a
     warning. Raises ``ValueError`` for any other name (``auto`` included: resolve it first) and for
@@ -279,7 +375,7 @@ def create_linear_backend(name: str, weight_dtype: torch.dtype | None = None) ->
     if name == "torch":
         return TORCH_LINEAR
     if name == "native":
-        return _native_or_fallback(weight_dtype)
+        return _native_or_fallback(weight_dtype, prefill_copy)
     if name == "onednn":
         if not onednn_linear_available():
             raise ValueError(

@@ -106,7 +106,7 @@ class LogitsProcessor(nn.Module):
 
     def prepare_weights(self, lm_head_weight: torch.Tensor) -> None:
         """Keep the backend's prepacked copy of the loaded LM head weight, if it makes one."""
-        self.head_packed = self.linear_backend.pack_weight(lm_head_weight.data)
+        self.head_packed = self.linear_backend.pack_weight(lm_head_weight.data, prefill=False)
 
     def forward(
         self,

@@ -106,7 +106,9 @@ class ModelRunner:
         weight_dtype = (
             _DTYPES[server_args.weight_dtype] if server_args.weight_dtype not in (None, "auto") else None
         )
-        self.linear_backend: LinearBackend = create_linear_backend(server_args.linear_backend, weight_dtype)
+        self.linear_backend: LinearBackend = create_linear_backend(
+            server_args.linear_backend, weight_dtype, server_args.bf16_prefill_copy
+        )
         kv_name = server_args.kv_cache_dtype
         self.kv_cache_dtype: torch.dtype = self.dtype if kv_name in (None, "auto") else _DTYPES[kv_name]
         self.model: nn.Module = self._load_model(self.model_config, server_args.load_format)
@@ -131,6 +133,8 @@ class ModelRunner:
             self.linear_backend.name,
             torch.get_num_threads(),
         )
+        if (summary := self.linear_backend.load_summary()) is not None:
+            logger.info("linear %s: %s", self.linear_backend.name, summary)
 
     def _new_cuda_graph_runner(self, server_args: ServerArgs) -> CudaGraphRunner | None:
         """The graph runner with its fixed buffers (captured once the pools exist), or None."""

@@ -261,3 +261,77 @@ def test_llama_mlp_takes_the_fused_gate_up():
         finally:
             llama.MLP_CHUNK_BYTES = old
     assert torch.equal(fused, separate) and torch.equal(chunked, separate)
+
+
+# ---------------------------------------------------------------- oneDNN copies for prefill rows
+def _copy_layer(monkeypatch, choice: str, amx: bool = True, memory_ok: bool = True):
+    """A bf16 layer on ``NativeLinear(prefill_copy=choice)``, packed, with the AMX and memory checks
+    answered as given (oneDNN's matmul runs on any CPU; only the choice to copy depends on AMX)."""
+    from srt.layers import linear_backend as lb
+
+    monkeypatch.setattr(lb, "amx_bf16_tiles", lambda: amx)
+    monkeypatch.setattr(lb, "_memory_left_after", lambda nbytes: memory_ok)
+    backend = create_linear_backend("native", prefill_copy=choice)
+    layer = Linear(96, 2 * 48, bias=True, dtype=torch.bfloat16, linear_backend=backend)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 96, generator=g).bfloat16())
+        layer.bias.copy_(torch.randn(96, generator=g))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    return backend, layer, plain
+
+
+def test_prefill_copy_runs_prefill_rows_on_onednn_and_decode_rows_on_srt(monkeypatch):
+    from srt.layers.linear_backend import ONEDNN_PREFILL_ROWS
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    backend, layer, plain = _copy_layer(monkeypatch, "on")
+    copy = layer.packed_weight.onednn_copy
+    assert backend.prefill_copies == 1 and backend.prefill_copy_bytes == plain.numel() * 2
+    assert "1 layers" in backend.load_summary()
+    g = torch.Generator().manual_seed(8)
+    with torch.inference_mode():
+        for m in (1, ONEDNN_PREFILL_ROWS - 1, ONEDNN_PREFILL_ROWS, 300):
+            x = torch.randn(m, 96, generator=g).bfloat16()
+            y = layer(x)
+            if m >= ONEDNN_PREFILL_ROWS:
+                want = torch.ops.mkldnn._linear_pointwise(x, copy, layer.bias, "none", [], "")
+                assert layer.silu_and_mul(x) is None  # oneDNN's matmul, then the activation
+            else:
+                want = torch.ops.srt_cpu.bf16_linear(x, layer.packed_weight, 96, layer.bias, "")
+                assert layer.silu_and_mul(x) is not None
+            assert torch.equal(y, want)
+            _assert_within_bound(y, x, plain, layer.bias)
+            assert torch.equal(
+                layer(x.float()),
+                torch.ops.srt_cpu.bf16_linear(x.float(), layer.packed_weight, 96, layer.bias, ""),
+            )
+
+
+@pytest.mark.parametrize(
+    "choice,amx,memory_ok,copied,skipped",
+    [
+        ("auto", True, True, 1, 0),
+        ("auto", True, False, 0, 1),  # under half of the memory would stay available
+        ("on", True, False, 1, 0),
+        ("off", True, True, 0, 0),
+        ("on", False, True, 0, 0),  # no AMX tiles: srt's kernels beat oneDNN at every row count
+    ],
+)
+def test_prefill_copy_choice(monkeypatch, choice, amx, memory_ok, copied, skipped):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    backend, layer, _ = _copy_layer(monkeypatch, choice, amx, memory_ok)
+    assert (getattr(layer.packed_weight, "onednn_copy", None) is not None) == bool(copied)
+    assert (backend.prefill_copies, backend.prefill_copies_skipped) == (copied, skipped)
+    summary = backend.load_summary()
+    assert (summary is None) == (copied + skipped == 0)
+    if skipped:
+        assert "1 layers without one" in summary
+    # a float32 weight stored in bf16 (float32 activations) never gets one
+    f32 = NativeLinear(torch.bfloat16, prefill_copy=choice)
+    assert getattr(f32.pack_weight(torch.randn(32, 64)), "onednn_copy", None) is None
+    with pytest.raises(ValueError, match="prefill_copy"):
+        NativeLinear(prefill_copy="sometimes")
