@@ -46,7 +46,7 @@ dtype), so a float32 model is held once. docs/benchmarks.md has the measured spe
 
 On a CPU with AMX tiles the ``native`` backend may keep a second form of each bf16 weight
 (``prefill_copy``): oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), which
-its matmul runs 1.1-1.35x faster than srt's brgemm path from ``ONEDNN_PREFILL_ROWS`` rows on
+its matmul runs 1.08-1.24x faster than srt's brgemm path from ``ONEDNN_PREFILL_ROWS`` rows on
 (prefill; Qwen2.5-1.5B's layers on an Intel Xeon with AMX, 2 cores), at the cost of the weights'
 size again in memory. Below that (decode) srt's kernels stay faster or equal. ``auto`` makes the
 copy while the memory left available afterwards stays at least half of the machine's.
@@ -169,7 +169,7 @@ class OneDNNLinear(LinearBackend):
 TORCH_LINEAR = TorchLinear()
 
 # rows from which a bf16 layer's oneDNN copy (NativeLinear's prefill_copy) runs its matmul: oneDNN
-# was 0.95x srt's brgemm path at 32 rows, 1.09x at 64, 1.24-1.35x at 128-512 (Qwen2.5-1.5B's
+# was 0.96x srt's brgemm path at 32 rows, 1.03-1.08x at 64, 1.19-1.24x at 128-512 (Qwen2.5-1.5B's
 # layers, Intel Xeon with AMX, 2 cores)
 ONEDNN_PREFILL_ROWS = 64
 PREFILL_COPY_CHOICES = ("auto", "on", "off")
