@@ -1,15 +1,11 @@
 """Linear backends: how a linear layer (and the LM head) runs its matmul.
 
-A ``LinearBackend`` is chosen once per process from ``ServerArgs.linear_backend`` (resolved by
+A ``LinearBackend`` (srt/layers/linear_base.py: the contract of ``apply`` and of prepacked
+weights) is chosen once per process from ``ServerArgs.linear_backend`` (resolved by
 ``ServerArgs.resolve``; see ``srt/configs/backends.py``), built by the ModelRunner with
 ``create_linear_backend(name)`` and handed to the model's constructor, which gives it to every
 ``Linear`` and to the ``LogitsProcessor`` (the LM head). A model built without one (tests,
 tools) uses ``TORCH_LINEAR``.
-
-Contract of ``apply(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]`` (F.linear's
-layout), bias ``[out]`` or None -> ``[..., out]`` in x's dtype, equal to ``F.linear(x, weight,
-bias)`` up to float rounding. This is the seam where quantized weight formats plug in: a backend
-that owns its own weight layout and ``apply``.
 
 * ``torch``: ``F.linear`` everywhere (MKL sgemm on CPU): outputs bitwise those of a plain PyTorch
   model on the same machine; always the choice on CUDA.
@@ -22,41 +18,24 @@ that owns its own weight layout and ``apply``.
   AVX-512) while matching it at prefill sizes. Every output is one FMA chain over k in order,
   seeded with the bias, so results do not depend on the batch a row came in (batch invariance),
   on the thread count or on the ISA; against MKL the logits move by about 1e-4, as with oneDNN.
+  It needs the packed form alone (``packed_only``), so a float32 model is held once.
 * ``onednn`` (what ``auto`` picks on other CPU float32 machines when oneDNN is present and passes
-  its self-check): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) for CPU float32 inputs
-  outside autograd, ``F.linear`` for everything else. Its float32 accumulation order differs
-  from MKL's, so logits move by about 1e-4 against a reference computed with MKL; greedy tokens
-  stay equal except at near-ties. docs/benchmarks.md has the measured speed-up.
-
-Weights may be prepacked once, after loading: ``pack_weight(weight)`` returns a second form
-of the weight for the backend's own use (or None), which the layer keeps beside its plain weight
-and passes back to ``apply`` as ``packed``. The ``onednn`` backend:
-
-* small batches (at most ``SMALL_BATCH_ROWS`` input rows, i.e. decode with a few sequences):
-  ``torch.ops.srt_cpu.small_batch_linear`` on the plain weight when srt's native kernels are
-  loaded, a weight-streaming kernel that reads each weight once (a matrix-vector product is bound
-  by memory bandwidth, where oneDNN's blocked GEMM falls short);
-* everything else: oneDNN's matmul on the prepacked weight (``torch.ops.mkldnn._reorder_linear_weight``,
-  an opaque ``torch._mkldnn`` tensor; the reorder oneDNN would otherwise redo on every call).
-
-The ``onednn`` backend keeps the float32 linear weights twice (plain and packed; the memory
-accounting counts both). The ``native`` backend needs the packed form alone (``packed_only``):
-once a layer packed its weight it releases the plain one (a ``meta`` tensor keeps its shape and
-dtype), so a float32 model is held once. docs/benchmarks.md has the measured speed-ups.
+  its self-check): oneDNN's matmul on prepacked float32 weights (srt/layers/onednn_linear.py).
+  docs/benchmarks.md has the measured speed-ups.
 
 On a CPU with AMX tiles the ``native`` backend may keep a second form of each bf16 weight
 (``prefill_copy``): oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), which
 its matmul runs 1.08-1.24x faster than srt's brgemm path from ``ONEDNN_PREFILL_ROWS`` rows on
 (prefill; Qwen2.5-1.5B's layers on an Intel Xeon with AMX, 2 cores), at the cost of the weights'
 size again in memory. Below that (decode) srt's kernels stay faster or equal. ``auto`` makes the
-copy while the memory left available afterwards stays at least half of the machine's.
+copy while the memory left available afterwards stays at least half of the machine's. Layers that
+only ever see hundreds of rows (a vision tower's) hold bf16 weights in that layout alone
+(``for_many_rows``: ``OneDNNBf16Linear``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -64,125 +43,33 @@ from torch import Tensor
 
 from srt.configs.device import onednn_linear_available
 from srt.kernels import cpu as cpu_kernels
+from srt.layers.linear_base import TORCH_LINEAR, LinearBackend, TorchLinear
+from srt.layers.onednn_linear import (
+    ONEDNN_BF16,
+    ONEDNN_PREFILL_ROWS,
+    PACK_BATCH_HINT,
+    SMALL_BATCH_ROWS,
+    OneDNNLinear,
+    amx_bf16_tiles,
+)
+
+__all__ = [
+    "ONEDNN_PREFILL_ROWS",
+    "PACK_BATCH_HINT",
+    "SMALL_BATCH_ROWS",
+    "TORCH_LINEAR",
+    "LinearBackend",
+    "NativeLinear",
+    "OneDNNLinear",
+    "TorchLinear",
+    "amx_bf16_tiles",
+    "create_linear_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class LinearBackend(ABC):
-    """The matmul of linear layers; see the module docstring for the contract of ``apply``."""
-
-    name: str
-    # apply() needs nothing but the packed weight once pack_weight() made one: the layer then
-    # releases its plain weight (srt/layers/linear.py)
-    packed_only: bool = False
-
-    @abstractmethod
-    def apply(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
-    ) -> Tensor:
-        """x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``; ``packed`` is
-        what ``pack_weight(weight)`` returned, if anything."""
-
-    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
-        """A prepacked copy of a loaded ``weight [out, in]`` for ``apply`` (called once per weight
-        after loading), or None: the default has no packed form. ``prefill=False``: the layer never
-        sees a prompt's rows (the LM head: one row a sequence)."""
-        return None
-
-    def apply_silu_mul(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
-    ) -> Tensor | None:
-        """``silu_and_mul(apply(x, weight, bias, packed))`` for a gate/up weight (gate rows first)
-        in one pass, ``[..., out / 2]``, the same values; None where the backend has no such pass
-        (the default): apply, then the activation."""
-        return None
-
-    def for_many_rows(self, dtype: torch.dtype) -> LinearBackend:
-        """The backend for layers of ``dtype`` that only ever see hundreds of rows or more (a
-        vision tower's: every patch of an image at once): this one, unless another is faster
-        there."""
-        return self
-
-    def load_summary(self) -> str | None:
-        """One line on what packing the loaded weights made, for the load log; None: nothing to say."""
-        return None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-def _cpu_float32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A float32 CPU input and weight outside autograd: what the packed kernels take (the rest
-    goes to ``F.linear``)."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    )
-
-
-class TorchLinear(LinearBackend):
-    """``F.linear``."""
-
-    name = "torch"
-
-    def apply(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
-    ) -> Tensor:
-        return F.linear(x, weight, bias)
-
-
-# the batch size oneDNN is told to expect when it picks a packed layout (any batch size works
-# with the result; this one suits decode batches)
-PACK_BATCH_HINT = 32
-# inputs with at most this many rows take the native small-batch kernel (it beats oneDNN's
-# packed GEMM up to here on the CPUs measured; docs/benchmarks.md)
-SMALL_BATCH_ROWS = 4
-
-
-class OneDNNLinear(LinearBackend):
-    """See the module docstring: the native small-batch kernel for a few rows, oneDNN's matmul
-    on the prepacked weight otherwise (CPU float32 outside autograd), ``F.linear`` for the rest."""
-
-    name = "onednn"
-
-    def pack_weight(self, weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
-
-    def apply(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
-    ) -> Tensor:
-        if not (_cpu_float32_inference(x, weight) and x.numel() > 0):
-            return F.linear(x, weight, bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= SMALL_BATCH_ROWS and weight.is_contiguous() and cpu_kernels.native_available():
-            out = torch.ops.srt_cpu.small_batch_linear(x2, weight, bias)
-        else:
-            w = packed if packed is not None else weight
-            out = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-
-TORCH_LINEAR = TorchLinear()
-
-# rows from which a bf16 layer's oneDNN copy (NativeLinear's prefill_copy) runs its matmul: oneDNN
-# was 0.96x srt's brgemm path at 32 rows, 1.03-1.08x at 64, 1.19-1.24x at 128-512 (Qwen2.5-1.5B's
-# layers, Intel Xeon with AMX, 2 cores)
-ONEDNN_PREFILL_ROWS = 64
 PREFILL_COPY_CHOICES = ("auto", "on", "off")
-
-
-def amx_bf16_tiles() -> bool:
-    """Whether bf16 matmuls run on AMX tiles here: srt's brgemm path is on (the CPU has AMX-BF16
-    and ``SRT_BF16_BRGEMM_M`` does not switch it off) and oneDNN is not capped below AMX
-    (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles trap)."""
-    if not (cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_brgemm_rows")):
-        return False
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62 and (cap in ("", "ALL") or "AMX" in cap)
 
 
 def _memory_left_after(nbytes: int) -> bool:
@@ -242,10 +129,11 @@ class NativeLinear(LinearBackend):
         )
 
     def for_many_rows(self, dtype: torch.dtype) -> LinearBackend:
-        """bf16 on a CPU with AMX tiles: ``F.linear`` (oneDNN's bf16 matmul), which ran a vision
-        tower's layers at 1,024 rows 1.04-1.36x faster than srt's brgemm path (Qwen2-VL-2B's tower,
-        Intel Xeon with AMX, 2 cores); srt's kernels elsewhere (below AMX they beat oneDNN's)."""
-        return TORCH_LINEAR if dtype == torch.bfloat16 and amx_bf16_tiles() else self
+        """bf16 on a CPU with AMX tiles: ``ONEDNN_BF16`` (oneDNN's bf16 matmul on its blocked
+        layout, the weights held once); srt's kernels elsewhere (below AMX they beat oneDNN's)."""
+        if dtype == torch.bfloat16 and amx_bf16_tiles() and torch.backends.mkldnn.is_available():
+            return ONEDNN_BF16
+        return self
 
     def load_summary(self) -> str | None:
         if not (self.prefill_copies or self.prefill_copies_skipped):

@@ -17,7 +17,7 @@ from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear_backend import create_linear_backend
 from srt.models import qwen2_vl
 from srt.models import vision_layers as vl
-from srt.models.vision_common import srt_tower
+from srt.models.vision_common import srt_tower, use_srt_linears
 from tests.helpers.tiny_vlm import build_tiny_vlm
 
 BF16_EPS = 2.0**-7
@@ -173,20 +173,21 @@ def test_clip_and_siglip_towers_swapped_give_transformers_outputs(kernels, kind,
 
 
 def test_tower_linears_take_the_backend_for_many_rows():
-    """bf16 towers on a CPU with AMX tiles run their linear layers through oneDNN (``F.linear``:
-    faster than srt's brgemm path at a tower's row counts); float32 towers, and bf16 ones without
-    AMX, on srt's packed kernels. A child with the brgemm path off (``SRT_BF16_BRGEMM_M=0``) is
-    the no-AMX case on any CPU."""
+    """bf16 towers on a CPU with AMX tiles run their linear layers on oneDNN's matmul over its
+    blocked layout (``ONEDNN_BF16``: faster than srt's brgemm path at a tower's row counts);
+    float32 towers, and bf16 ones without AMX, on srt's packed kernels. A child with the brgemm
+    path off (``SRT_BF16_BRGEMM_M=0``) is the no-AMX case on any CPU."""
     if not cpu_kernels.load(build_if_missing=True):
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
     from srt.layers.linear import Linear
-    from srt.layers.linear_backend import TORCH_LINEAR, NativeLinear
+    from srt.layers.linear_backend import TORCH_LINEAR, NativeLinear, amx_bf16_tiles
+    from srt.layers.onednn_linear import ONEDNN_BF16
 
     native = create_linear_backend("native", torch.bfloat16)
     assert isinstance(native, NativeLinear)
-    amx = torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62
+    amx = amx_bf16_tiles() and torch.backends.mkldnn.is_available()
     assert native.for_many_rows(torch.float32) is native
-    assert native.for_many_rows(torch.bfloat16) is (TORCH_LINEAR if amx else native)
+    assert native.for_many_rows(torch.bfloat16) is (ONEDNN_BF16 if amx else native)
     assert TORCH_LINEAR.for_many_rows(torch.bfloat16) is TORCH_LINEAR
     hf, config = _hf_visual("qwen2_vl", torch.bfloat16)
     tower = srt_tower(qwen2_vl._tower(config.vision_config, config.model_type), torch.bfloat16, native)
@@ -218,3 +219,55 @@ def test_rope_attention_takes_the_angles_alone(kernels):
         got = attn(x, cu_seqlens=cu, rotary_pos_emb=freqs)
     assert torch.equal(got, want)
     assert vl.use_rope_vision_attention(hf, None, None) is hf  # an unknown class: left alone
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava"])
+def test_towers_on_onednn_bf16_give_transformers_outputs(kind):
+    """The backend bf16 towers take on AMX CPUs, on any CPU with oneDNN: each linear weight held in
+    oneDNN's blocked layout alone (the plain one released), the tower's outputs transformers'."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    from srt.layers.linear import Linear
+    from srt.layers.onednn_linear import ONEDNN_BF16
+
+    hf, config = _hf_visual(kind, torch.bfloat16)
+    tower = qwen2_vl._tower(config.vision_config, config.model_type) if kind.startswith("qwen") else None
+    tower = tower if tower is not None else type(hf)._from_config(config.vision_config)
+    tower = vl.use_fast_tower_layers(use_srt_linears(tower.to(torch.bfloat16), torch.bfloat16, ONEDNN_BF16))
+    tower = tower.eval()
+    tower.load_state_dict(hf.state_dict(), strict=True)
+    linears = [m for m in tower.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.prepare_weights()
+    assert linears and all(m.weight.is_meta and m.packed_weight.is_mkldnn for m in linears)
+    with torch.no_grad():
+        if kind == "qwen2_vl":
+            grid = torch.tensor([[1, 4, 6], [1, 2, 2]])
+            patch = config.vision_config.patch_size
+            n = int(grid.prod(-1).sum())
+            pixels = torch.randn(n, 3 * 2 * patch * patch, generator=_gen(11)).bfloat16()
+            want, got = hf(pixels, grid_thw=grid), tower(pixels, grid_thw=grid)
+        else:
+            side = config.vision_config.image_size
+            pixels = torch.randn(2, 3, side, side, generator=_gen(12)).bfloat16()
+            want, got = hf(pixels), tower(pixels)
+    _check(got.last_hidden_state, want.last_hidden_state, torch.bfloat16)
+
+
+def test_onednn_bf16_backend_other_inputs():
+    """Weights it does not pack stay plain (F.linear); a float32 input of a packed layer gets the
+    weight's values in float32; autograd through a released weight is refused."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    from srt.layers.onednn_linear import ONEDNN_BF16
+
+    w = torch.randn(40, 64, generator=_gen(13)).bfloat16()
+    assert ONEDNN_BF16.pack_weight(w.float()) is None
+    packed = ONEDNN_BF16.pack_weight(w)
+    x = torch.randn(300, 64, generator=_gen(14))
+    want = torch.nn.functional.linear(x, w.float())
+    torch.testing.assert_close(ONEDNN_BF16.apply(x, w, None, packed), want)
+    got = ONEDNN_BF16.apply(x.bfloat16(), w, None, packed).float()
+    assert float((got - want).abs().max()) <= 4 * BF16_EPS * float(want.abs().max())
+    with pytest.raises(RuntimeError, match="CPU inference only"):
+        ONEDNN_BF16.apply(x.bfloat16().requires_grad_(), w, None, packed)
