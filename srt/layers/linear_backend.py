@@ -43,7 +43,7 @@ from torch import Tensor
 
 from srt.configs.device import onednn_linear_available
 from srt.kernels import cpu as cpu_kernels
-from srt.layers.linear_base import TORCH_LINEAR, LinearBackend, TorchLinear
+from srt.layers.linear_base import TORCH_LINEAR, LinearBackend, TorchLinear, check_packed_only_input
 from srt.layers.onednn_linear import (
     ONEDNN_BF16,
     ONEDNN_PREFILL_ROWS,
@@ -186,12 +186,7 @@ class NativeLinear(LinearBackend):
     ) -> Tensor:
         if packed is None:
             return F.linear(x, weight, bias)
-        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-            raise RuntimeError(
-                "a linear layer packed for srt's native CPU kernel runs CPU inference only (its plain "
-                f"weight was released); got a {x.device.type} input{' that requires grad' * x.requires_grad}. "
-                "Build the model with another linear backend for this."
-            )
+        check_packed_only_input(x, "srt's native CPU kernel")
         x2 = x.reshape(-1, x.shape[-1])
         copy = _onednn_copy(packed, x2)
         if copy is not None:

@@ -76,3 +76,14 @@ class TorchLinear(LinearBackend):
 
 
 TORCH_LINEAR = TorchLinear()
+
+
+def check_packed_only_input(x: Tensor, kernel: str) -> None:
+    """A layer of a ``packed_only`` backend released its plain weight: refuse what its packed form
+    cannot run (a non-CPU input, or autograd), naming ``kernel``."""
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        raise RuntimeError(
+            f"a linear layer packed for {kernel} runs CPU inference only (its plain weight was "
+            f"released); got a {x.device.type} input{' that requires grad' * x.requires_grad}. "
+            "Build the model with another linear backend for this."
+        )

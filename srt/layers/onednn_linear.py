@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from srt.kernels import cpu as cpu_kernels
-from srt.layers.linear_base import LinearBackend
+from srt.layers.linear_base import LinearBackend, check_packed_only_input
 
 
 def _cpu_float32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -113,11 +113,7 @@ class OneDNNBf16Linear(LinearBackend):
     ) -> Tensor:
         if packed is None:
             return F.linear(x, weight, bias)
-        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-            raise RuntimeError(
-                "a linear layer packed for oneDNN's bf16 matmul runs CPU inference only (its plain "
-                f"weight was released); got a {x.device.type} input{' that requires grad' * x.requires_grad}."
-            )
+        check_packed_only_input(x, "oneDNN's bf16 matmul")
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.bfloat16:  # not a bf16 tower's input: the weight's values, x's dtype
             return F.linear(x, packed.to_dense().to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -162,6 +162,18 @@ def test_errors():
 
 
 # ---------------------------------------------------------------- the native backend
+def _packed_layer(backend, n_in: int, n_out: int, dtype: torch.dtype, seed: int):
+    """A ``Linear`` with a bias on ``backend``, random bf16-valued weights, packed; and its plain weight."""
+    layer = Linear(n_in, n_out, bias=True, dtype=dtype, linear_backend=backend)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=g).bfloat16())
+        layer.bias.copy_(torch.randn(n_out, generator=g))
+    plain = layer.weight.detach().clone()
+    layer.prepare_weights()
+    return layer, plain
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_native_backend_packs_bf16_weights_and_releases_the_plain_ones(weight_dtype):
     """A bf16 model's weights (or float32 ones with ``weight_dtype=bf16``: a bf16 checkpoint served
@@ -171,13 +183,8 @@ def test_native_backend_packs_bf16_weights_and_releases_the_plain_ones(weight_dt
         "native", weight_dtype=torch.bfloat16 if weight_dtype == torch.float32 else None
     )
     assert isinstance(backend, NativeLinear)
-    layer = Linear(48, 40, bias=True, dtype=weight_dtype, linear_backend=backend)
+    layer, plain = _packed_layer(backend, 48, 40, weight_dtype, seed=1)
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(40, 48, generator=g).bfloat16())
-        layer.bias.copy_(torch.randn(40, generator=g))
-    plain = layer.weight.detach().clone()
-    layer.prepare_weights()
     assert layer.packed_weight.dtype == torch.bfloat16 and layer.weight.is_meta
     with torch.inference_mode():
         for m in (1, 5, 40):
@@ -272,13 +279,7 @@ def _copy_layer(monkeypatch, choice: str, amx: bool = True, memory_ok: bool = Tr
     monkeypatch.setattr(lb, "amx_bf16_tiles", lambda: amx)
     monkeypatch.setattr(lb, "_memory_left_after", lambda nbytes: memory_ok)
     backend = create_linear_backend("native", prefill_copy=choice)
-    layer = Linear(96, 2 * 48, bias=True, dtype=torch.bfloat16, linear_backend=backend)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(96, 96, generator=g).bfloat16())
-        layer.bias.copy_(torch.randn(96, generator=g))
-    plain = layer.weight.detach().clone()
-    layer.prepare_weights()
+    layer, plain = _packed_layer(backend, 96, 2 * 48, torch.bfloat16, seed=7)
     return backend, layer, plain
 
 
