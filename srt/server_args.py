@@ -221,8 +221,8 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
         "CPUs with AMX tiles, bf16 weights, linear backend native: also keep each bf16 linear weight "
         "(not the LM head's) in oneDNN's blocked layout, whose matmul runs inputs of 64 rows or more "
         "(prefill) 1.08-1.24x faster than srt's kernels, for the weights' size again in memory. auto = "
-        "while at least half of the machine's memory stays available (a layer that would go below "
-        "keeps one copy); on = every layer; off = none. Other CPUs ignore it.",
+        "while at least half of the machine's memory (its cgroup limit in a container) stays available "
+        "(a layer that would go below keeps one copy); on = every layer; off = none. Other CPUs ignore it.",
         ["auto", "on", "off"],
     )
 

@@ -28,7 +28,8 @@ On a CPU with AMX tiles the ``native`` backend may keep a second form of each bf
 its matmul runs 1.08-1.24x faster than srt's brgemm path from ``ONEDNN_PREFILL_ROWS`` rows on
 (prefill; Qwen2.5-1.5B's layers on an Intel Xeon with AMX, 2 cores), at the cost of the weights'
 size again in memory. Below that (decode) srt's kernels stay faster or equal. ``auto`` makes the
-copy while the memory left available afterwards stays at least half of the machine's. Layers that
+copy while the memory left available afterwards stays at least half of the machine's (of its
+cgroup limit in a container). Layers that
 only ever see hundreds of rows (a vision tower's) hold bf16 weights in that layout alone
 (``for_many_rows``: ``OneDNNBf16Linear``).
 """
@@ -52,6 +53,7 @@ from srt.layers.onednn_linear import (
     OneDNNLinear,
     amx_bf16_tiles,
 )
+from srt.mem_cache.pool_size import read_cgroup_memory
 
 __all__ = [
     "ONEDNN_PREFILL_ROWS",
@@ -73,11 +75,17 @@ PREFILL_COPY_CHOICES = ("auto", "on", "off")
 
 
 def _memory_left_after(nbytes: int) -> bool:
-    """Whether ``nbytes`` more leave at least half of the machine's memory available."""
+    """Whether ``nbytes`` more leave at least half of the memory available: the machine's, or the
+    process's memory cgroup's where it has a limit (a container sees the host's in /proc/meminfo)."""
     import psutil
 
     mem = psutil.virtual_memory()
-    return mem.available - nbytes >= mem.total // 2
+    limit, usage = read_cgroup_memory()
+    total, available = mem.total, mem.available
+    if limit is not None:
+        total = min(total, limit)
+        available = min(available, max(0, limit - (usage or 0)))
+    return available - nbytes >= total // 2
 
 
 class NativeLinear(LinearBackend):

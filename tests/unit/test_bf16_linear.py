@@ -336,3 +336,23 @@ def test_prefill_copy_choice(monkeypatch, choice, amx, memory_ok, copied, skippe
     assert getattr(f32.pack_weight(torch.randn(32, 64)), "onednn_copy", None) is None
     with pytest.raises(ValueError, match="prefill_copy"):
         NativeLinear(prefill_copy="sometimes")
+
+
+@pytest.mark.parametrize(
+    "limit,usage,want",
+    [
+        (None, None, True),  # no cgroup limit: the machine's memory, plenty free
+        (8 << 30, 3 << 30, True),  # 5 GiB of an 8 GiB limit free, 1 GiB copied: 4 >= 4
+        (8 << 30, 4 << 30, False),  # 4 GiB free, 1 GiB copied: under half of the limit
+    ],
+)
+def test_prefill_copy_memory_rule_reads_the_cgroup(monkeypatch, limit, usage, want):
+    """``auto``'s rule counts a container's cgroup limit, not the host's memory that /proc shows."""
+    import types
+
+    from srt.layers import linear_backend as lb
+
+    host = types.SimpleNamespace(total=256 << 30, available=200 << 30)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: host)
+    monkeypatch.setattr(lb, "read_cgroup_memory", lambda: (limit, usage))
+    assert lb._memory_left_after(1 << 30) is want
