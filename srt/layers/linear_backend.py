@@ -44,26 +44,21 @@ from torch import Tensor
 
 from srt.configs.device import onednn_linear_available
 from srt.kernels import cpu as cpu_kernels
-from srt.layers.linear_base import TORCH_LINEAR, LinearBackend, TorchLinear, check_packed_only_input
+from srt.layers.linear_base import TORCH_LINEAR, LinearBackend, check_packed_only_input
 from srt.layers.onednn_linear import (
     ONEDNN_BF16,
     ONEDNN_PREFILL_ROWS,
-    PACK_BATCH_HINT,
-    SMALL_BATCH_ROWS,
     OneDNNLinear,
     amx_bf16_tiles,
 )
-from srt.mem_cache.pool_size import read_cgroup_memory
+from srt.mem_cache.pool_size import cpu_process_memory, read_cgroup_memory
 
 __all__ = [
     "ONEDNN_PREFILL_ROWS",
-    "PACK_BATCH_HINT",
-    "SMALL_BATCH_ROWS",
     "TORCH_LINEAR",
     "LinearBackend",
     "NativeLinear",
     "OneDNNLinear",
-    "TorchLinear",
     "amx_bf16_tiles",
     "create_linear_backend",
 ]
@@ -81,10 +76,8 @@ def _memory_left_after(nbytes: int) -> bool:
 
     mem = psutil.virtual_memory()
     limit, usage = read_cgroup_memory()
-    total, available = mem.total, mem.available
-    if limit is not None:
-        total = min(total, limit)
-        available = min(available, max(0, limit - (usage or 0)))
+    total = mem.total if limit is None else min(mem.total, limit)
+    available = cpu_process_memory(mem.available, 0, limit, usage)  # capped by the cgroup's room
     return available - nbytes >= total // 2
 
 
@@ -139,7 +132,7 @@ class NativeLinear(LinearBackend):
     def for_many_rows(self, dtype: torch.dtype) -> LinearBackend:
         """bf16 on a CPU with AMX tiles: ``ONEDNN_BF16`` (oneDNN's bf16 matmul on its blocked
         layout, the weights held once); srt's kernels elsewhere (below AMX they beat oneDNN's)."""
-        if dtype == torch.bfloat16 and amx_bf16_tiles() and torch.backends.mkldnn.is_available():
+        if dtype == torch.bfloat16 and amx_bf16_tiles():
             return ONEDNN_BF16
         return self
 
@@ -157,8 +150,6 @@ class NativeLinear(LinearBackend):
         """Give a bf16 weight's packed form its oneDNN copy (``onednn_copy``) where ``prefill_copy``
         asks for one: ``on`` on any CPU with AMX tiles, ``auto`` while memory allows."""
         if self.prefill_copy == "off" or weight.dtype != torch.bfloat16 or not amx_bf16_tiles():
-            return
-        if not torch.backends.mkldnn.is_available():
             return
         nbytes = weight.numel() * weight.element_size()
         if self.prefill_copy == "auto" and not _memory_left_after(nbytes):
@@ -222,11 +213,10 @@ class NativeLinear(LinearBackend):
             return None
         if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
             return None
-        if _onednn_copy(packed, x.reshape(-1, x.shape[-1])) is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if _onednn_copy(packed, x2) is not None:
             return None  # oneDNN's matmul on the copy, then the activation
-        out = torch.ops.srt_cpu.bf16_linear_silu_mul(
-            x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias
-        )
+        out = torch.ops.srt_cpu.bf16_linear_silu_mul(x2, packed, weight.shape[0], bias)
         return out.view(*x.shape[:-1], weight.shape[0] // 2)
 
 

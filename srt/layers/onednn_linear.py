@@ -82,9 +82,11 @@ ONEDNN_PREFILL_ROWS = 64
 
 def amx_bf16_tiles() -> bool:
     """Whether bf16 matmuls run on AMX tiles here: srt's brgemm path is on (the CPU has AMX-BF16
-    and ``SRT_BF16_BRGEMM_M`` does not switch it off) and oneDNN is not capped below AMX
-    (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles trap)."""
+    and ``SRT_BF16_BRGEMM_M`` does not switch it off), torch has oneDNN, and oneDNN is not capped
+    below AMX (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles trap)."""
     if not (cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_brgemm_rows")):
+        return False
+    if not torch.backends.mkldnn.is_available():
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     return torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62 and (cap in ("", "ALL") or "AMX" in cap)
