@@ -22,6 +22,12 @@ crossover of ``native``'s paths (``SRT_BF16_BRGEMM_M``) is the row count from wh
         [--backends onednn,native,torch] [--repeats 7] [--threads N]
     python benchmarks/bench_linear.py --dtype bfloat16 --shape qwen2.5-1.5b
         --backends native:avx512_bf16,native:brgemm,native:avx512,torch --rows 1,4,8,16,32,64,256
+
+In float32, ``native-bf16w`` is srt's native backend with bf16 storage (``--weight-dtype
+bfloat16``: what a bf16 checkpoint gets on a CPU without bf16 arithmetic): the float32 weights
+rounded to bf16 and packed in bf16 pairs, widened to float32 in registers against float32 rows.
+
+    python benchmarks/bench_linear.py --shape qwen2.5-1.5b --backends native,native-bf16w,onednn
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ class ForcedPath:
 
 def make_backend(name: str, dtype: torch.dtype):
     """A backend by name (``native:PATH``: one bf16 path), or None with the reason it cannot run here."""
+    if name == "native-bf16w":  # bf16 storage, float32 activations (--weight-dtype bfloat16)
+        if dtype != torch.float32:
+            raise SystemExit("native-bf16w: bf16 storage under float32 activations (--dtype float32)")
+        return create_linear_backend("native", weight_dtype=torch.bfloat16)
     if name == "native+onednn":  # the bf16 weights' oneDNN copies from 64 rows (--bf16-prefill-copy on)
         return create_linear_backend("native", prefill_copy="on")
     if not name.startswith("native:"):

@@ -155,9 +155,7 @@ class NativeLinear(LinearBackend):
         if self.prefill_copy == "auto" and not _memory_left_after(nbytes):
             self.prefill_copies_skipped += 1
             return
-        packed.onednn_copy = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().contiguous(), ONEDNN_PREFILL_ROWS
-        )
+        packed.onednn_copy = _reorder_for_prefill(weight)
         self.prefill_copy_bytes += nbytes
         self.prefill_copies += 1
 
@@ -218,6 +216,11 @@ class NativeLinear(LinearBackend):
             return None  # oneDNN's matmul on the copy, then the activation
         out = torch.ops.srt_cpu.bf16_linear_silu_mul(x2, packed, weight.shape[0], bias)
         return out.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def _reorder_for_prefill(weight: Tensor) -> Tensor:
+    """A bf16 weight in oneDNN's blocked layout, for inputs of ``ONEDNN_PREFILL_ROWS`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PREFILL_ROWS)
 
 
 def _onednn_copy(packed: Tensor, x2: Tensor) -> Tensor | None:

@@ -80,13 +80,20 @@ class OneDNNLinear(LinearBackend):
 ONEDNN_PREFILL_ROWS = 64
 
 
+def onednn_bf16_available() -> bool:
+    """Whether torch's oneDNN runs bf16 matmuls on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses a bf16 weight's reorder elsewhere (AVX2-only CPUs)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def amx_bf16_tiles() -> bool:
     """Whether bf16 matmuls run on AMX tiles here: srt's brgemm path is on (the CPU has AMX-BF16
-    and ``SRT_BF16_BRGEMM_M`` does not switch it off), torch has oneDNN, and oneDNN is not capped
-    below AMX (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles trap)."""
+    and ``SRT_BF16_BRGEMM_M`` does not switch it off), torch's oneDNN runs bf16, and oneDNN is not
+    capped below AMX (``ONEDNN_MAX_CPU_ISA``, which srt/configs/bf16_probe.py sets where tiles
+    trap)."""
     if not (cpu_kernels.native_available() and hasattr(torch.ops.srt_cpu, "bf16_brgemm_rows")):
         return False
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_bf16_available():
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     return torch.ops.srt_cpu.bf16_brgemm_rows() < 2**62 and (cap in ("", "ALL") or "AMX" in cap)

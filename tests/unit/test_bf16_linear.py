@@ -24,6 +24,7 @@ from srt.configs import cpu_features
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import NativeLinear, create_linear_backend
+from srt.layers.onednn_linear import onednn_bf16_available
 from srt.layers.vocab_embedding import VocabEmbedding
 
 PATHS = ("scalar", "avx2", "avx512", "avx512_bf16", "brgemm")
@@ -273,10 +274,14 @@ def test_llama_mlp_takes_the_fused_gate_up():
 # ---------------------------------------------------------------- oneDNN copies for prefill rows
 def _copy_layer(monkeypatch, choice: str, amx: bool = True, memory_ok: bool = True):
     """A bf16 layer on ``NativeLinear(prefill_copy=choice)``, packed, with the AMX and memory checks
-    answered as given (oneDNN's matmul runs on any CPU; only the choice to copy depends on AMX)."""
+    answered as given (oneDNN's bf16 matmul runs on any CPU with AVX-512; only the choice to copy
+    depends on AMX). Where oneDNN has no bf16 (AVX2-only CPUs) the copy is a stand-in, the plain
+    weight: the choice table runs on every CPU."""
     from srt.layers import linear_backend as lb
 
     monkeypatch.setattr(lb, "amx_bf16_tiles", lambda: amx)
+    if not onednn_bf16_available():
+        monkeypatch.setattr(lb, "_reorder_for_prefill", lambda w: w.clone())
     monkeypatch.setattr(lb, "_memory_left_after", lambda nbytes: memory_ok)
     backend = create_linear_backend("native", prefill_copy=choice)
     layer, plain = _packed_layer(backend, 96, 2 * 48, torch.bfloat16, seed=7)
@@ -286,8 +291,8 @@ def _copy_layer(monkeypatch, choice: str, amx: bool = True, memory_ok: bool = Tr
 def test_prefill_copy_runs_prefill_rows_on_onednn_and_decode_rows_on_srt(monkeypatch):
     from srt.layers.linear_backend import ONEDNN_PREFILL_ROWS
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if not onednn_bf16_available():
+        pytest.skip("torch's oneDNN has no bf16 matmul on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     backend, layer, plain = _copy_layer(monkeypatch, "on")
     copy = layer.packed_weight.onednn_copy
     assert backend.prefill_copies == 1 and backend.prefill_copy_bytes == plain.numel() * 2
@@ -322,8 +327,6 @@ def test_prefill_copy_runs_prefill_rows_on_onednn_and_decode_rows_on_srt(monkeyp
     ],
 )
 def test_prefill_copy_choice(monkeypatch, choice, amx, memory_ok, copied, skipped):
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
     backend, layer, _ = _copy_layer(monkeypatch, choice, amx, memory_ok)
     assert (getattr(layer.packed_weight, "onednn_copy", None) is not None) == bool(copied)
     assert (backend.prefill_copies, backend.prefill_copies_skipped) == (copied, skipped)

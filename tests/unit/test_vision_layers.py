@@ -15,6 +15,7 @@ from torch import nn
 
 from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear_backend import create_linear_backend
+from srt.layers.onednn_linear import onednn_bf16_available
 from srt.models import qwen2_vl
 from srt.models import vision_layers as vl
 from srt.models.vision_common import srt_tower, use_srt_linears
@@ -223,10 +224,10 @@ def test_rope_attention_takes_the_angles_alone(kernels):
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "llava"])
 def test_towers_on_onednn_bf16_give_transformers_outputs(kind):
-    """The backend bf16 towers take on AMX CPUs, on any CPU with oneDNN: each linear weight held in
+    """The backend bf16 towers take on AMX CPUs, on any CPU whose oneDNN runs bf16: each linear weight held in
     oneDNN's blocked layout alone (the plain one released), the tower's outputs transformers'."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if not onednn_bf16_available():
+        pytest.skip("torch's oneDNN has no bf16 matmul on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     from srt.layers.linear import Linear
     from srt.layers.onednn_linear import ONEDNN_BF16
 
@@ -257,8 +258,8 @@ def test_towers_on_onednn_bf16_give_transformers_outputs(kind):
 def test_onednn_bf16_backend_other_inputs():
     """Weights it does not pack stay plain (F.linear); a float32 input of a packed layer gets the
     weight's values in float32; autograd through a released weight is refused."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if not onednn_bf16_available():
+        pytest.skip("torch's oneDNN has no bf16 matmul on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     from srt.layers.onednn_linear import ONEDNN_BF16
 
     w = torch.randn(40, 64, generator=_gen(13)).bfloat16()
