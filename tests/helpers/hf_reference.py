@@ -8,7 +8,10 @@
   ``~/.cache/srt/hf-reference``, beside the native kernels' cache), keyed by everything their
   bits depend on (``_cache_path``); the model is loaded only on a cache miss. The cache outlives
   a checkout, so a fresh clone on a machine that ran the suite before computes none of them.
-* ``default_model_references(prompts, n)``: the same for the default SmolLM2 GGUF (float32).
+* ``default_model_references(prompts, n)`` / ``default_model_references_each(items)``: the same
+  for the default SmolLM2 GGUF (float32); the missing ones computed by worker processes, one per
+  CPU, each on one torch thread (``_default_worker``), so that a cold cache costs the suite a
+  fraction of one process's time.
 * Prompt generators: ``make_prompts`` (token-id prompts of given lengths cut from fixed
   English-like text, seeded), ``make_shared_prefix_group`` and ``default_prompt_set`` (a mix
   of independent prompts and groups sharing long prefixes).
@@ -124,14 +127,20 @@ def load_default_hf_model():
     this or another test process read them back: the same tensors, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    gguf = Path(default_model_dir()) / DEFAULT_GGUF
+    return AutoModelForCausalLM.from_pretrained(_default_float_folder(), dtype=torch.float32).eval()
+
+
+def _default_float_folder() -> Path:
+    """The float32 folder of transformers' load of the default GGUF, written on first use."""
+    from transformers import AutoModelForCausalLM
+
     blob = json.dumps([DEFAULT_MODEL_KEY, default_model_identity(), _versions()])
     folder = CACHE_DIR / f"hf-model-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
-    if (folder / "model.safetensors").exists():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
-    _save_float_copy(model, folder)
-    return model.eval()
+    if not (folder / "model.safetensors").exists():
+        gguf = Path(default_model_dir()) / DEFAULT_GGUF
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+        _save_float_copy(model, folder)
+    return folder
 
 
 def _save_float_copy(model, folder: Path) -> None:
@@ -194,14 +203,21 @@ def _code_hash() -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-def _cache_path(model_key: str, prompt: Sequence[int], max_new_tokens: int) -> Path:
+# torch threads of the processes that compute the default model's references (_default_worker)
+REF_THREADS = 1
+
+
+def _cache_path(
+    model_key: str, prompt: Sequence[int], max_new_tokens: int, threads: int | None = None
+) -> Path:
     """A reference's file, keyed by what its bits depend on. Besides the model, prompt, length and
-    versions: torch's thread count (the prefill splits its work by it, and for some prompt lengths
-    its logits move by an ulp with it), torch's vector ISA and the CPU (kernels chosen by ISA), and
-    the code that computes and stores it. The cache is shared between checkouts and runs, so
-    nothing that changes a bit may be left out."""
+    versions: torch's thread count (``threads``, else this process's: the prefill splits its work by
+    it, and for some prompt lengths its logits move by an ulp with it), torch's vector ISA and the
+    CPU (kernels chosen by ISA), and the code that computes and stores it. The cache is shared
+    between checkouts and runs, so nothing that changes a bit may be left out."""
     model = [model_key, default_model_identity()] if model_key == DEFAULT_MODEL_KEY else [model_key]
-    env = [_versions(), torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), _cpu_identity()]
+    threads = torch.get_num_threads() if threads is None else threads
+    env = [_versions(), threads, torch.backends.cpu.get_cpu_capability(), _cpu_identity()]
     blob = json.dumps([model, list(prompt), max_new_tokens, TOP_K, env, _code_hash()])
     return CACHE_DIR / "refs" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
 
@@ -262,7 +278,47 @@ def hf_greedy_references(
 
 
 def default_model_references(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[GreedyReference]:
-    return hf_greedy_references(DEFAULT_MODEL_KEY, prompts, max_new_tokens, load_default_hf_model)
+    return default_model_references_each([(p, max_new_tokens) for p in prompts])
+
+
+def default_model_references_each(items: Sequence[tuple[Sequence[int], int]]) -> list[GreedyReference]:
+    """The default model's reference for each ``(prompt, max_new_tokens)``, each prompt alone.
+    Those not cached are computed by worker processes (spawned, one per CPU this process may run
+    on, at most one per reference), each on ``REF_THREADS`` torch thread: transformers' forward of
+    a 135M model at batch 1 is mostly per-op overhead, which threads do not share, so two
+    single-thread processes take about half the time of one process on two threads."""
+    paths = [_cache_path(DEFAULT_MODEL_KEY, p, n, REF_THREADS) for p, n in items]
+    missing = sorted({i for i, path in enumerate(paths) if not path.exists()}, key=lambda i: -_cost(items[i]))
+    if missing:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _default_float_folder()  # parse the GGUF once, here, rather than in every worker
+        workers = min(len(missing), len(os.sched_getaffinity(0)))
+        work = [(list(items[i][0]), items[i][1]) for i in missing]
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for i, ref in zip(missing, pool.map(_default_worker, work)):
+                _atomic_write(paths[i], json.dumps(ref))
+    return [GreedyReference.from_json(json.loads(path.read_text())) for path in paths]
+
+
+def _cost(item: tuple[Sequence[int], int]) -> int:
+    """Longest first, so that the workers finish together: a generated token costs about as much
+    as 20 prompt tokens (batch 1)."""
+    return len(item[0]) + 20 * item[1]
+
+
+@cache
+def _worker_model():
+    torch.set_num_threads(REF_THREADS)
+    return load_default_hf_model()
+
+
+def _default_worker(item: tuple[list[int], int]) -> dict:
+    """In a worker process: one default-model reference, as JSON."""
+    model = _worker_model()
+    assert torch.get_num_threads() == REF_THREADS
+    return hf_greedy_reference(model, item[0], item[1]).to_json()
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -1,13 +1,13 @@
 """Token exactness under continuous batching.
 
 Workload (fixed seed): 64 requests arriving at random steps, prompts of 5 to 600 tokens (independent
-ones plus groups sharing long prefixes), max_new_tokens 8 to 96 (8 to 48 with the real model),
+ones plus groups sharing long prefixes), max_new_tokens 8 to 96 (8 to 32 with the real model),
 greedy, EOS ignored.
 
 * Real model (the acceptance test): every output equals transformers' greedy ``generate`` for that
   prompt alone (near-tie rule of tests/helpers/hf_reference.py, at most one near-tie per 24
   prompts), under each of: chunked prefill of 64 (fcfs), --enable-mixed-chunk, page size 16,
-  --disable-radix-cache, a KV pool so small that retraction happens, the lpm policy, and overlap
+  a KV pool so small that retraction happens without the radix cache, the lpm policy, and overlap
   scheduling with mixed chunks and retractions together. One ModelRunner serves every
   configuration (its pools are swapped where the page or pool size differs); the references are
   cached on disk.
@@ -355,32 +355,32 @@ def test_cached_tokens_reported_for_a_shared_prefix():
 # Each configuration combines features that do not mask one another, so that the real model runs
 # four times rather than once per feature (CI time): small chunks with mixed steps (every chunk of
 # a long prompt rides with the running decodes), pages of 16 with the longest-prefix-first order,
-# no radix cache, and retraction (with the radix cache).
+# retraction without the radix cache, and retraction with it under overlap and mixed chunks.
 REAL_CONFIGS = {
     "chunk64_mixed_fcfs": dict(chunked_prefill_size=64, enable_mixed_chunk=True, schedule_policy="fcfs"),
     "page16_lpm": dict(page_size=16, schedule_policy="lpm", _total=16384),
-    "no_radix": dict(disable_radix_cache=True),
-    # a pool of a third of the workload's KV and an optimistic new-token estimate: retractions
-    "retraction": dict(_total=4096, schedule_conservativeness=0.05),
+    # without the prefix cache, a pool of a third of the workload's KV and an optimistic
+    # new-token estimate: retracted requests prefill their whole prompts again
+    "retraction_no_radix": dict(_total=4096, schedule_conservativeness=0.05, disable_radix_cache=True),
     # overlap scheduling with mixed chunks and retractions together (mixed chunks keep fewer
     # tokens in the pool: a smaller one forces the retractions)
     "overlap_mixed_retraction": dict(
         enable_overlap_schedule=True,
         chunked_prefill_size=64,
         enable_mixed_chunk=True,
-        _total=2048,
+        _total=1536,
         schedule_conservativeness=0.05,
     ),
 }
 NEAR_TIES_ALLOWED = NUM_REQS // 24
-REAL_MAX_NEW = 48
+REAL_MAX_NEW = 32
 
 
 @functools.cache
 def real_workload() -> tuple[Item, ...]:
     from tests.helpers.hf_reference import make_prompts, make_shared_prefix_group
 
-    # outputs up to 48 tokens: transformers' references (one prompt at a time, about 50 ms a
+    # outputs up to 32 tokens: transformers' references (one prompt at a time, about 50 ms a
     # token on 2 cores, nearly all of it the model's own forward) are most of this module's time
     # where they are not yet cached (tests/helpers/hf_reference.py)
     items = build_workload(make_prompts, make_shared_prefix_group, seed=0, max_new=REAL_MAX_NEW)
@@ -391,13 +391,11 @@ def real_workload() -> tuple[Item, ...]:
 
 @pytest.fixture(scope="module")
 def references():
-    from tests.helpers.hf_reference import DEFAULT_MODEL_KEY, hf_greedy_references, load_default_hf_model
+    from tests.helpers.hf_reference import default_model_references_each
 
-    load = functools.cache(load_default_hf_model)
-    return {
-        it.rid: hf_greedy_references(DEFAULT_MODEL_KEY, [it.prompt], it.max_new, load)[0]
-        for it in real_workload()
-    }
+    items = real_workload()
+    refs = default_model_references_each([(it.prompt, it.max_new) for it in items])
+    return {it.rid: ref for it, ref in zip(items, refs)}
 
 
 @pytest.fixture(scope="module")
