@@ -411,7 +411,12 @@ def test_a_build_removes_the_lock_a_killed_build_left(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kbuild, "build_directory", lambda: tmp_path)
     monkeypatch.setattr(kbuild, "missing_tools", lambda: None)
+
+    def fake_precompile(build_dir, base_cflags):  # the real one compiles ATen's headers (15-20 s)
+        seen["precompiled_in"] = str(build_dir)
+
     monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setattr(kbuild.pch, "precompile", fake_precompile)
     kbuild.build()
-    assert seen == {"baton_at_load": False, "build_directory": str(tmp_path)}
+    assert seen == {"baton_at_load": False, "build_directory": str(tmp_path), "precompiled_in": str(tmp_path)}
     assert kbuild.remove_leftover_lock(tmp_path) is False  # nothing left to remove

@@ -8,7 +8,7 @@ The shared library goes to a cache folder keyed by everything that changes the b
 so a prebuilt library is found without a compiler (``prebuilt_library``) and a stale one is never
 picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, -O3, OpenMP
 for ``at::parallel_for``; no -march: the AVX2 / AVX-512 paths carry their own target attributes and
-are chosen at run time). Running the module never fails: it prints what happened and exits 0, so
+are chosen at run time; the ATen headers precompiled once, srt/kernels/cpu/pch.py). Running the module never fails: it prints what happened and exits 0, so
 ``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
 With ``--require`` (CI sets it: a test suite that passes on the fallbacks would hide a broken
 kernel) a failed build exits 1.
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from srt.kernels.cpu import pch
 
 NAME = "srt_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -129,16 +131,36 @@ def build(verbose: bool = False) -> Path:
     with open(build_dir / OWNER_LOCK, "a") as owner:  # closing the file releases the lock
         fcntl.flock(owner, fcntl.LOCK_EX)  # waits only on a live srt build of the same folder
         remove_leftover_lock(build_dir)
-        load(
-            name=NAME,
-            sources=[str(SOURCE_DIR / s) for s in SOURCES],
-            extra_cflags=list(EXTRA_CFLAGS),
-            extra_ldflags=list(EXTRA_LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        sources = [str(SOURCE_DIR / s) for s in SOURCES]
+        cflags = [*EXTRA_CFLAGS, *pch.flags(build_dir)]
+        try:
+            precompile_header(build_dir, sources, cflags)
+            load(
+                name=NAME,
+                sources=sources,
+                extra_cflags=cflags,
+                extra_ldflags=list(EXTRA_LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        finally:
+            pch.remove(build_dir)
     return library_path()
+
+
+def precompile_header(build_dir: Path, sources: list[str], cflags: list[str]) -> None:
+    """The ATen headers compiled once for this build (srt/kernels/cpu/pch.py), where ninja has
+    sources to compile; a failure is printed and the build parses the headers in each source."""
+    full = pch.ninja_cflags(NAME, sources, cflags, list(EXTRA_LDFLAGS))
+    base = pch.ninja_cflags(NAME, sources, list(EXTRA_CFLAGS), list(EXTRA_LDFLAGS))
+    if full is None or base is None or not pch.compile_needed(build_dir, library_path(), full):
+        return
+    why = pch.precompile(build_dir, base)
+    if why is not None:
+        print(
+            f"srt.kernels.cpu: no precompiled header ({why}); each source parses the headers", file=sys.stderr
+        )
 
 
 OWNER_LOCK = "srt-build.lock"  # flock-ed by the srt process building this folder
