@@ -5,6 +5,7 @@ header is checked here on a small header, as ATen's takes a quarter of a minute.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -46,13 +47,29 @@ def test_the_header_is_made_only_where_ninja_will_compile(tmp_path):
 def test_a_failed_precompile_says_why_and_leaves_nothing(tmp_path, monkeypatch):
     pch.flags(tmp_path)
     (tmp_path / f"{pch.HEADER}.gch").write_bytes(b"stale")
+    monkeypatch.setattr(pch, "is_gcc", lambda cxx: True)
     monkeypatch.setenv("CXX", "false")
     why = pch.precompile(tmp_path, "-O3")
     assert why == "exit 1"
     assert not (tmp_path / f"{pch.HEADER}.gch").exists()
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_only_gcc_precompiles(tmp_path, monkeypatch):
+    """clang stops on a .gch it cannot read, where g++ falls back to the header's text."""
+    fake = tmp_path / "clang-like"
+    fake.write_text("#!/bin/sh\necho '#define __GNUC__ 4'\necho '#define __clang__ 1'\n")
+    fake.chmod(0o755)
+    assert not pch.is_gcc(str(fake)) and not pch.is_gcc(str(tmp_path / "missing"))
+    monkeypatch.setenv("CXX", str(fake))
+    assert pch.precompile(tmp_path, "-O3") == f"{fake} is not g++"
+    if shutil.which("g++"):
+        assert pch.is_gcc("g++")
+
+
+CXX = os.environ.get("CXX", "c++")
+
+
+@pytest.mark.skipif(not pch.is_gcc(CXX), reason=f"{CXX} is not g++ (or missing): no precompiled header")
 def test_a_precompiled_header_is_taken_and_a_missing_one_falls_back(tmp_path, monkeypatch):
     """The mechanism on a small header: the .gch is made with the given flags and g++ takes it
     (no -Winvalid-pch warning); without it, the same line compiles from the header's text."""
@@ -62,7 +79,7 @@ def test_a_precompiled_header_is_taken_and_a_missing_one_falls_back(tmp_path, mo
     assert (tmp_path / f"{pch.HEADER}.gch").is_file()
     src = tmp_path / "a.cpp"
     src.write_text("int n() { return static_cast<int>(std::vector<int>(3).size()); }\n")
-    cmd = ["c++", "-O2", "-fPIC", "-std=c++17", *flags, "-H", "-c", str(src), "-o", str(tmp_path / "a.o")]
+    cmd = [CXX, "-O2", "-fPIC", "-std=c++17", *flags, "-H", "-c", str(src), "-o", str(tmp_path / "a.o")]
     taken = subprocess.run(cmd, capture_output=True, text=True)
     assert taken.returncode == 0 and "warning" not in taken.stderr, taken.stderr
     assert f"! {tmp_path / pch.HEADER}.gch" in taken.stderr, shlex.join(cmd)  # -H marks a used PCH with !

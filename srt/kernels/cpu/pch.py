@@ -76,9 +76,20 @@ def compile_needed(build_dir: Path, library: Path, cflags: str) -> bool:
     return not library.is_file() or _cflags_line(build_dir / "build.ninja") != cflags
 
 
+def is_gcc(cxx: str) -> bool:
+    """Whether ``cxx`` is g++ (clang reads a ``.gch`` of its own format, and stops on a bad one)."""
+    try:
+        proc = subprocess.run([cxx, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True)
+    except OSError:
+        return False
+    return proc.returncode == 0 and "__GNUC__" in proc.stdout and "__clang__" not in proc.stdout
+
+
 def precompile(build_dir: Path, base_cflags: str) -> str | None:
     """Compile the header with the sources' own flags; returns why not, or None when done."""
     cxx = os.environ.get("CXX", "c++")
+    if not is_gcc(cxx):
+        return f"{cxx} is not g++"
     header = build_dir / HEADER
     cmd = [cxx, *shlex.split(base_cflags), "-x", "c++-header", str(header), "-o", f"{header}.gch"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
