@@ -8,8 +8,8 @@ The shared library goes to a cache folder keyed by everything that changes the b
 so a prebuilt library is found without a compiler (``prebuilt_library``) and a stale one is never
 picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, -O3, OpenMP
 for ``at::parallel_for``; no -march: the AVX2 / AVX-512 paths carry their own target attributes and
-are chosen at run time; the ATen headers precompiled once, srt/kernels/cpu/pch.py). Running the module never fails: it prints what happened and exits 0, so
-``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
+are chosen at run time; the ATen headers are precompiled once, srt/kernels/cpu/pch.py). Running
+the module never fails: it prints what happened and exits 0, so ``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
 With ``--require`` (CI sets it: a test suite that passes on the fallbacks would hide a broken
 kernel) a failed build exits 1.
 

@@ -3,14 +3,14 @@
 Every source includes ATen, whose headers take g++ about as long to parse as the source itself
 takes to compile (7 s a file on a 2-core Xeon). The build therefore compiles those headers once
 into ``srt_pch.h.gch`` in the build folder and puts ``-include srt_pch.h`` on every compile line;
-g++ then loads the parsed headers instead of parsing them again (the build takes about 60% of
-the time). The code is the same as without it; the header order can change the order in which
+g++ then loads the parsed headers instead of parsing them again (the build takes about two
+thirds of the time). The code is the same as without it; the header order can change the order in which
 inline functions are laid out, and the few sources that did not include ATen gain its static
 initialisers.
 
 The flags are fixed whether or not the ``.gch`` exists, so that ninja's record of each command
-stays the same: where the ``.gch`` is missing or does not match the flags (g++ checks; ``-Winvalid-pch``
-says so) g++ reads ``srt_pch.h`` as an ordinary header. The ``.gch`` (several hundred MiB) is
+stays the same: where the ``.gch`` is missing or does not match the flags (g++ checks;
+``-Winvalid-pch`` says so) g++ reads ``srt_pch.h`` as an ordinary header. The ``.gch`` (several hundred MiB) is
 made only when ninja has sources to compile and removed after the build.
 """
 
