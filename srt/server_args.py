@@ -293,6 +293,7 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
     log_requests: bool = _f(False, "Log every request and its output.")
     decode_log_interval: int = _f(40, "Log a 'Decode batch' line at most once per this many decode steps.")
     enable_metrics: bool = _f(True, "Serve Prometheus metrics at /metrics.")
+    step_trace_path: str | None = _f(None, "Per-step JSON lines to this file (benchmarks/roofline.py).")
     enable_debug_checks: bool = _f(
         False, "Run expensive invariant checks (radix cache integrity every step, double-free guard)."
     )

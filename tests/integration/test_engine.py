@@ -6,6 +6,7 @@ One Engine for the module; the last test shuts it down and checks that no child 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -20,8 +21,13 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def engine():
-    llm = Engine(max_total_tokens=16384, log_level="warning")
+def trace(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def engine(trace):
+    llm = Engine(max_total_tokens=16384, log_level="warning", step_trace_path=str(trace))
     yield llm
     llm.shutdown()
 
@@ -35,6 +41,20 @@ def test_generate_single(engine):
     assert meta["prompt_tokens"] == len(engine.tokenizer.encode("The capital of France is"))
     assert meta["e2e_latency"] > 0 and meta["cached_tokens"] >= 0 and meta["id"]
     assert out["text"] == engine.tokenizer.decode(out["output_ids"])
+
+
+def test_step_trace_of_a_request(engine, trace):
+    """--step-trace-path through the real scheduler process: a request's prefill, then one decode
+    step per further token, each a JSON line with its work."""
+    before = len(trace.read_text().splitlines())
+    ids = engine.tokenizer.encode("The step trace of one request")
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "ignore_eos": True})
+    lines = [json.loads(x) for x in trace.read_text().splitlines()[before:]]
+    cached = out["meta_info"]["cached_tokens"]
+    assert [x["mode"] for x in lines] == ["extend"] + ["decode"] * 7
+    assert lines[0]["tokens"] == len(ids) - cached and lines[0]["kv"] == len(ids)
+    assert [x["kv"] for x in lines[1:]] == list(range(len(ids) + 1, len(ids) + 8))
+    assert all(0 < x["forward_s"] <= x["step_s"] for x in lines)
 
 
 def test_generate_batch_matches_single(engine):

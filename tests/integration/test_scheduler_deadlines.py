@@ -7,6 +7,8 @@ cache's integrity holds and, after a flush, every KV slot and request row is fre
 
 from __future__ import annotations
 
+import json
+import time
 from concurrent import futures
 
 import pytest
@@ -15,6 +17,7 @@ from srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from srt.managers.scheduler import deadlines
 from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.req import ReqStatus
+from srt.managers.scheduler.step_timing import StepTrace, trace_path
 from srt.sampling.sampling_params import SamplingParams
 from tests.helpers.scheduler_fakes import reference_generate
 from tests.integration.test_scheduler_abort import (
@@ -219,3 +222,30 @@ def test_deadline_while_waiting_for_a_grammar(clock):
     finish_and_check_free(s, c)
     # let the background compile (and the backend build) end here, not in a later test's CPU budget
     futures.wait(list(s.grammars._cache.values()), timeout=300)
+
+
+def test_step_trace_records_each_forward_and_its_work(tmp_path):
+    """--step-trace-path: a chunked prompt's extends (prefix and new tokens per chunk), then its
+    decode steps (one row, the KV growing by one), one JSON line per forward."""
+    s = make_scheduler(chunk=32)
+    s.step_trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    s.handle_message(gen("a", prompt(6, 100), max_new=5))
+    s.run_until_idle()
+    s.step_trace.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [x["mode"] for x in lines] == ["extend"] * 4 + ["decode"] * 4
+    extends = lines[:4]
+    assert [x["tokens"] for x in extends] == [32, 32, 32, 4]
+    assert [x["kv"] for x in extends] == [32, 64, 96, 100]
+    # causal pairs of a chunk after p tokens: p * n + n (n + 1) / 2, summing to 100 * 101 / 2
+    assert sum(x["pairs"] for x in extends) == 100 * 101 // 2
+    assert [x["kv"] for x in lines[4:]] == [101, 102, 103, 104]
+    assert all(x["rows"] == 1 and x["tokens"] == 1 and x["pairs"] == x["kv"] for x in lines[4:])
+    assert all(0 <= x["forward_s"] <= x["step_s"] for x in lines)
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+    assert lines[-1]["t"] == pytest.approx(time.time(), abs=60)  # epoch seconds
+
+
+def test_trace_paths_of_data_parallel_groups():
+    assert trace_path("/x/steps.jsonl", None) == "/x/steps.jsonl"
+    assert trace_path("/x/steps.jsonl", 1) == "/x/steps.jsonl.dp1"

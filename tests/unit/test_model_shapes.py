@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from benchmarks import model_shapes
+from benchmarks import model_shapes, roofline
 from benchmarks.model_shapes import Shape
 
 pytestmark = pytest.mark.skipif(
@@ -276,3 +276,29 @@ def test_srt_serving_another_model_is_held_to_its_own_bytes(tmp_path):
     res = results()
     add_fractions(res, target, bounds, "--model-path /shape")  # the target itself
     assert res["srt"]["runs"][0]["fractions"]["tpot_bound_ms"] == pytest.approx(shape_ms, rel=1e-3)
+
+
+def test_srt_runs_get_their_roofline_from_the_step_trace(tmp_path):
+    """add_fractions: srt's steps inside each run's window, held against the bounds; none for the
+    other server, nor without a trace."""
+    from benchmarks.compare_servers import STEP_TRACE, Target, add_fractions
+
+    shape = model_shapes.load("qwen2.5-1.5b-bf16")
+    target = Target("/shape", [], "/shape", None, "/shape", "s", (1, 1, 1.0), shape)
+    bounds = {"read_gbs": 10.0, "matmul_gflops": 100.0, "bf16_matmul_gflops": 200.0}
+    decode = {"mode": "decode", "rows": 1, "tokens": 1, "kv": 10, "pairs": 10}
+    steps = [{"t": t, "step_s": 1.0, "forward_s": 0.9, **decode} for t in (5.0, 10.0, 11.0, 30.0)]
+    (tmp_path / STEP_TRACE).write_text("".join(json.dumps(s) + "\n" for s in steps))
+    run = {"concurrency": 1, "median_tpot_ms": 1000.0, "all_metrics": {}, "window": [9.0, 12.0]}
+    res = {"srt": {"runs": [dict(run)]}, "vllm": {"runs": [dict(run)]}}
+    text = add_fractions(res, target, bounds, "", tmp_path / STEP_TRACE)
+    srt_run = res["srt"]["runs"][0]
+    assert srt_run["roofline"]["all"]["steps"] == 2  # the two steps inside the window
+    # a decode of one row reads the weights and its KV at the bandwidth, over its 1 s step
+    costs = roofline.StepCosts.of_shape(shape)
+    want = (costs.weight_bytes + 10 * costs.kv_bytes_per_token) / 10e9
+    assert srt_run["fractions"]["roofline_fraction"] == pytest.approx(want, abs=1e-3)
+    assert "roofline" not in res["vllm"]["runs"][0] and "roofline" in text
+    res = {"srt": {"runs": [dict(run)]}}
+    add_fractions(res, target, bounds, "", tmp_path / "missing.jsonl")
+    assert "roofline_fraction" not in res["srt"]["runs"][0]["fractions"]

@@ -19,7 +19,7 @@
 // D must be a multiple of 64 (every ISA's key block; the Python caller falls back to SDPA
 // otherwise). Per call, each (sequence, KV head)'s K is transposed once to blocks of 64 keys, each
 // [D][64] (contiguous, so a block's rows never share L1 sets as a long [D][keys]'s do); then work
-// items of up to RT query rows of one head (extend_attention_kernel.h) run on torch's threads,
+// items of up to QB query rows of one head (extend_attention_kernel.h) run on torch's threads,
 // taken longest first from a shared counter (the causal mask makes late rows the costly ones).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,17 +49,18 @@ using RowsFn = void (*)(int, const float*, int64_t, const float*, const float*, 
 
 struct Impl {
   RowsFn rows;
-  int rt;  // rows per item
+  int rt;  // rows per register tile
+  int qb;  // rows per item
 };
 
 Impl pick(c10::string_view isa) {
   const CpuIsa want = requested_isa("extend_attention", isa);
   switch (want) {
 #if SRT_CPU_X86
-    case CpuIsa::kAvx512: return {&avx512::rows, avx512::RT};
-    case CpuIsa::kAvx2: return {&avx2::rows, avx2::RT};
+    case CpuIsa::kAvx512: return {&avx512::rows, avx512::RT, avx512::QB};
+    case CpuIsa::kAvx2: return {&avx2::rows, avx2::RT, avx2::QB};
 #endif
-    default: return {&scalar::rows, scalar::RT};
+    default: return {&scalar::rows, scalar::RT, scalar::QB};
   }
 }
 
@@ -135,13 +136,13 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   });
-  // work items: RT query rows of one sequence and head, the costliest (most keys) first
+  // work items: up to QB query rows of one sequence and head, the costliest (most keys) first
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t prefix = ss[b] - es[b];
-    for (int64_t j0 = 0; j0 < es[b]; j0 += impl.rt) {
-      int64_t cost = prefix + std::min<int64_t>(es[b], j0 + impl.rt);  // keys of the item's last row
-      if (window_left >= 0) cost = std::min<int64_t>(cost, window_left + impl.rt);
+    for (int64_t j0 = 0; j0 < es[b]; j0 += impl.qb) {
+      int64_t cost = prefix + std::min<int64_t>(es[b], j0 + impl.qb);  // keys of the item's last row
+      if (window_left >= 0) cost = std::min<int64_t>(cost, window_left + impl.qb);
       for (int64_t h = 0; h < H; ++h) items.push_back({b, h, j0, cost});
     }
   }
@@ -152,11 +153,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t G = H / Hkv, n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(static_cast<size_t>(impl.rt * (kPad + D)));
+    std::vector<float> scratch(static_cast<size_t>(impl.rt * kPad + impl.qb * D));
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const Item& it = items[w];
       const int64_t b = it.seq, h = it.head, hk = h / G, prefix = ss[b] - es[b];
-      const int R = static_cast<int>(std::min<int64_t>(impl.rt, es[b] - it.j0));
+      const int R = static_cast<int>(std::min<int64_t>(impl.qb, es[b] - it.j0));
       const int64_t pad = (ss[b] + kPad - 1) / kPad * kPad;
       impl.rows(R, qp + (qs[b] + it.j0) * q.stride(0) + h * q.stride(1), q.stride(0),
                 kt.data() + kt_off[b] + hk * D * pad, vp + ks[b] * v.stride(0) + hk * v.stride(1), v.stride(0), D,

@@ -1,8 +1,8 @@
 // The per-ISA body of the causal extend-attention kernel (extend_attention.cpp compiles it once
 // per instruction set through isa_instances.h; see decode_attention_kernel.h for the macros).
 //
-// rows() runs one work item: up to RT query rows of one sequence and one query head against the
-// keys they see, in blocks of KB keys, with an online softmax:
+// rows() runs one work item: up to QB query rows of one sequence and one query head against the
+// keys they see, in blocks of KB keys, with an online softmax, in sub-tiles of RT rows:
 //   S [R, KB]  = q_rows @ Kt[:, t0 .. t0 + KB)    a register tile (R rows x NV vectors): each
 //                                                 q value broadcast, Kt rows (D of them, KB keys
 //                                                 wide) streamed from L1
@@ -22,6 +22,7 @@ constexpr int W = Vec::W;
 constexpr int NV = 4;                                      // vectors per tile row
 constexpr int KB = NV * W;                                 // keys per block (and D per PV pass)
 constexpr int RT = W == 16 ? 6 : (W == 8 ? 3 : 4);         // rows per tile (R x NV accumulators)
+constexpr int QB = 8 * RT;                                 // rows per work item (8 sub-tiles)
 constexpr int64_t kKeyBlock = 64;                          // keys a block of the transposed K
 static_assert(kKeyBlock % KB == 0, "a key block holds whole blocks of the tile");
 
@@ -69,16 +70,19 @@ SRT_ISA_TARGET inline void softcap_block(float* s, float cap) {
   }
 }
 
-// One work item (see the top). q: the first row's query (row stride q_stride); kt: the item's KV
-// head's K as blocks of kKeyBlock keys, each [D][kKeyBlock] (a block's rows contiguous: in one
-// long [D][keys] they lie a whole sequence's row apart, in few L1 sets); v: key 0's V row of that
-// head (row stride v_stride); lim0: the last key
-// row 0 sees (rows r see keys 0 .. lim0 + r; with window >= 0, lim0 + r - window .. lim0 + r);
-// cap: the soft-cap (0: none); out: row stride out_stride. Scratch: s [RT * KB], o [RT * D].
+// One work item (see the top): R <= QB query rows of one head, in sub-tiles of RT rows that each
+// take every key block they see while it is in cache (a key block's K and V serve all the item's
+// sub-tiles before the next block is read, rather than one sub-tile's rows). Each row's sums run
+// over the same blocks in the same order whatever the item's size. q: the first row's query (row
+// stride q_stride); kt: the item's KV head's K as blocks of kKeyBlock keys, each [D][kKeyBlock] (a
+// block's rows contiguous: in one long [D][keys] they lie a whole sequence's row apart, in few L1
+// sets); v: key 0's V row of that head (row stride v_stride); lim0: the last key row 0 sees (rows r
+// see keys 0 .. lim0 + r; with window >= 0, lim0 + r - window .. lim0 + r); cap: the soft-cap (0:
+// none); out: row stride out_stride. Scratch: s [RT * KB], o [QB * D].
 SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* kt, const float* v,
                          int64_t v_stride, int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
                          int64_t out_stride, float* s, float* o) {
-  float m[RT], l[RT];
+  float m[QB], l[QB];
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -89,43 +93,54 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
   const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
   for (int64_t t0 = first; t0 < n_keys; t0 += KB) {
     const int64_t kb = std::min<int64_t>(KB, n_keys - t0);
-    tile(R, q, q_stride, kt + t0 / kKeyBlock * D * kKeyBlock + t0 % kKeyBlock, kKeyBlock, D, s, KB, false);
-    for (int r = 0; r < R; ++r) {
-      float* sr = s + r * KB;
-      // the keys of this block row r sees: lo .. valid - 1
-      const int64_t valid = std::min<int64_t>(kb, lim0 + r - t0 + 1);
-      const int64_t lo = window >= 0 ? std::max<int64_t>(0, lim0 + r - window - t0) : 0;
-      if (valid <= lo) {  // nothing to see here (a later row's key, or before this row's window): p = 0
-        std::fill(sr, sr + KB, 0.f);
-        continue;
-      }
-      for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
-      if (cap > 0.f) softcap_block(sr, cap);
-      for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
-      for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
-      reg mx = Vec::load(sr);
-      for (int j = W; j < KB; j += W) mx = Vec::max(mx, Vec::load(sr + j));
-      const float bm = Vec::hmax(mx);
-      if (bm > m[r]) {
-        if (l[r] != 0.f) {
-          const float alpha = std::exp(m[r] - bm);
-          const reg av = Vec::set1(alpha);
-          float* orow = o + r * D;
-          for (int64_t d = 0; d < D; d += W) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
-          l[r] *= alpha;
+    const float* kblock = kt + t0 / kKeyBlock * D * kKeyBlock + t0 % kKeyBlock;
+    for (int r0 = 0; r0 < R; r0 += RT) {  // the sub-tiles that see keys of this block
+      const int n = std::min(RT, R - r0);
+      const int64_t lim = lim0 + r0;  // the sub-tile's row 0's last key
+      if (t0 > lim + n - 1) continue;  // past the sub-tile's last row's keys (a later one's)
+      if (window >= 0 && t0 + KB <= std::max<int64_t>(0, lim - window) / KB * KB) continue;
+      tile(n, q + r0 * q_stride, q_stride, kblock, kKeyBlock, D, s, KB, false);
+      const int64_t kb_t = std::min<int64_t>(kb, lim + n - t0);  // keys of the block the sub-tile's rows see
+      for (int r = 0; r < n; ++r) {
+        float* sr = s + r * KB;
+        // the keys of this block row r sees: lo .. valid - 1
+        const int64_t valid = std::min<int64_t>(kb_t, lim + r - t0 + 1);
+        const int64_t lo = window >= 0 ? std::max<int64_t>(0, lim + r - window - t0) : 0;
+        if (valid <= lo) {  // nothing to see here (a later row's key, or before this row's window): p = 0
+          std::fill(sr, sr + KB, 0.f);
+          continue;
         }
-        m[r] = bm;
+        for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
+        if (cap > 0.f) softcap_block(sr, cap);
+        for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
+        for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
+        reg mx = Vec::load(sr);
+        for (int j = W; j < KB; j += W) mx = Vec::max(mx, Vec::load(sr + j));
+        const float bm = Vec::hmax(mx);
+        float& mr = m[r0 + r];
+        float& lr = l[r0 + r];
+        if (bm > mr) {
+          if (lr != 0.f) {
+            const float alpha = std::exp(mr - bm);
+            const reg av = Vec::set1(alpha);
+            float* orow = o + (r0 + r) * D;
+            for (int64_t d = 0; d < D; d += W) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
+            lr *= alpha;
+          }
+          mr = bm;
+        }
+        const reg mv = Vec::set1(mr);
+        reg sum = Vec::zero();
+        for (int j = 0; j < KB; j += W) {
+          const reg p = Vec::exp(Vec::sub(Vec::load(sr + j), mv));
+          Vec::store(sr + j, p);
+          sum = Vec::add(sum, p);
+        }
+        lr += Vec::hsum(sum);
       }
-      const reg mv = Vec::set1(m[r]);
-      reg sum = Vec::zero();
-      for (int j = 0; j < KB; j += W) {
-        const reg p = Vec::exp(Vec::sub(Vec::load(sr + j), mv));
-        Vec::store(sr + j, p);
-        sum = Vec::add(sum, p);
-      }
-      l[r] += Vec::hsum(sum);
+      for (int64_t d0 = 0; d0 < D; d0 += KB)
+        tile(n, s, KB, v + t0 * v_stride + d0, v_stride, kb_t, o + r0 * D + d0, D, true);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += KB) tile(R, s, KB, v + t0 * v_stride + d0, v_stride, kb, o + d0, D, true);
   }
   for (int r = 0; r < R; ++r) {
     const reg inv = Vec::set1(1.f / l[r]);

@@ -27,6 +27,7 @@ from srt.managers.io_struct import SchedulerInput, encode, scheduler_input_decod
 from srt.managers.scheduler.dp_link import DpGroupLink
 from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
 from srt.managers.scheduler.scheduler import Scheduler
+from srt.managers.scheduler.step_timing import StepTrace, trace_path
 from srt.utils.cpu_affinity import bound_cpus
 from srt.utils.process import exit_child_on_error
 from srt.utils.watchdog import heartbeat_path
@@ -146,6 +147,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         if server_args.watchdog_timeout > 0:  # one heartbeat file per data-parallel group
             path = heartbeat_path(port_args.ipc_dir, port_args.dp_rank or 0)
             scheduler.heartbeat = SchedulerHeartbeat.open(path)
+        if server_args.step_trace_path:
+            scheduler.step_trace = StepTrace(trace_path(server_args.step_trace_path, port_args.dp_rank))
         if scheduler.grammars is not None:
             scheduler.grammars.warm_up()
         ctx = zmq.Context(io_threads=1)

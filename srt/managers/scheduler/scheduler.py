@@ -64,7 +64,7 @@ from srt.managers.scheduler.setup import (
     wire_lora_slots,
 )
 from srt.managers.scheduler.speculative import SpeculativeDecoder
-from srt.managers.scheduler.step_timing import StepTimings
+from srt.managers.scheduler.step_timing import StepTimings, StepTrace, step_work
 from srt.managers.scheduler.weight_update import WeightUpdateGate
 from srt.utils.fault import FaultHook
 
@@ -90,6 +90,8 @@ class Scheduler:
     ``--tp-size`` > 1 every rank builds one and they must stay in lock step (tp_process.py).
     ``forward_thread_init``: run once on the forward worker thread with overlap scheduling (the
     compute-thread setup of the process; default: torch's thread count of the calling thread)."""
+
+    step_trace: StepTrace | None = None  # --step-trace-path (set by process.py, tp_process.py)
 
     def __init__(
         self,
@@ -278,6 +280,7 @@ class Scheduler:
         rows were applied (to report). The step timings get one entry per batch: from the start
         of the step that launched it to its results applied, of which its forward."""
         res, batch, release = in_flight.wait(), in_flight.batch, self.requests.release
+        work = step_work(batch.prefix_lens, batch.extend_lens) if self.step_trace is not None else None
         self.cache.begin_free_group()
         try:
             if batch.verify is not None and self.spec is not None:  # speculative (speculative.py)
@@ -289,7 +292,11 @@ class Scheduler:
             self.cache.end_free_group()
         self.metrics.on_generated(result.num_generated)
         self.decode.merge(result.new_decoding, result.decode_finished)
-        self.step_timings.observe(time.perf_counter() - in_flight.step_start, res.forward_seconds)
+        step_s = time.perf_counter() - in_flight.step_start
+        self.step_timings.observe(step_s, res.forward_seconds)
+        if work is not None:
+            mode = batch.forward_mode.name.lower()
+            self.step_trace.record(in_flight.step_start, step_s, res.forward_seconds, mode, work)
         return result.reqs
 
     def take_outputs(self) -> list[BatchTokenIDOut]:

@@ -12,11 +12,17 @@ For every step that ran a forward, ``Scheduler.step`` measures (``time.perf_coun
 The histograms are cumulative bucket counts kept in plain Python (no prometheus_client in the
 scheduler process); ``snapshot()`` travels in ``GetInternalStateReqOutput.state["step_histograms"]``
 and `srt.managers.tokenizer.metrics` turns it into Prometheus histograms at scrape time.
+
+``StepTrace`` (``--step-trace-path``) writes the same two times per step with the step's work (its
+tokens, rows, KV read and attention pairs), one JSON line each, for a benchmark to hold every step
+against the machine's bounds.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,3 +82,57 @@ class StepTimings:
             "forward_seconds": self.forward.snapshot(),
             "overhead_ratio": self.overhead.snapshot(),
         }
+
+
+# ---------------------------------------------------------------- the step trace (--step-trace-path)
+def step_work(prefix_lens: list[int], extend_lens: list[int]) -> dict[str, int]:
+    """What one forward computes, from its rows' prefix and new-token lengths (a decode row: its
+    KV length before the step and 1)::
+
+        rows      sequences in the batch (each gives at most one row of logits)
+        tokens    new tokens through the decoder (the matmuls' rows)
+        kv        KV tokens the rows' attention reads, prefix and new (the KV bytes of the step)
+        pairs     query-key pairs attention scores, causal (the attention FLOPs)
+    """
+    pairs = sum(p * n + n * (n + 1) // 2 for p, n in zip(prefix_lens, extend_lens))
+    return {
+        "rows": len(extend_lens),
+        "tokens": sum(extend_lens),
+        "kv": sum(prefix_lens) + sum(extend_lens),
+        "pairs": pairs,
+    }
+
+
+class StepTrace:
+    """One JSON line per completed forward, appended to a file (``--step-trace-path``)::
+
+        {"t": 1796205123.031, "step_s": 0.141, "forward_s": 0.139, "mode": "decode",
+         "rows": 32, "tokens": 32, "kv": 9120, "pairs": 9120}
+
+    ``t``: the step's start, in seconds since the epoch (``time.time()``'s clock, so that a client
+    can pick the steps of its own run); ``step_s`` and ``forward_s`` as in ``StepTimings.observe``;
+    the rest is ``step_work``. What a step costs at the machine's bounds (weights and KV read at
+    the memory bandwidth, FLOPs at the matmul rate) is the reader's to work out
+    (``benchmarks/roofline.py``). Lines are flushed one by one, so a reader sees every completed
+    step while the server runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", buffering=1)  # line buffered
+
+    def record(
+        self, step_start: float, step_s: float, forward_s: float, mode: str, work: dict[str, int]
+    ) -> None:
+        """One step: ``step_start`` is its ``time.perf_counter()`` at the start."""
+        t = time.time() - (time.perf_counter() - step_start)
+        line = {"t": round(t, 6), "step_s": round(step_s, 6), "forward_s": round(forward_s, 6), "mode": mode}
+        self._file.write(json.dumps({**line, **work}, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def trace_path(path: str, dp_rank: int | None) -> str:
+    """The trace file of one data-parallel group: ``path`` itself without data parallelism,
+    ``path.dp<rank>`` with it."""
+    return path if dp_rank is None else f"{path}.dp{dp_rank}"

@@ -38,6 +38,7 @@ from srt.managers.io_struct import encode
 from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
 from srt.managers.scheduler.process import bind_compute_threads, decode_input
 from srt.managers.scheduler.scheduler import Scheduler
+from srt.managers.scheduler.step_timing import StepTrace, trace_path
 from srt.utils.cpu_affinity import NOBIND, format_cpu_list
 from srt.utils.process import exit_child_on_error
 from srt.utils.tp_layout import rank_cpus, ranks_per_node
@@ -154,6 +155,8 @@ def run_tp_scheduler_process(
         if tp_rank == 0:
             if args.watchdog_timeout > 0:  # rank 0 steps in lock step with all: it speaks for them
                 scheduler.heartbeat = SchedulerHeartbeat.open(heartbeat_path(port_args.ipc_dir))
+            if args.step_trace_path:  # rank 0's steps are every rank's
+                scheduler.step_trace = StepTrace(trace_path(args.step_trace_path, port_args.dp_rank))
             ctx = zmq.Context(io_threads=1)
             recv_sock = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
             send_sock = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
