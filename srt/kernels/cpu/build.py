@@ -71,6 +71,7 @@ HEADERS = (
     "gguf_simple_rows.h",
     "gguf_x8.h",
     "isa_instances.h",
+    "online_softmax.h",
     "small_linear_rows.h",
     "vec.h",
     "w8a8_codes.h",

@@ -152,47 +152,7 @@ SRT_ISA_TARGET inline void scores_block(const float* q, const KT* const* kr, int
   }
 }
 
-// acc [D] *= alpha
-SRT_ISA_TARGET inline void scale_row(float* acc, float alpha, int64_t D) {
-  const reg a = Vec::set1(alpha);
-  int64_t d = 0;
-  for (; d + W <= D; d += W) Vec::store(acc + d, Vec::mul(Vec::load(acc + d), a));
-  for (; d < D; ++d) acc[d] *= alpha;
-}
-
-// s [n] (n a multiple of W) = cap * tanh(s / cap), as cap * (1 - 2 / (e^(2 s / cap) + 1)): exp
-// saturates at both ends, so large |s| gives exactly +-cap.
-SRT_ISA_TARGET inline void cap_scores(float* s, int64_t n, float cap) {
-  const reg c = Vec::set1(cap), two_over_c = Vec::set1(2.f / cap), one = Vec::set1(1.f), two = Vec::set1(2.f);
-  for (int64_t j = 0; j < n; j += W) {
-    const reg e = Vec::exp(Vec::mul(Vec::load(s + j), two_over_c));
-    Vec::store(s + j, Vec::mul(c, Vec::sub(one, Vec::div(two, Vec::add(e, one)))));
-  }
-}
-
-// Online-softmax step of one query head over one block: s [kBlock] scores in (-inf past the
-// block's tokens), probabilities out.
-SRT_ISA_TARGET inline void softmax_block(float* s, float* acc, float& m, float& l, int64_t D) {
-  reg mx = Vec::load(s);
-  for (int j = W; j < kBlock; j += W) mx = Vec::max(mx, Vec::load(s + j));
-  const float bm = Vec::hmax(mx);
-  if (bm > m) {
-    if (l != 0.f) {  // l == 0: nothing accumulated yet, acc is still zero
-      const float alpha = std::exp(m - bm);
-      scale_row(acc, alpha, D);
-      l *= alpha;
-    }
-    m = bm;
-  }
-  const reg mv = Vec::set1(m);
-  reg sum = Vec::zero();
-  for (int j = 0; j < kBlock; j += W) {
-    const reg p = Vec::exp(Vec::sub(Vec::load(s + j), mv));
-    Vec::store(s + j, p);
-    sum = Vec::add(sum, p);
-  }
-  l += Vec::hsum(sum);
-}
+#include "online_softmax.h"  // scale_row, cap_scores, softmax_step
 
 // acc[g][d] += sum_j p[g][j] vr[j][d] for g < GT, columns d0 .. : DC column chunks per pass,
 // then narrower passes for the rest, then a scalar tail.
@@ -284,7 +244,7 @@ SRT_ISA_TARGET void attend(const AttendArgs& a) {
         float* s = a.s + g * kBlock;
         if (a.cap > 0.f) cap_scores(s, kBlock, a.cap);
         for (int j = nb; j < kBlock; ++j) s[j] = -INFINITY;
-        softmax_block(s, acc + g * D, a.m[h * G + g], a.l[h * G + g], D);
+        softmax_step(s, kBlock, acc + g * D, a.m[h * G + g], a.l[h * G + g], D);
       }
       accumulate_v_heads(acc, a.s, vr, G, D, pf);
     }

@@ -60,15 +60,7 @@ SRT_ISA_TARGET inline void tile(int R, const float* a, int64_t lda, const float*
   return tile_r<1>(a, lda, b, ldb, kc, c, ldc, acc);
 }
 
-// s [KB] = cap * tanh(s / cap), as cap * (1 - 2 / (e^(2 s / cap) + 1)) (exp saturates: +-cap
-// exactly for large |s|)
-SRT_ISA_TARGET inline void softcap_block(float* s, float cap) {
-  const reg c = Vec::set1(cap), two_over_c = Vec::set1(2.f / cap), one = Vec::set1(1.f), two = Vec::set1(2.f);
-  for (int j = 0; j < KB; j += W) {
-    const reg e = Vec::exp(Vec::mul(Vec::load(s + j), two_over_c));
-    Vec::store(s + j, Vec::mul(c, Vec::sub(one, Vec::div(two, Vec::add(e, one)))));
-  }
-}
+#include "online_softmax.h"  // scale_row, cap_scores, softmax_step
 
 // One work item (see the top): R <= QB query rows of one head, in sub-tiles of RT rows that each
 // take every key block they see while it is in cache (a key block's K and V serve all the item's
@@ -111,32 +103,10 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
           continue;
         }
         for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
-        if (cap > 0.f) softcap_block(sr, cap);
+        if (cap > 0.f) cap_scores(sr, KB, cap);
         for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
         for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
-        reg mx = Vec::load(sr);
-        for (int j = W; j < KB; j += W) mx = Vec::max(mx, Vec::load(sr + j));
-        const float bm = Vec::hmax(mx);
-        float& mr = m[r0 + r];
-        float& lr = l[r0 + r];
-        if (bm > mr) {
-          if (lr != 0.f) {
-            const float alpha = std::exp(mr - bm);
-            const reg av = Vec::set1(alpha);
-            float* orow = o + (r0 + r) * D;
-            for (int64_t d = 0; d < D; d += W) Vec::store(orow + d, Vec::mul(Vec::load(orow + d), av));
-            lr *= alpha;
-          }
-          mr = bm;
-        }
-        const reg mv = Vec::set1(mr);
-        reg sum = Vec::zero();
-        for (int j = 0; j < KB; j += W) {
-          const reg p = Vec::exp(Vec::sub(Vec::load(sr + j), mv));
-          Vec::store(sr + j, p);
-          sum = Vec::add(sum, p);
-        }
-        lr += Vec::hsum(sum);
+        softmax_step(sr, KB, o + (r0 + r) * D, m[r0 + r], l[r0 + r], D);
       }
       for (int64_t d0 = 0; d0 < D; d0 += KB)
         tile(n, s, KB, v + t0 * v_stride + d0, v_stride, kb_t, o + r0 * D + d0, D, true);
