@@ -10,7 +10,7 @@ each part owns one job and its state:
     output.py      forward results -> Req state; the step's BatchTokenIDOut
     metrics.py     SchedulerMetrics: counters and log lines
     deadlines.py   DeadlineTracker: per-request deadlines and --max-queue-time, checked each step
-    step_timing.py StepTimings: per-step scheduling / forward time histograms
+    step_timing.py StepTimings: per-step scheduling / forward time histograms; StepTrace (--step-trace-path)
     grammar.py     GrammarManager: grammars compiled off the loop, token masks, matchers
     overlap.py     ForwardWorker: forwards on a worker thread (overlap scheduling) or inline,
                    and the future map of the tokens still being sampled
