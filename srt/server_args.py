@@ -29,8 +29,6 @@ from srt.utils.errors import ConfigError
 
 __all__ = ["LOAD_BALANCE_METHODS", "ConfigError", "PortArgs", "ServerArgs"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
-
-
 _f = arg_field
 
 
@@ -134,9 +132,10 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
         "--chunked-prefill-size is not a multiple of 16; 1 on CUDA).",
     )
     schedule_policy: str = _f(
-        "fcfs",
-        "Waiting-queue order (priority: higher request priority first; implies --enable-priority-scheduling).",
-        ["fcfs", "lpm", "priority"],
+        "spf",
+        "Waiting-queue order. spf: fewest uncached prompt tokens first, aged so none starves; fcfs: "
+        "arrival; lpm: longest cached prefix first; priority: implies --enable-priority-scheduling.",
+        ["spf", "fcfs", "lpm", "priority"],
     )
     enable_priority_scheduling: bool = _f(
         False,

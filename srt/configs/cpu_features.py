@@ -52,7 +52,9 @@ def cpu_bf16_units() -> str | None:
     """The CPU's bf16 arithmetic: ``"amx"`` (AMX-BF16 tiles, Intel Xeon from Sapphire Rapids on, which
     also have AVX512-BF16), ``"avx512_bf16"`` (``vdpbf16ps``: AMD Zen 4/5, Intel Cooper Lake) or None
     (AVX2-only CPUs, or ``SRT_CPU_ISA`` below avx512). Whether the units run without trapping is the
-    bf16 probe's to say (srt/configs/bf16_probe.py)."""
+    bf16 probe's to say (srt/configs/bf16_probe.py). Intel's cores issue ``vdpbf16ps`` at half the
+    FMA's rate: without AMX there, srt's bf16 linear widens the weights to float32 FMAs from 8 rows
+    (srt/kernels/cpu/bf16_linear.cpp), the weights still stored in bf16."""
     cap = cpu_isa_cap()
     flags = cpu_flags()
     if (cap is not None and cap != "avx512") or not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:

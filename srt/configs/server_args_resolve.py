@@ -370,10 +370,10 @@ def _resolve_priority_scheduling(a: ResolvableArgs) -> None:
     if a.schedule_policy == "priority":
         a.enable_priority_scheduling = True
     elif a.enable_priority_scheduling:
-        if a.schedule_policy != "fcfs":
+        if a.schedule_policy == "lpm":
             raise ConfigError(
-                f"--enable-priority-scheduling orders the queue by priority; it cannot be combined "
-                f"with --schedule-policy {a.schedule_policy} (use fcfs or priority)."
+                "--enable-priority-scheduling orders the queue by priority, then by arrival; it "
+                "cannot be combined with --schedule-policy lpm."
             )
         a.schedule_policy = "priority"
 

@@ -122,18 +122,25 @@ def test_pack_layout_is_vnni_pairs_of_32_columns():
     )
 
 
+def _intel() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+
+
 def test_path_choice():
     """brgemm from bf16_brgemm_rows() rows where the CPU has AMX (never without: the vdpbf16ps tiles
-    beat it there), the vdpbf16ps tiles below that or without AMX, widened weights without bf16 units
-    and for float32 activations."""
+    beat it there), the vdpbf16ps tiles below that or without AMX -- but from 8 rows on Intel cores
+    without AMX, where vdpbf16ps issues at half the FMA's rate, the widened weights --, widened
+    weights without bf16 units and for float32 activations."""
     ops = torch.ops.srt_cpu
     rows = ops.bf16_brgemm_rows()
     bf16_units = ops.bf16_linear_path(1, True) == "avx512_bf16"
     widened = ops.bf16_linear_path(1, False)
     assert widened in ("avx512", "avx2", "scalar")
     assert rows >= 1 and (rows < 2**62) == ("amx_bf16" in cpu_features.cpu_flags())
-    for m in (1, 8, 64, 512):
-        want = ("brgemm" if m >= rows else "avx512_bf16") if bf16_units else widened
+    for m in (1, 7, 8, 64, 512):
+        tiles = "avx512_bf16" if m < 8 or not _intel() else widened
+        want = ("brgemm" if m >= rows else tiles) if bf16_units else widened
         assert ops.bf16_linear_path(m, True) == want, m
         assert ops.bf16_linear_path(m, False) == widened
 

@@ -32,6 +32,14 @@ def _native():
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
 
 
+def _fp8_default_path(x_dtype) -> str:
+    """The bf16_linear path that fp8_linear's default takes: the vdpbf16ps tiles for a bf16 x where
+    the CPU has them (bf16_linear itself may pick brgemm, or the widened weights on Intel cores
+    without AMX, for many rows), else the widened weights (bf16_linear's default as well)."""
+    dot = torch.ops.srt_cpu.bf16_linear_path(1, True) == "avx512_bf16"
+    return "avx512_bf16" if dot and x_dtype == torch.bfloat16 else ""
+
+
 def _run(op, x, packed, n, bias, path):
     try:
         return op(x, packed, n, bias, path)
@@ -63,9 +71,7 @@ def test_same_bits_as_bf16_linear_on_the_codes_and_within_float32_sums_of_the_re
     bias = torch.randn(n, generator=g) if with_bias else None
     y = _run(ops.fp8_linear, x, ops.pack_fp8_weight(codes), n, bias, path)
     # the bf16 linear's default picks brgemm for many bf16 rows on AMX: compare with its tiles
-    same_path = path or (
-        "avx512_bf16" if ops.bf16_linear_path(m, x_dtype == torch.bfloat16) == "brgemm" else ""
-    )
+    same_path = path or _fp8_default_path(x_dtype)
     want = _run(ops.bf16_linear, x, ops.pack_bf16_weight(codes.to(torch.bfloat16)), n, bias, same_path)
     assert y.dtype == x_dtype and torch.equal(y, want)
     ref = x.double() @ codes.double().T + (0 if bias is None else bias.double())
@@ -184,9 +190,7 @@ def test_block_scaled_codes_widen_to_the_bf16_weights_transformers_dequantizes_t
     packed = ops.pack_fp8_weight(codes, scale, *block)
     assert packed.shape == (-(-n // 32), k // 2 * 64 + -(-(4 + 4 * scale.shape[1]) // 64) * 64)
     y = _run(ops.fp8_linear, x, packed, n, bias, path)
-    same_path = path or (
-        "avx512_bf16" if ops.bf16_linear_path(m, x_dtype == torch.bfloat16) == "brgemm" else ""
-    )
+    same_path = path or _fp8_default_path(x_dtype)
     assert torch.equal(y, _run(ops.bf16_linear, x, ops.pack_bf16_weight(weights), n, bias, same_path))
 
 

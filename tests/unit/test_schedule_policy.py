@@ -8,17 +8,19 @@ import random
 import pytest
 
 from srt.managers.request_fit import check_request_fits
+from srt.managers.scheduler.decode_policy import (
+    NewTokenRatio,
+    decode_slots,
+    plan_retraction,
+    retraction_order,
+)
 from srt.managers.scheduler.req import Req
 from srt.managers.scheduler.schedule_policy import (
     AddResult,
     InBatchPrefixFilter,
-    NewTokenRatio,
     PrefillAdder,
     SchedulePolicy,
     decode_reserve,
-    decode_slots,
-    plan_retraction,
-    retraction_order,
 )
 from srt.sampling.sampling_params import SamplingParams, resolve_max_new_tokens
 from srt.utils.pages import page_ceil
@@ -344,24 +346,27 @@ def test_lpm_prefers_long_prefixes_then_arrival():
     assert not SchedulePolicy("fcfs").uses_prefix_lens(1)
 
 
-def test_lpm_aging_and_starvation_order_randomized():
+@pytest.mark.parametrize("policy", ["lpm", "spf"])
+def test_aging_and_starvation_order_randomized(policy):
+    """lpm ranks cached prefix + aging descending, spf tokens to compute - aging ascending; both
+    put starved requests first, in arrival order, and break ties by arrival."""
     rng = random.Random(3)
     for _ in range(1000):
         aging, starve = rng.randint(0, 50), rng.randint(1, 100)
-        pol = SchedulePolicy("lpm", aging_tokens_per_step=aging, starvation_steps=starve)
+        pol = SchedulePolicy(policy, aging_tokens_per_step=aging, starvation_steps=starve)
         n = rng.randint(1, 20)
-        prefix = [rng.choice([0, rng.randint(0, 2000)]) for _ in range(n)]
+        tokens = [rng.choice([0, rng.randint(0, 2000)]) for _ in range(n)]
         waited = [rng.randint(0, 150) for _ in range(n)]
         seqs = rng.sample(range(1000), n)
-        order = pol.lpm_order(prefix, waited, seqs)
+        order = (pol.lpm_order if policy == "lpm" else pol.spf_order)(tokens, waited, seqs)
         assert sorted(order) == list(range(n))
         starved = [i for i in order if waited[i] >= starve]
         assert order[: len(starved)] == sorted(starved, key=lambda i: seqs[i]), (
             "starved first, in arrival order"
         )
-        rest = order[len(starved) :]
-        scores = [prefix[i] + aging * waited[i] for i in rest]
-        assert scores == sorted(scores, reverse=True)
+        sign = -1 if policy == "lpm" else 1
+        scores = [(sign * tokens[i] - aging * waited[i], seqs[i]) for i in order[len(starved) :]]
+        assert scores == sorted(scores)
 
 
 def test_lpm_cold_request_is_not_starved_by_hot_ones():
@@ -385,6 +390,40 @@ def test_lpm_cold_request_is_not_starved_by_hot_ones():
         queue.remove(head)  # the hot one at the head is admitted
     else:
         pytest.fail("the cold request never reached the head of the queue")
+
+
+def test_spf_ranks_tokens_left_to_compute_then_arrival():
+    pol = SchedulePolicy("spf", aging_tokens_per_step=0, starvation_steps=10**9)
+    reqs = [make_req(i, prompt_len=n) for i, n in enumerate([300, 40, 300, 500])]
+    # without prefix lengths (queue too long for matching): whole prompts, ties by arrival
+    assert pol.order(list(reversed(reqs)), 0, None) == [reqs[1], reqs[0], reqs[2], reqs[3]]
+    # a cached prefix counts off: 500 - 480 = 20 tokens left beats 40
+    assert pol.order(reqs, 0, [0, 0, 0, 480]) == [reqs[3], reqs[1], reqs[0], reqs[2]]
+    # a retracted request recomputes its outputs too
+    reqs[1].output_ids = [7] * 400
+    assert pol.order(reqs, 0, None) == [reqs[0], reqs[2], reqs[1], reqs[3]]
+    assert pol.uses_prefix_lens(10) and not pol.uses_prefix_lens(10**6)
+
+
+def test_spf_long_prompt_is_not_starved_by_short_ones():
+    """A long prompt among a steady stream of short ones that keep arriving reaches the head of
+    the spf order within the starvation bound."""
+    pol = SchedulePolicy("spf")
+    long = make_req(0, prompt_len=8000)
+    long.enqueue_step = 0
+    queue, seq = [long], 1
+    for step in range(1000):
+        short = make_req(seq, prompt_len=20)
+        short.enqueue_step = step
+        seq += 1
+        queue.append(short)
+        head = pol.order(queue, step, [0] * len(queue))[0]
+        if head is long:
+            assert step <= pol.starvation_steps
+            break
+        queue.remove(head)
+    else:
+        pytest.fail("the long prompt never reached the head of the queue")
 
 
 # ---------------------------------------------------------------------- new-token ratio

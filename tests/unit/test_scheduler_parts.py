@@ -11,11 +11,12 @@ import torch
 from srt.managers.io_struct import FinishReason
 from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.decode import DecodeManager
+from srt.managers.scheduler.decode_policy import NewTokenRatio, retraction_order
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.prefill import PrefillConfig, PrefillManager
 from srt.managers.scheduler.req import Req, ReqStatus
-from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy, retraction_order
+from srt.managers.scheduler.schedule_policy import SchedulePolicy
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.sampling.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ class NoLogits:
     input_top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
-def make_parts(total: int = 512, chunk: int | None = None, radix: bool = True):
+def make_parts(total: int = 512, chunk: int | None = None, radix: bool = True, policy: str = "fcfs"):
     cache = CacheManager.create(
         ReqToTokenPool(16, 1024, "cpu"), TokenToKVPoolAllocator(total, 1, "cpu", debug=True), radix
     )
@@ -46,7 +47,7 @@ def make_parts(total: int = 512, chunk: int | None = None, radix: bool = True):
         enable_mixed_chunk=False,
         share_in_batch=radix,
     )
-    prefill = PrefillManager(cache, SchedulePolicy("fcfs"), metrics, config)
+    prefill = PrefillManager(cache, SchedulePolicy(policy), metrics, config)
     decode = DecodeManager(cache, NewTokenRatio(), metrics, total)
     return cache, prefill, decode, metrics
 
@@ -87,6 +88,32 @@ def test_prefill_part_admits_in_order_and_chunks_one_request():
     assert decode.running == [reqs[0]] and reqs[1].state == ReqStatus.PREFILLING
     assert prefill.take_chunked() is reqs[1] and prefill.chunked_req is None
     assert metrics.num_prefill_steps == 1
+
+
+def test_prefill_part_spf_takes_the_fewest_tokens_to_compute_first():
+    """spf: in a burst, the prompts with the fewest tokens still to compute are prefilled first (a
+    cached prefix counts off), ties in arrival order; the long prompt that came first is chunked
+    last, not starved."""
+    cache, prefill, decode, _ = make_parts(chunk=128, policy="spf")
+    warm = make_req(9, list(range(200, 264)))
+    prefill.enqueue(warm, now_step=0)
+    run(prefill.schedule([], 0.7, 1), cache, decode)  # caches 64 of its tokens
+    long, mid, hot, short = (
+        make_req(0, [3] * 100),
+        make_req(1, [4] * 40),
+        make_req(2, list(range(200, 264)) + [5] * 10),  # 74 tokens, 64 of them cached
+        make_req(3, [6] * 20),
+    )
+    for r in (long, mid, hot, short):
+        prefill.enqueue(r, now_step=1)
+    batch = prefill.schedule(decode.running, 0.7, now_step=2)
+    assert batch is not None and batch.reqs[:3] == [hot, short, mid]
+    assert batch.extend_lens[:3] == [10, 20, 40]
+    run(batch, cache, decode)
+    while prefill.waiting_queue or prefill.chunked_req is not None:
+        batch = prefill.schedule(decode.running, 0.7, now_step=3)
+        run(batch, cache, decode)
+    assert long.state != ReqStatus.WAITING and long in decode.running
 
 
 def test_decode_part_retracts_the_cheapest_and_keeps_one():

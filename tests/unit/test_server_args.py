@@ -140,7 +140,7 @@ def test_priority_flag_and_policy_imply_each_other():
     policy = ServerArgs(device="cpu", schedule_policy="priority").resolve()
     assert policy.enable_priority_scheduling
     off = ServerArgs(device="cpu").resolve()
-    assert off.schedule_policy == "fcfs" and not off.enable_priority_scheduling
+    assert off.schedule_policy == "spf" and not off.enable_priority_scheduling
 
 
 def test_surface_flags_parse_with_sglang_names():

@@ -20,8 +20,10 @@
 //                  panels at once, 3-4 rows: 2, so enough chains hide the loads' latency), the
 //                  weights streamed once per tile and prefetched (at 1-8 rows a matrix-vector
 //                  product, bound by read bandwidth).
-//   "avx512", "avx2", "scalar"   any x (CPUs without bf16 arithmetic, float32 activations): each
-//                  weight pair widened to float32 in registers (a 16-bit shift) and two FMAs.
+//   "avx512", "avx2", "scalar"   any x (CPUs without bf16 arithmetic, float32 activations; and a
+//                  bf16 x of 8 rows or more on Intel cores without AMX, where vdpbf16ps issues at
+//                  half the FMA's rate: kSlowDotRows): each weight pair widened to float32 in
+//                  registers (a 16-bit shift) and two FMAs; a bf16 x goes as a float32 copy.
 // Every path sums each output over k in pair order in float32; the products of bf16 values are
 // exact in float32, so the paths differ only by float32 rounding of the sums (and by how the
 // brgemm's ukernel orders them). A float32 x is never rounded to bf16.
@@ -63,8 +65,20 @@ int64_t brgemm_rows_from_env() {
   TORCH_CHECK(end != env && *end == '\0' && v >= 0, "SRT_BF16_BRGEMM_M must be an integer >= 0, got '", env, "'");
   return v == 0 ? kNever : v;
 }
+// Where vdpbf16ps is slow (cpu_bf16_dot_fast), a bf16 x of at least kSlowDotRows rows takes the
+// weights widened to float32 (a float32 copy of x, broadcast from memory): on an Intel Xeon with
+// AVX512-BF16 and no AMX (2 cores), Qwen2.5-1.5B's layers ran 1.10x the vdpbf16ps tiles at 8 rows,
+// 1.33x at 16, 1.40x at 32-64, equal at 1-6 (read-bound).
+constexpr int64_t kSlowDotRows = 8;
 
-
+// The path bf16_linear takes (`isa` "" picks): pick_path's, but the widened one where
+// kSlowDotRows applies.
+Bf16Path linear_path(c10::string_view isa, bool x_bf16, int64_t M) {
+  const Bf16Path p = pick_path("bf16_linear", isa, x_bf16, M, bf16_brgemm_rows(), true);
+  if (isa.empty() && p == Bf16Path::kAvx512Bf16 && !cpu_bf16_dot_fast() && M >= kSlowDotRows)
+    return Bf16Path::kAvx512;
+  return p;
+}
 
 constexpr int kMaxNP = 4;
 // k a block when several tiles of rows share a panel (the vdpbf16ps path): one panel's block (32
@@ -85,9 +99,9 @@ constexpr int64_t kChunkRows = 256;
 // per panel, every tile of the chunk's rows; each tile prefetches its share of the block taken next
 // (the next panel's, else the first panel's of the next block of k or chunk). Each output sums its
 // blocks of k in order. rows_c holds a chunk's sums (chunk rows x kMaxNP * kNR floats).
-template <typename XT>
+template <typename XT, typename OT>
 void run_blocked(Bf16Path path, int64_t M, int64_t K, int MR, const XT* xa, int64_t lda, const uint16_t* w,
-                 int64_t np, int64_t pstride, const float* bias_group, float* rows_c, int64_t cols, XT* o,
+                 int64_t np, int64_t pstride, const float* bias_group, float* rows_c, int64_t cols, OT* o,
                  int64_t N) {
   constexpr int64_t ldc = kMaxNP * kNR;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
@@ -112,12 +126,13 @@ void run_blocked(Bf16Path path, int64_t M, int64_t K, int MR, const XT* xa, int6
       }
     }
     for (int64_t m = m0; m < m0 + mc; m += TR)
-      store_tile<XT>(static_cast<int>(std::min<int64_t>(TR, m0 + mc - m)), rows_c + (m - m0) * ldc, cols, ldc,
+      store_tile<OT>(static_cast<int>(std::min<int64_t>(TR, m0 + mc - m)), rows_c + (m - m0) * ldc, cols, ldc,
                      o + m * N, N);
   }
 }
 
-template <typename XT>
+// x of XT (bf16 or float32), out of OT (x's dtype, or bf16 for a float32 copy of a bf16 x)
+template <typename XT, typename OT>
 void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
                 at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kh = packed.size(1);
@@ -125,7 +140,7 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
   const int64_t lda = x.stride(0);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t pstride = Kh * kNR * 2;
-  XT* o = out.data_ptr<XT>();
+  OT* o = out.data_ptr<OT>();
   const int MR = tile_rows(path);
   constexpr int64_t ldc = kMaxNP * kNR;
   const bool blocked = path == Bf16Path::kAvx512Bf16 && M > MR;
@@ -142,8 +157,8 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
         std::copy(bias + p0 * kNR, bias + p0 * kNR + cols, bias_group);
       }
       if (blocked) {  // several tiles of rows (run_blocked)
-        run_blocked<XT>(path, M, K, MR, xa, lda, w + p0 * pstride, np, pstride, bias ? bias_group : nullptr,
-                        rows_c.data(), cols, o + p0 * kNR, N);
+        run_blocked<XT, OT>(path, M, K, MR, xa, lda, w + p0 * pstride, np, pstride, bias ? bias_group : nullptr,
+                            rows_c.data(), cols, o + p0 * kNR, N);
         continue;
       }
       for (int64_t m = 0; m < M; m += MR) {
@@ -155,7 +170,7 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
                        bias ? bias_group + p * kNR : nullptr, c + p * kNR, ldc, false);
           p += n;
         }
-        store_tile<XT>(R, c, cols, ldc, o + m * N + p0 * kNR, N);
+        store_tile<OT>(R, c, cols, ldc, o + m * N + p0 * kNR, N);
       }
     }
   });
@@ -268,7 +283,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "bf16_linear: N = ", N, " does not match ", P, " panels of ", kNR);
   const at::Tensor b32 = float32_bias("bf16_linear", bias, N);
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  const Bf16Path path = pick_path("bf16_linear", isa, x_bf16, M, bf16_brgemm_rows(), true);
+  const Bf16Path path = linear_path(isa, x_bf16, M);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -276,10 +291,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   if (path == Bf16Path::kBrgemm) {
     run_brgemm(xc, packed, N, bp, out);
-  } else if (x_bf16) {
-    run_panels<at::BFloat16>(path, xc, packed, N, bp, out);
+  } else if (x_bf16 && path == Bf16Path::kAvx512Bf16) {
+    run_panels<at::BFloat16, at::BFloat16>(path, xc, packed, N, bp, out);
+  } else if (x_bf16) {  // the widened paths take a float32 copy of x (exact), out in bf16
+    run_panels<float, at::BFloat16>(path, xc.to(at::kFloat), packed, N, bp, out);
   } else {
-    run_panels<float>(path, xc, packed, N, bp, out);
+    run_panels<float, float>(path, xc, packed, N, bp, out);
   }
   return out;
 }
@@ -301,9 +318,7 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return out;
 }
 
-std::string bf16_linear_path(int64_t M, bool x_bf16) {
-  return path_name(pick_path("bf16_linear", "", x_bf16, M, bf16_brgemm_rows(), true));
-}
+std::string bf16_linear_path(int64_t M, bool x_bf16) { return path_name(linear_path("", x_bf16, M)); }
 
 namespace {
 at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, const c10::optional<at::Tensor>&,

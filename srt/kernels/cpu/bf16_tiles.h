@@ -77,6 +77,22 @@ inline void x_pair(const XT* x, int64_t kh, float* x0, float* x1) {
   *x1 = static_cast<float>(x[2 * kh + 1]);
 }
 
+// Whether a bf16 x takes the vdpbf16ps tiles by default. AMD's cores (Zen 4, Zen 5) issue vdpbf16ps
+// at the float32 FMA's rate or better, each one two products a lane; Intel's issue it at half the
+// FMA's rate (an Intel Xeon with AVX512-BF16 and no AMX, 16 independent chains on one core: 84
+// against 172 GFLOP/s), no faster than widening each weight pair to float32 for two FMAs.
+bool cpu_bf16_dot_fast() {
+#if SRT_CPU_X86
+  static const bool fast = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512_bf16() && !__builtin_cpu_is("intel");
+  }();
+  return fast;
+#else
+  return false;
+#endif
+}
+
 #if SRT_CPU_X86
 // AVX2: the panel in two halves of 16 columns; per half and pair of k, 2 loads of 8 pairs, each
 // widened into the even (k) and odd (k+1) weights, 2 FMAs each.
@@ -113,6 +129,8 @@ SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uin
   }
 }
 
+constexpr int64_t kPrefetch = 16;  // pairs of k a tile prefetches its panels' streams ahead
+
 // The accumulators of an AVX-512 tile: c's values (more), the bias, or zeros
 template <int R, int NP>
 SRT_TARGET_AVX512 inline void init_acc512(__m512 (&acc)[R][NP][2], const float* bias, const float* c, int64_t ldc,
@@ -129,14 +147,27 @@ SRT_TARGET_AVX512 inline void init_acc512(__m512 (&acc)[R][NP][2], const float* 
 // independent streams and 2 NP chains a row: a few rows are bound by the loads' latency otherwise).
 template <typename XT, int R, int NP>
 SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
-                                     const float* bias, float* c, int64_t ldc, bool more) {
+                                     const float* bias, float* c, int64_t ldc, bool more, const uint16_t* pf,
+                                     int64_t pf_lines) {
   const int64_t Kh = K / 2;
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[R][NP][2];
   init_acc512<R, NP>(acc, bias, c, ldc, more);
+  const int64_t own_until = pf == nullptr ? Kh - kPrefetch : 0;
   for (int64_t kh = 0; kh < Kh; ++kh) {
-    float f0[R], f1[R];
-    for (int i = 0; i < R; ++i) x_pair(xa + i * lda, kh, &f0[i], &f1[i]);
+    if (kh < pf_lines) _mm_prefetch(reinterpret_cast<const char*>(pf + kh * 32), _MM_HINT_T0);
+    if (kh < own_until)
+      for (int p = 0; p < NP; ++p) {
+        const uint16_t* wp = w + p * pstride + (kh + kPrefetch) * kNR * 2;
+        _mm_prefetch(reinterpret_cast<const char*>(wp), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + 32), _MM_HINT_T0);
+      }
+    // a float32 x is broadcast straight from memory (a load, folded into the FMA); a bf16 one is
+    // widened in a general register first, each broadcast then a shuffle (the port the FMAs share on
+    // Intel cores): bf16_linear hands this path a float32 copy of a bf16 x
+    [[maybe_unused]] float f0[R], f1[R];
+    if constexpr (!std::is_same_v<XT, float>)
+      for (int i = 0; i < R; ++i) x_pair(xa + i * lda, kh, &f0[i], &f1[i]);
     for (int p = 0; p < NP; ++p) {
       const uint16_t* wp = w + p * pstride + kh * kNR * 2;
       const __m512i p0 = _mm512_loadu_si512(wp);
@@ -146,7 +177,14 @@ SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const
       const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
       const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, hi));
       for (int i = 0; i < R; ++i) {
-        const __m512 x0 = _mm512_set1_ps(f0[i]), x1 = _mm512_set1_ps(f1[i]);
+        __m512 x0, x1;
+        if constexpr (std::is_same_v<XT, float>) {
+          x0 = _mm512_set1_ps(xa[i * lda + 2 * kh]);
+          x1 = _mm512_set1_ps(xa[i * lda + 2 * kh + 1]);
+        } else {
+          x0 = _mm512_set1_ps(f0[i]);
+          x1 = _mm512_set1_ps(f1[i]);
+        }
         acc[i][p][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[i][p][0]));
         acc[i][p][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[i][p][1]));
       }
@@ -161,7 +199,6 @@ SRT_TARGET_AVX512 void tile_avx512_r(const XT* xa, int64_t lda, int64_t K, const
 
 // AVX512-BF16: x's (k, k+1) pair broadcast as one 32-bit lane, vdpbf16ps against 16 columns' pairs;
 // NP panels at once (see tile_avx512_r), each stream prefetched kPrefetch pairs of k ahead.
-constexpr int64_t kPrefetch = 16;
 template <int R, int NP>
 SRT_TARGET_AVX512_BF16 void tile_bf16dot_r(const uint16_t* xa, int64_t lda, int64_t K, const uint16_t* w,
                                            int64_t pstride, const float* bias, float* c, int64_t ldc, bool more,
@@ -258,7 +295,8 @@ void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K
   if (path == Bf16Path::kAvx512 || path == Bf16Path::kAvx512Bf16) {
     return with_rows<kMR512>(R, [&](auto r) {
       with_panels(np, [&](auto n) {
-        tile_avx512_r<XT, decltype(r)::value, decltype(n)::value>(xa, lda, K, w, pstride, bias, c, ldc, more);
+        tile_avx512_r<XT, decltype(r)::value, decltype(n)::value>(xa, lda, K, w, pstride, bias, c, ldc, more, pf,
+                                                                   pf_lines);
       });
     });
   }

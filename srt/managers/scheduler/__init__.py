@@ -29,8 +29,8 @@ each part owns one job and its state:
     process.py     the ZMQ event loop and the process entry point (imports this module)
     runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
 
-and the pure pieces in ``srt/managers/``: ``schedule_policy.py`` (queue order, budgets, chunk
-split, retraction choice), ``request_fit.py`` (can a request ever fit?), ``req.py`` (Req and
+and the pure pieces: ``schedule_policy.py`` (queue order, budgets, chunk split),
+``decode_policy.py`` (new-token ratio, retraction choice), ``srt/managers/request_fit.py`` (can a request ever fit?), ``req.py`` (Req and
 its state machine), ``schedule_batch.py`` (ScheduleBatch -> ForwardBatch).
 
 ``Scheduler`` drives the model in-process (tests, benchmarks); ``run_scheduler_process`` is the

@@ -4,7 +4,7 @@
 ``NewTokenRatio`` (the estimate of how much of its ``max_new_tokens`` a running request will
 still generate, which the prefill part reserves KV for). When one decode step of ``running``
 cannot get its KV slots even after evicting cached prefixes, it retracts the requests
-``plan_retraction`` (schedule_policy.py) picks -- least work lost first -- until the others can
+``plan_retraction`` (decode_policy.py) picks -- least work lost first -- until the others can
 decode ``RETRACT_MARGIN_STEPS`` steps. Two things keep this from flapping: the margin (the
 survivors do not run short again on the next step) and the ratio, which jumps up on every
 retraction (admission reserves more for the running batch) and decays again over decode steps.
@@ -19,14 +19,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import FinishReason
+from srt.managers.scheduler.decode_policy import decode_slots, plan_retraction
 from srt.managers.scheduler.req import Req, ReqStatus
 from srt.managers.scheduler.schedule_batch import ScheduleBatch
-from srt.managers.scheduler.schedule_policy import decode_slots, plan_retraction
 
 if TYPE_CHECKING:
     from srt.managers.scheduler.cache import CacheManager
+    from srt.managers.scheduler.decode_policy import NewTokenRatio
     from srt.managers.scheduler.metrics import SchedulerMetrics
-    from srt.managers.scheduler.schedule_policy import NewTokenRatio
     from srt.managers.scheduler.speculative import SpeculativeDecoder
 
 # retraction makes room for this many decode steps of the requests that stay

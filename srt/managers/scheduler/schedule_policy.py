@@ -2,9 +2,11 @@
 are seen through the ``WaitingReq`` / ``RunningReq`` protocols). Each piece is unit tested
 without a model:
 
-- ``SchedulePolicy.order``: waiting-queue order -- ``fcfs`` (arrival), ``lpm`` (longest cached
-  prefix first, with aging so a cold request is never starved by cache-hot ones) and
-  ``priority`` (higher ``priority`` first, then arrival).
+- ``SchedulePolicy.order``: waiting-queue order -- ``spf`` (shortest prefill first: fewest
+  uncached prompt tokens, so the prompts that get a first token soonest go first), ``fcfs``
+  (arrival), ``lpm`` (longest cached prefix first) and ``priority`` (higher ``priority`` first,
+  then arrival). spf and lpm age: each step a request waits counts for it, and one that waited
+  ``starvation_steps`` goes ahead of all the others, so none is starved.
 - ``PrefillAdder``: admission of one prefill step under four budgets:
 
   ====================  =================================================================
@@ -26,21 +28,19 @@ without a model:
   but only ``max_overtakes`` times; then it blocks the queue until it fits.
 - ``InBatchPrefixFilter``: requests that share an uncached prefix with one admitted in the same
   step wait a step (then the prefix is cached) instead of computing it twice.
-- ``NewTokenRatio``: the estimated fraction of max_new_tokens still to come; decays every decode
-  step from ``init`` to ``min``, jumps up on retraction.
-- ``retraction_order`` / ``plan_retraction``: which running requests go back to the queue when
-  decode runs out of KV slots (least work lost first; srt/managers/scheduler/decode.py acts).
+
+The decode side's pure decisions (the new-token ratio, retraction) are in ``decode_policy.py``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Sequence, Sized
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from srt.utils.pages import num_pages, page_ceil, page_floor, uncut_chunk
+from srt.utils.pages import page_ceil, page_floor, uncut_chunk
 
 
 class WaitingReq(Protocol):
@@ -52,33 +52,22 @@ class WaitingReq(Protocol):
     def queue_seq(self) -> int: ...
     @property
     def enqueue_step(self) -> int: ...
-
-
-class RunningReq(Protocol):
-    """What retraction reads of a running request (``srt.managers.scheduler.req.Req`` is one)."""
-
-    @property
-    def output_ids(self) -> Sized: ...
     @property
     def all_ids_len(self) -> int: ...
-    @property
-    def queue_seq(self) -> int: ...
-    @property
-    def kv_committed_len(self) -> int: ...
-    @property
-    def prefix_indices(self) -> Sized: ...
 
 
 W = TypeVar("W", bound=WaitingReq)
-R = TypeVar("R", bound=RunningReq)
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
+SCHEDULE_POLICIES = ("spf", "fcfs", "lpm", "priority")
 
-# lpm: each scheduler step a request waits counts like this many cached prefix tokens
+# spf / lpm: each scheduler step a request waits counts like this many prompt tokens (spf: fewer
+# to compute; lpm: more cached)
 LPM_AGING_TOKENS_PER_STEP = 16
-# lpm: a request that waited this many steps goes ahead of every non-starved one (fcfs among them)
+# spf / lpm: a request that waited this many steps goes ahead of every non-starved one (fcfs
+# among them)
 LPM_STARVATION_STEPS = 64
-# lpm needs a prefix match per waiting request per step: above this queue length use fcfs
+# spf / lpm need a prefix match per waiting request per step: above this queue length lpm uses
+# fcfs and spf the whole prompt lengths
 LPM_MAX_QUEUE = 128
 # a request that does not fit the KV budget may be overtaken this many times, then it blocks
 MAX_OVERTAKES = 8
@@ -104,34 +93,50 @@ class SchedulePolicy:
 
     def uses_prefix_lens(self, queue_len: int) -> bool:
         """Whether ``order`` wants the cached-prefix length of every waiting request."""
-        return self.policy == "lpm" and queue_len <= self.lpm_max_queue
+        return self.policy in ("spf", "lpm") and queue_len <= self.lpm_max_queue
 
     def order(self, queue: Sequence[W], now_step: int, prefix_lens: Sequence[int] | None = None) -> list[W]:
         """The queue in admission order (a new list; ``queue`` is not modified).
 
-        ``prefix_lens[i]``: cached-prefix length of ``queue[i]`` (lpm only; without it lpm
-        falls back to fcfs). Ties always break by arrival (``queue_seq``)."""
+        ``prefix_lens[i]``: cached-prefix length of ``queue[i]`` (spf and lpm; without it spf
+        ranks whole prompts and lpm falls back to fcfs). Ties always break by arrival
+        (``queue_seq``)."""
         if self.policy == "priority":
             return sorted(queue, key=lambda r: (-r.priority, r.queue_seq))
+        waited = [now_step - r.enqueue_step for r in queue]
+        seqs = [r.queue_seq for r in queue]
+        if self.policy == "spf":
+            cached = prefix_lens if prefix_lens is not None else [0] * len(queue)
+            work = [r.all_ids_len - c for r, c in zip(queue, cached, strict=True)]
+            return [queue[i] for i in self.spf_order(work, waited, seqs)]
         if self.policy == "lpm" and prefix_lens is not None:
-            waited = [now_step - r.enqueue_step for r in queue]
-            return [queue[i] for i in self.lpm_order(prefix_lens, waited, [r.queue_seq for r in queue])]
+            return [queue[i] for i in self.lpm_order(prefix_lens, waited, seqs)]
         return sorted(queue, key=lambda r: r.queue_seq)
+
+    def spf_order(self, work: Sequence[int], waited_steps: Sequence[int], seqs: Sequence[int]) -> list[int]:
+        """Indices in spf order: starved requests (waited >= starvation_steps) first in arrival
+        order; then by tokens to compute less the aging bonus, ascending."""
+        return self._aged_order(work, waited_steps, seqs)
 
     def lpm_order(
         self, prefix_lens: Sequence[int], waited_steps: Sequence[int], seqs: Sequence[int]
     ) -> list[int]:
         """Indices in lpm order: starved requests (waited >= starvation_steps) first in arrival
         order; then by cached prefix + aging bonus, descending."""
+        return self._aged_order([-n for n in prefix_lens], waited_steps, seqs)
+
+    def _aged_order(self, cost: Sequence[int], waited_steps: Sequence[int], seqs: Sequence[int]) -> list[int]:
+        """Starved requests first by arrival, then ``cost - aging x waited`` ascending, ties by
+        arrival."""
         aging, starve = self.aging_tokens_per_step, self.starvation_steps
 
         def key(i: int) -> tuple[int, int, int]:
             w = waited_steps[i]
             if w >= starve:
                 return (0, 0, seqs[i])
-            return (1, -(prefix_lens[i] + aging * w), seqs[i])
+            return (1, cost[i] - aging * w, seqs[i])
 
-        return sorted(range(len(prefix_lens)), key=key)
+        return sorted(range(len(cost)), key=key)
 
 
 # ---------------------------------------------------------------------- in-batch sharing
@@ -318,82 +323,3 @@ class PrefillAdder:
     def _stop(self) -> AddDecision:
         self.stopped = True
         return AddDecision(AddResult.STOP)
-
-
-# ---------------------------------------------------------------------- new-token ratio
-DEFAULT_INIT_NEW_TOKEN_RATIO = 0.7
-DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # min = init * factor (0.7 -> ~0.1)
-NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps from init down to min
-
-
-@dataclass(slots=True)
-class NewTokenRatio:
-    """Estimated fraction of its remaining max_new_tokens a running request will still generate.
-
-    Starts at ``init``; every decode step it decays by ``decay`` down to ``min``; a retraction
-    (the estimate was too optimistic) raises it by ``retract_step``, to at least ``init``, at most 1."""
-
-    init: float = DEFAULT_INIT_NEW_TOKEN_RATIO
-    min: float = DEFAULT_INIT_NEW_TOKEN_RATIO * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
-    decay: float = (
-        DEFAULT_INIT_NEW_TOKEN_RATIO * (1 - DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR) / NEW_TOKEN_RATIO_DECAY_STEPS
-    )
-    retract_step: float = 0.1
-    value: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.min <= self.init <= 1.0:
-            raise ValueError(f"need 0 <= min ({self.min}) <= init ({self.init}) <= 1")
-        self.value = self.init
-
-    @classmethod
-    def from_conservativeness(cls, conservativeness: float) -> NewTokenRatio:
-        """``--schedule-conservativeness`` scales the estimate (SGLang's): higher keeps more KV."""
-        init = min(1.0, max(0.0, DEFAULT_INIT_NEW_TOKEN_RATIO * conservativeness))
-        low = init * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR
-        return cls(init=init, min=low, decay=(init - low) / NEW_TOKEN_RATIO_DECAY_STEPS)
-
-    def on_decode_step(self) -> None:
-        self.value = max(self.min, self.value - self.decay)
-
-    def on_retract(self) -> None:
-        self.value = min(1.0, max(self.value, self.init) + self.retract_step)
-
-    def reset(self) -> None:
-        self.value = self.init
-
-
-# ---------------------------------------------------------------------- retraction
-def retraction_key(req: RunningReq) -> tuple[int, int, int]:
-    """Least work lost first: fewest generated tokens, then shortest sequence, then the latest
-    arrival."""
-    return (len(req.output_ids), req.all_ids_len, -req.queue_seq)
-
-
-def retraction_order(reqs: Sequence[R]) -> list[R]:
-    return sorted(reqs, key=retraction_key)
-
-
-def decode_slots(kv_lens: Sequence[int], page_size: int, steps: int = 1) -> int:
-    """Fresh slots ``steps`` decode steps of sequences with these KV lengths take."""
-    p = page_size
-    return sum((num_pages(n + steps, p) - num_pages(n, p)) * p for n in kv_lens)
-
-
-def plan_retraction(reqs: Sequence[R], available: int, page_size: int, margin_steps: int = 1) -> list[R]:
-    """Victims (a prefix of ``retraction_order(reqs)``): the fewest after which the others can
-    decode ``margin_steps`` steps. At least one request is always kept.
-
-    ``available``: free + evictable slots now. A victim is assumed to give back the slots it
-    owns beyond its cached prefix (its KV goes to the prefix cache, evictable): a lower bound,
-    since the prefix pages only it locked become evictable too. The plan may therefore name more
-    victims than needed; whoever executes it stops as soon as the real availability suffices."""
-    order = retraction_order(reqs)
-    need = decode_slots([r.kv_committed_len for r in order], page_size, margin_steps)
-    n = 0
-    while len(order) - n > 1 and need > available:
-        v = order[n]
-        need -= decode_slots([v.kv_committed_len], page_size, margin_steps)
-        available += page_ceil(v.kv_committed_len, page_size) - len(v.prefix_indices)
-        n += 1
-    return order[:n]

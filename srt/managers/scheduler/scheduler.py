@@ -48,6 +48,7 @@ from srt.managers.scheduler.cache import CacheManager
 from srt.managers.scheduler.deadlines import DeadlineTracker
 from srt.managers.scheduler.decode import DecodeManager
 from srt.managers.scheduler.decode_batch import decode_batch
+from srt.managers.scheduler.decode_policy import NewTokenRatio
 from srt.managers.scheduler.metrics import SchedulerMetrics
 from srt.managers.scheduler.output import build_batch_output, process_batch_result
 from srt.managers.scheduler.overlap import InFlight, needs_sync
@@ -56,7 +57,7 @@ from srt.managers.scheduler.profiler import SchedulerProfiler
 from srt.managers.scheduler.req import Req
 from srt.managers.scheduler.requests import ModelLimits, RequestTable
 from srt.managers.scheduler.schedule_batch import SamplingInfoCache, ScheduleBatch
-from srt.managers.scheduler.schedule_policy import NewTokenRatio, SchedulePolicy
+from srt.managers.scheduler.schedule_policy import SchedulePolicy
 from srt.managers.scheduler.setup import (
     create_grammars,
     create_prefill_config,
