@@ -37,6 +37,13 @@ def hardware_isa() -> str | None:
     return torch.ops.srt_cpu.cpu_hardware_isa() if cpu_isa() is not None else None
 
 
+def intel_cpu() -> bool:
+    """Whether the CPU is Intel's (its cores issue ``vdpbf16ps`` at half the FMA's rate, so bf16
+    matmuls of 8 rows or more take the widened weights there unless brgemm takes them)."""
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+
+
 def cpuinfo_flags() -> set[str]:
     """The CPU's flags as /proc/cpuinfo lists them (the first processor's); skips the calling test
     where there is no /proc/cpuinfo. Tests that a kernel is there exactly when the CPU has its

@@ -26,6 +26,7 @@ from srt.layers.linear import Linear
 from srt.layers.linear_backend import NativeLinear, create_linear_backend
 from srt.layers.onednn_linear import onednn_bf16_available
 from srt.layers.vocab_embedding import VocabEmbedding
+from tests.helpers.isa import intel_cpu
 
 PATHS = ("scalar", "avx2", "avx512", "avx512_bf16", "brgemm")
 SHAPES = [
@@ -122,11 +123,6 @@ def test_pack_layout_is_vnni_pairs_of_32_columns():
     )
 
 
-def _intel() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
-
-
 def test_path_choice():
     """brgemm from bf16_brgemm_rows() rows where the CPU has AMX (never without: the vdpbf16ps tiles
     beat it there), the vdpbf16ps tiles below that or without AMX -- but from 8 rows on Intel cores
@@ -139,7 +135,7 @@ def test_path_choice():
     assert widened in ("avx512", "avx2", "scalar")
     assert rows >= 1 and (rows < 2**62) == ("amx_bf16" in cpu_features.cpu_flags())
     for m in (1, 7, 8, 64, 512):
-        tiles = "avx512_bf16" if m < 8 or not _intel() else widened
+        tiles = "avx512_bf16" if m < 8 or not intel_cpu() else widened
         want = ("brgemm" if m >= rows else tiles) if bf16_units else widened
         assert ops.bf16_linear_path(m, True) == want, m
         assert ops.bf16_linear_path(m, False) == widened

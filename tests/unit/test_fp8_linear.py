@@ -20,6 +20,7 @@ from srt.kernels import cpu as cpu_kernels
 from srt.layers.linear import Linear
 from srt.layers.linear_backend import create_linear_backend
 from srt.layers.quantized_weight import BlockScaledCodes, ScaledRows, expand_block_scale
+from tests.helpers.isa import intel_cpu
 
 PATHS = ("", "scalar", "avx2", "avx512", "avx512_bf16")
 SHAPES = [(1, 64, 32), (2, 62, 200), (4, 130, 33), (8, 512, 100), (9, 256, 129), (70, 600, 65), (3, 2, 5)]
@@ -32,12 +33,15 @@ def _native():
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.kernel_status()}")
 
 
-def _fp8_default_path(x_dtype) -> str:
-    """The bf16_linear path that fp8_linear's default takes: the vdpbf16ps tiles for a bf16 x where
-    the CPU has them (bf16_linear itself may pick brgemm, or the widened weights on Intel cores
-    without AMX, for many rows), else the widened weights (bf16_linear's default as well)."""
-    dot = torch.ops.srt_cpu.bf16_linear_path(1, True) == "avx512_bf16"
-    return "avx512_bf16" if dot and x_dtype == torch.bfloat16 else ""
+def _fp8_default_path(x_dtype, rows: int) -> str:
+    """The bf16_linear path that fp8_linear's default takes: bf16_linear's own default, but never
+    brgemm (fp8_linear has none): where bf16_linear takes brgemm, the vdpbf16ps tiles, or the
+    widened weights from 8 rows on Intel's cores (vdpbf16ps at half the FMA's rate)."""
+    ops = torch.ops.srt_cpu
+    path = ops.bf16_linear_path(rows, x_dtype == torch.bfloat16)
+    if path != "brgemm":
+        return path
+    return "avx512_bf16" if rows < 8 or not intel_cpu() else ops.bf16_linear_path(rows, False)
 
 
 def _run(op, x, packed, n, bias, path):
@@ -71,7 +75,7 @@ def test_same_bits_as_bf16_linear_on_the_codes_and_within_float32_sums_of_the_re
     bias = torch.randn(n, generator=g) if with_bias else None
     y = _run(ops.fp8_linear, x, ops.pack_fp8_weight(codes), n, bias, path)
     # the bf16 linear's default picks brgemm for many bf16 rows on AMX: compare with its tiles
-    same_path = path or _fp8_default_path(x_dtype)
+    same_path = path or _fp8_default_path(x_dtype, m)
     want = _run(ops.bf16_linear, x, ops.pack_bf16_weight(codes.to(torch.bfloat16)), n, bias, same_path)
     assert y.dtype == x_dtype and torch.equal(y, want)
     ref = x.double() @ codes.double().T + (0 if bias is None else bias.double())
@@ -190,7 +194,7 @@ def test_block_scaled_codes_widen_to_the_bf16_weights_transformers_dequantizes_t
     packed = ops.pack_fp8_weight(codes, scale, *block)
     assert packed.shape == (-(-n // 32), k // 2 * 64 + -(-(4 + 4 * scale.shape[1]) // 64) * 64)
     y = _run(ops.fp8_linear, x, packed, n, bias, path)
-    same_path = path or _fp8_default_path(x_dtype)
+    same_path = path or _fp8_default_path(x_dtype, m)
     assert torch.equal(y, _run(ops.bf16_linear, x, ops.pack_bf16_weight(weights), n, bias, same_path))
 
 

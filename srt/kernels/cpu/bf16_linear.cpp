@@ -65,21 +65,6 @@ int64_t brgemm_rows_from_env() {
   TORCH_CHECK(end != env && *end == '\0' && v >= 0, "SRT_BF16_BRGEMM_M must be an integer >= 0, got '", env, "'");
   return v == 0 ? kNever : v;
 }
-// Where vdpbf16ps is slow (cpu_bf16_dot_fast), a bf16 x of at least kSlowDotRows rows takes the
-// weights widened to float32 (a float32 copy of x, broadcast from memory): on an Intel Xeon with
-// AVX512-BF16 and no AMX (2 cores), Qwen2.5-1.5B's layers ran 1.10x the vdpbf16ps tiles at 8 rows,
-// 1.33x at 16, 1.40x at 32-64, equal at 1-6 (read-bound).
-constexpr int64_t kSlowDotRows = 8;
-
-// The path bf16_linear takes (`isa` "" picks): pick_path's, but the widened one where
-// kSlowDotRows applies.
-Bf16Path linear_path(c10::string_view isa, bool x_bf16, int64_t M) {
-  const Bf16Path p = pick_path("bf16_linear", isa, x_bf16, M, bf16_brgemm_rows(), true);
-  if (isa.empty() && p == Bf16Path::kAvx512Bf16 && !cpu_bf16_dot_fast() && M >= kSlowDotRows)
-    return Bf16Path::kAvx512;
-  return p;
-}
-
 constexpr int kMaxNP = 4;
 // k a block when several tiles of rows share a panel (the vdpbf16ps path): one panel's block (32
 // columns x kBlockK bf16, 64 KiB) stays in cache while every tile of rows takes it, and the tiles
@@ -283,7 +268,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "bf16_linear: N = ", N, " does not match ", P, " panels of ", kNR);
   const at::Tensor b32 = float32_bias("bf16_linear", bias, N);
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  const Bf16Path path = linear_path(isa, x_bf16, M);
+  const Bf16Path path = pick_path("bf16_linear", isa, x_bf16, M, bf16_brgemm_rows(), true);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -318,7 +303,9 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return out;
 }
 
-std::string bf16_linear_path(int64_t M, bool x_bf16) { return path_name(linear_path("", x_bf16, M)); }
+std::string bf16_linear_path(int64_t M, bool x_bf16) {
+  return path_name(pick_path("bf16_linear", "", x_bf16, M, bf16_brgemm_rows(), true));
+}
 
 namespace {
 at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor&, int64_t N, const c10::optional<at::Tensor>&,

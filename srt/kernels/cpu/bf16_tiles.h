@@ -92,6 +92,11 @@ bool cpu_bf16_dot_fast() {
   return false;
 #endif
 }
+// Where vdpbf16ps is slow (cpu_bf16_dot_fast), a bf16 x of at least kSlowDotRows rows takes the
+// weights widened to float32 (its rows as a float32 copy, broadcast from memory): on an Intel Xeon
+// with AVX512-BF16 and no AMX (2 cores), Qwen2.5-1.5B's layers ran 1.10x the vdpbf16ps tiles at 8
+// rows, 1.33x at 16, 1.40x at 32-64, equal at 1-6 (read-bound).
+constexpr int64_t kSlowDotRows = 8;
 
 #if SRT_CPU_X86
 // AVX2: the panel in two halves of 16 columns; per half and pair of k, 2 loads of 8 pairs, each
@@ -319,8 +324,9 @@ int tile_rows(Bf16Path path) {
 }
 
 // The path of an op (`op` names it in errors) for `requested` ("" picks: the bf16 dot products for a
-// bf16 x where the CPU has them, and brgemm from `brgemm_rows` rows; else the weights widened to
-// float32 on the best ISA); the paths above `best` (brgemm where allowed, else avx512_bf16) refused.
+// bf16 x where the CPU has them, brgemm from `brgemm_rows` rows, the widened weights from
+// kSlowDotRows rows where the dot products are slow; else the weights widened to float32 on the
+// best ISA); the paths above `best` (brgemm where allowed, else avx512_bf16) refused.
 inline Bf16Path pick_path(const char* op, c10::string_view requested, bool x_bf16, int64_t M, int64_t brgemm_rows,
                           bool brgemm_allowed) {
   const CpuIsa isa = detect_isa();
@@ -328,8 +334,9 @@ inline Bf16Path pick_path(const char* op, c10::string_view requested, bool x_bf1
   const Bf16Path widened =
       isa == CpuIsa::kAvx512 ? Bf16Path::kAvx512 : isa == CpuIsa::kAvx2 ? Bf16Path::kAvx2 : Bf16Path::kScalar;
   if (requested.empty()) {
-    if (x_bf16 && dot) return brgemm_allowed && M >= brgemm_rows ? Bf16Path::kBrgemm : Bf16Path::kAvx512Bf16;
-    return widened;
+    if (!x_bf16 || !dot) return widened;
+    if (brgemm_allowed && M >= brgemm_rows) return Bf16Path::kBrgemm;
+    return !cpu_bf16_dot_fast() && M >= kSlowDotRows ? widened : Bf16Path::kAvx512Bf16;
   }
   const std::string name(requested);
   const Bf16Path top = brgemm_allowed ? Bf16Path::kBrgemm : Bf16Path::kAvx512Bf16;

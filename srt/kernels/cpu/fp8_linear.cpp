@@ -17,7 +17,9 @@
 //       on the same path (the tiles sum each output over k in pair order, one chain, whatever the
 //       blocks). Block-scaled: each weight widens to bf16(code x its block's scale) (the product in
 //       float32, rounded to nearest even: transformers' bf16 dequantization), the same bits as
-//       bf16_linear on those weights.
+//       bf16_linear on those weights. isa "" picks as bf16_linear does (pick_path), brgemm apart: a
+//       bf16 x takes the vdpbf16ps tiles, or from kSlowDotRows rows on Intel's cores the weights
+//       widened to float32 (a float32 copy of x); a float32 x the widened weights.
 //   fp8_fast() -> bool: the widening runs on vectors here (AVX512-VBMI byte lookups, detect_isa()
 //       AVX-512); where it does not, srt keeps an FP8 layer's codes in bf16 instead (two bytes a
 //       weight, bf16_linear) rather than widen byte by byte. fp8_fast_blocks(): the scaled widening
@@ -251,13 +253,14 @@ struct Fp8Layout {
 // once, as bf16_linear does; more rows take one panel at a time (bf16_linear's blocked path). Per
 // block of k those panels' codes widen into `wbuf` (16 KiB, in L1) and every tile of rows sums that
 // block on into its rows' float32 accumulators (rows_c).
-template <typename XT>
+// x of XT (bf16 or float32), out of OT (x's dtype, or bf16 for a float32 copy of a bf16 x)
+template <typename XT, typename OT>
 void run_fp8(Bf16Path path, bool vbmi, bool vbmi_bf16, const at::Tensor& x, const Fp8Layout& lay, int64_t N,
              const float* bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), P = lay.P;
   const XT* xa = x.data_ptr<XT>();
   const int64_t lda = x.stride(0);
-  XT* o = out.data_ptr<XT>();
+  OT* o = out.data_ptr<OT>();
   const int MR = tile_rows(path);
   const int at_once = M <= MR ? panels_at_once(path, static_cast<int>(M)) : 1;
   const int64_t kb = (M <= MR ? kWidenedPairsOneTile : kWidenedPairs) * 2 / at_once;  // k a block
@@ -289,7 +292,7 @@ void run_fp8(Bf16Path path, bool vbmi, bool vbmi_bf16, const at::Tensor& x, cons
         p += n;
       }
       for (int64_t m = 0; m < M; m += MR)
-        store_tile<XT>(static_cast<int>(std::min<int64_t>(MR, M - m)), rows_c.data() + m * ldc, cols, ldc,
+        store_tile<OT>(static_cast<int>(std::min<int64_t>(MR, M - m)), rows_c.data() + m * ldc, cols, ldc,
                        o + m * N + p0 * kNR, N);
     }
   });
@@ -379,10 +382,12 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   if (M == 0 || N == 0) return out;
   if (K == 0) return b32.defined() ? out.copy_(b32.view({1, N}).expand({M, N})) : out.zero_();
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  if (x_bf16) {
-    run_fp8<at::BFloat16>(path, vbmi, vbmi_bf16, xc, lay, N, bp, out);
+  if (x_bf16 && path == Bf16Path::kAvx512Bf16) {
+    run_fp8<at::BFloat16, at::BFloat16>(path, vbmi, vbmi_bf16, xc, lay, N, bp, out);
+  } else if (x_bf16) {  // the widened paths take a float32 copy of x (exact), out in bf16
+    run_fp8<float, at::BFloat16>(path, vbmi, vbmi_bf16, xc.to(at::kFloat), lay, N, bp, out);
   } else {
-    run_fp8<float>(path, vbmi, vbmi_bf16, xc, lay, N, bp, out);
+    run_fp8<float, float>(path, vbmi, vbmi_bf16, xc, lay, N, bp, out);
   }
   return out;
 }
