@@ -368,7 +368,7 @@ REAL_CONFIGS = {
         enable_overlap_schedule=True,
         chunked_prefill_size=64,
         enable_mixed_chunk=True,
-        _total=1536,
+        _total=1024,
         schedule_conservativeness=0.05,
     ),
 }

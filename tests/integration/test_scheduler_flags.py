@@ -97,13 +97,15 @@ def test_priority_scheduling_orders_the_waiting_queue():
     assert order == ["first", "high", "mid-a", "mid-b", "zero", "low"]
 
 
-def test_without_the_flag_the_queue_is_fcfs():
+def test_without_the_flag_priority_is_ignored_and_the_shortest_prompt_goes_first():
+    """The default order (spf): fewest prompt tokens first, then arrival; a priority is not read."""
     s = make_scheduler(max_running=1)
-    assert s.policy.policy == "fcfs"
+    assert s.policy.policy == "spf"
     s.handle_message(gen("a", prompt(1), 2, priority=0))
     s.handle_message(gen("b", prompt(2), 2, priority=9))
+    s.handle_message(gen("c", prompt(3, n=4), 2, priority=0))
     order = [rid for o in s.run_until_idle() for rid, r in zip(o.rids, o.finished_reasons) if r is not None]
-    assert order == ["a", "b"]
+    assert order == ["c", "a", "b"]
 
 
 def test_grammar_backend_none_serves_without_a_grammar_part():
