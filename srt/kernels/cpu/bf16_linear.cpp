@@ -65,6 +65,7 @@ int64_t brgemm_rows_from_env() {
   TORCH_CHECK(end != env && *end == '\0' && v >= 0, "SRT_BF16_BRGEMM_M must be an integer >= 0, got '", env, "'");
   return v == 0 ? kNever : v;
 }
+
 constexpr int kMaxNP = 4;
 // k a block when several tiles of rows share a panel (the vdpbf16ps path): one panel's block (32
 // columns x kBlockK bf16, 64 KiB) stays in cache while every tile of rows takes it, and the tiles

@@ -30,8 +30,9 @@ each part owns one job and its state:
     runner_protocol.py   SchedulerModelRunner: what the scheduler may call on the model runner
 
 and the pure pieces: ``schedule_policy.py`` (queue order, budgets, chunk split),
-``decode_policy.py`` (new-token ratio, retraction choice), ``srt/managers/request_fit.py`` (can a request ever fit?), ``req.py`` (Req and
-its state machine), ``schedule_batch.py`` (ScheduleBatch -> ForwardBatch).
+``decode_policy.py`` (new-token ratio, retraction choice), ``srt/managers/request_fit.py`` (can a
+request ever fit?), ``req.py`` (Req and its state machine), ``schedule_batch.py`` (ScheduleBatch
+-> ForwardBatch).
 
 ``Scheduler`` drives the model in-process (tests, benchmarks); ``run_scheduler_process`` is the
 entry of the scheduler process (``process.py``, which imports the scheduler, never the reverse).

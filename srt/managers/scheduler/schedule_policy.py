@@ -1,5 +1,5 @@
 """Scheduling policy: pure decisions from CPU state (no model, no tensors, no pools; requests
-are seen through the ``WaitingReq`` / ``RunningReq`` protocols). Each piece is unit tested
+are seen through the ``WaitingReq`` protocol). Each piece is unit tested
 without a model:
 
 - ``SchedulePolicy.order``: waiting-queue order -- ``spf`` (shortest prefill first: fewest
@@ -62,13 +62,13 @@ SCHEDULE_POLICIES = ("spf", "fcfs", "lpm", "priority")
 
 # spf / lpm: each scheduler step a request waits counts like this many prompt tokens (spf: fewer
 # to compute; lpm: more cached)
-LPM_AGING_TOKENS_PER_STEP = 16
+AGING_TOKENS_PER_STEP = 16
 # spf / lpm: a request that waited this many steps goes ahead of every non-starved one (fcfs
 # among them)
-LPM_STARVATION_STEPS = 64
+STARVATION_STEPS = 64
 # spf / lpm need a prefix match per waiting request per step: above this queue length lpm uses
 # fcfs and spf the whole prompt lengths
-LPM_MAX_QUEUE = 128
+MAX_MATCHED_QUEUE = 128
 # a request that does not fit the KV budget may be overtaken this many times, then it blocks
 MAX_OVERTAKES = 8
 
@@ -80,20 +80,20 @@ class SchedulePolicy:
     def __init__(
         self,
         policy: str,
-        aging_tokens_per_step: int = LPM_AGING_TOKENS_PER_STEP,
-        starvation_steps: int = LPM_STARVATION_STEPS,
-        lpm_max_queue: int = LPM_MAX_QUEUE,
+        aging_tokens_per_step: int = AGING_TOKENS_PER_STEP,
+        starvation_steps: int = STARVATION_STEPS,
+        max_matched_queue: int = MAX_MATCHED_QUEUE,
     ) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose one of {SCHEDULE_POLICIES}")
         self.policy = policy
         self.aging_tokens_per_step = aging_tokens_per_step
         self.starvation_steps = starvation_steps
-        self.lpm_max_queue = lpm_max_queue
+        self.max_matched_queue = max_matched_queue
 
     def uses_prefix_lens(self, queue_len: int) -> bool:
         """Whether ``order`` wants the cached-prefix length of every waiting request."""
-        return self.policy in ("spf", "lpm") and queue_len <= self.lpm_max_queue
+        return self.policy in ("spf", "lpm") and queue_len <= self.max_matched_queue
 
     def order(self, queue: Sequence[W], now_step: int, prefix_lens: Sequence[int] | None = None) -> list[W]:
         """The queue in admission order (a new list; ``queue`` is not modified).
@@ -103,15 +103,15 @@ class SchedulePolicy:
         (``queue_seq``)."""
         if self.policy == "priority":
             return sorted(queue, key=lambda r: (-r.priority, r.queue_seq))
+        if self.policy == "fcfs" or (self.policy == "lpm" and prefix_lens is None):
+            return sorted(queue, key=lambda r: r.queue_seq)
         waited = [now_step - r.enqueue_step for r in queue]
         seqs = [r.queue_seq for r in queue]
-        if self.policy == "spf":
-            cached = prefix_lens if prefix_lens is not None else [0] * len(queue)
-            work = [r.all_ids_len - c for r, c in zip(queue, cached, strict=True)]
-            return [queue[i] for i in self.spf_order(work, waited, seqs)]
         if self.policy == "lpm" and prefix_lens is not None:
             return [queue[i] for i in self.lpm_order(prefix_lens, waited, seqs)]
-        return sorted(queue, key=lambda r: r.queue_seq)
+        cached = prefix_lens if prefix_lens is not None else [0] * len(queue)
+        work = [r.all_ids_len - c for r, c in zip(queue, cached, strict=True)]
+        return [queue[i] for i in self.spf_order(work, waited, seqs)]
 
     def spf_order(self, work: Sequence[int], waited_steps: Sequence[int], seqs: Sequence[int]) -> list[int]:
         """Indices in spf order: starved requests (waited >= starvation_steps) first in arrival
