@@ -12,6 +12,9 @@
   for the default SmolLM2 GGUF (float32); the missing ones computed by worker processes, one per
   CPU, each on one torch thread (``_default_worker``), so that a cold cache costs the suite a
   fraction of one process's time.
+* ``warm_command(items)``: the early run (tests/helpers/early_runs.py) that computes the default
+  model's references a test module will ask for, ``items()``, into the cache while the rest of
+  the suite runs; None when they are all cached.
 * Prompt generators: ``make_prompts`` (token-id prompts of given lengths cut from fixed
   English-like text, seeded), ``make_shared_prefix_group`` and ``default_prompt_set`` (a mix
   of independent prompts and groups sharing long prefixes).
@@ -30,6 +33,7 @@ import os
 import platform
 import random
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -302,6 +306,25 @@ def default_model_references_each(items: Sequence[tuple[Sequence[int], int]]) ->
     return [GreedyReference.from_json(json.loads(path.read_text())) for path in paths]
 
 
+def _missing(items: Sequence[tuple[Sequence[int], int]]) -> bool:
+    return any(not _cache_path(DEFAULT_MODEL_KEY, p, n, REF_THREADS).exists() for p, n in items)
+
+
+def warm_command(items: Callable[[], Sequence[tuple[Sequence[int], int]]]):
+    """The early run that fills the cache with the default model's references for ``items()``
+    (``(prompt, max_new_tokens)`` pairs; a function of a module under the repository), or None
+    when none is missing. The test that needs them waits on the run (``early_runs.wait``) first,
+    then reads them as usual."""
+    from tests.helpers import early_runs
+
+    if not _missing(items()):
+        return None
+    root = Path(__file__).resolve().parents[2]
+    module = ".".join(Path(inspect.getfile(items)).resolve().relative_to(root).with_suffix("").parts)
+    argv = [sys.executable, "-m", "tests.helpers.hf_reference", module, items.__name__]
+    return early_runs.Command(argv, cwd=str(root), timeout=1800)
+
+
 def _cost(item: tuple[Sequence[int], int]) -> int:
     """Longest first, so that the workers finish together: a generated token costs about as much
     as 20 prompt tokens (batch 1)."""
@@ -436,3 +459,9 @@ def assert_tokens_match(
         )
         return 1
     return 0
+
+
+if __name__ == "__main__":  # warm_command's child: python -m tests.helpers.hf_reference MODULE ITEMS
+    from tests.helpers import hf_reference  # the workers' functions by their module's own name
+
+    hf_reference.default_model_references_each(getattr(importlib.import_module(sys.argv[1]), sys.argv[2])())

@@ -18,6 +18,7 @@ Qwen2 and Qwen3 models against transformers with the same weights.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -26,6 +27,7 @@ import torch
 from srt.layers.forward_batch import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
+from tests.helpers import early_runs
 from tests.helpers.hf_reference import (
     GreedyReference,
     assert_tokens_match,
@@ -33,6 +35,7 @@ from tests.helpers.hf_reference import (
     default_prompt_set,
     hf_greedy_references,
     make_prompts,
+    warm_command,
 )
 from tests.helpers.runner_driver import DriverSeq, RunnerDriver
 from tests.helpers.tiny_models import TINY_KINDS, save_tiny_model
@@ -173,13 +176,23 @@ def mixed_vs_split(runner: ModelRunner, prompts: list[list[int]]) -> None:
 
 
 # ---------------------------------------------------------------- default model
+def reference_items() -> list[tuple[list[int], int]]:
+    prompts, _ = default_prompt_set(NUM_PROMPTS, seed=0, min_len=5, max_len=400)
+    return [(p, MAX_NEW_TOKENS) for p in prompts]
+
+
+REFERENCES_RUN = "hf-references:runner-exactness"  # computed early (tests/helpers/early_runs.py)
+
+
 @pytest.fixture(scope="module")
 def default_workload():
+    early_runs.wait(REFERENCES_RUN)
     prompts, groups = default_prompt_set(NUM_PROMPTS, seed=0, min_len=5, max_len=400)
     refs = default_model_references(prompts, MAX_NEW_TOKENS)
     return prompts, groups, refs
 
 
+@pytest.mark.early_run(REFERENCES_RUN, functools.partial(warm_command, reference_items))
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_default_model_matches_transformers(default_workload, page_size):
     prompts, groups, refs = default_workload

@@ -32,7 +32,9 @@ from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from tests.helpers import early_runs
 from tests.helpers.device_like import DeviceLikeTensor, device_like_pools
+from tests.helpers.hf_reference import warm_command
 from tests.helpers.scheduler_fakes import (
     EOS,
     KVEchoRunner,
@@ -389,12 +391,20 @@ def real_workload() -> tuple[Item, ...]:
     return tuple(items)
 
 
+def reference_items() -> list[tuple[list[int], int]]:
+    return [(it.prompt, it.max_new) for it in real_workload()]
+
+
+REFERENCES_RUN = "hf-references:scheduler-exactness"  # computed early (tests/helpers/early_runs.py)
+
+
 @pytest.fixture(scope="module")
 def references():
     from tests.helpers.hf_reference import default_model_references_each
 
+    early_runs.wait(REFERENCES_RUN)
     items = real_workload()
-    refs = default_model_references_each([(it.prompt, it.max_new) for it in items])
+    refs = default_model_references_each(reference_items())
     return {it.rid: ref for it, ref in zip(items, refs)}
 
 
@@ -430,6 +440,7 @@ def set_pools(runner, total: int, page_size: int) -> None:
     runner.max_total_num_tokens = total
 
 
+@pytest.mark.early_run(REFERENCES_RUN, functools.partial(warm_command, reference_items))
 @pytest.mark.parametrize("name", list(REAL_CONFIGS))
 def test_token_exactness_default_model(name, model_runner, references):
     from tests.helpers.hf_reference import assert_tokens_match

@@ -4,19 +4,22 @@ panel width of 24, the scalar GGUF row functions, and the "not available on this
 
 Each run is a child pytest (the ISA is read once per process) whose report must show the branches
 of its ISA passed and the wider ones skipped with the reason; the report's closing section lists
-each run (tests/conftest.py).
+each run (tests/conftest.py). The runs start when collection ends, at low priority, on the cores
+the rest of the suite leaves idle (tests/helpers/early_runs.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from srt.configs.cpu_features import CPU_ISA_ENV
+from tests.helpers import early_runs
 from tests.helpers.isa import ISA_RUNS, ISAS, cpu_isa, hardware_isa
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +62,33 @@ LOWERED_DESELECT = (
 )
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+# the CPU flag each lowering needs above it (vec.h's detect_isa asks for more: this only spares the
+# queue a run whose test would skip)
+_ABOVE = {"avx2": "avx512f", "scalar": "avx2"}
+
+
+def lowered_run(isa: str, check_cpu: bool = True) -> early_runs.Command | None:
+    """The child pytest of the kernel tests under ``SRT_CPU_ISA=isa`` (None: the main run is itself
+    lowered, or, by /proc/cpuinfo's flags, the CPU has nothing above ``isa``)."""
+    if os.environ.get(CPU_ISA_ENV):
+        return None
+    cpuinfo = Path("/proc/cpuinfo")
+    if check_cpu and cpuinfo.exists() and _ABOVE[isa] not in cpuinfo.read_text().split():
+        return None
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    cmd += [f"--deselect={test}" for test in LOWERED_DESELECT]
+    if isa == "scalar":
+        cmd += [f"--deselect={test}" for test in SCALAR_DESELECT]
+    return early_runs.Command(cmd, env=dict(os.environ, **{CPU_ISA_ENV: isa}), cwd=REPO_ROOT, timeout=900)
+
+
+def _lowering(isa: str):
+    return pytest.param(
+        isa, marks=pytest.mark.early_run(f"isa-lowered-{isa}", functools.partial(lowered_run, isa))
+    )
+
+
+@pytest.mark.parametrize("isa", [_lowering("avx2"), _lowering("scalar")])
 def test_kernel_tests_pass_with_the_isa_lowered(isa, request):
     if os.environ.get(CPU_ISA_ENV):
         pytest.skip(f"this run is itself lowered ({CPU_ISA_ENV}={os.environ[CPU_ISA_ENV]})")
@@ -67,12 +96,7 @@ def test_kernel_tests_pass_with_the_isa_lowered(isa, request):
         pytest.skip("native CPU kernels unavailable")
     if ISAS.index(isa) >= ISAS.index(hardware_isa()):
         pytest.skip(f"not a lowering on this CPU ({hardware_isa()}): the main run covers {isa}")
-    env = dict(os.environ, **{CPU_ISA_ENV: isa})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *KERNEL_TESTS]
-    cmd += [f"--deselect={test}" for test in LOWERED_DESELECT]
-    if isa == "scalar":
-        cmd += [f"--deselect={test}" for test in SCALAR_DESELECT]
-    res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = early_runs.result(f"isa-lowered-{isa}", lowered_run(isa, check_cpu=False))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]

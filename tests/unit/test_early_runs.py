@@ -1,0 +1,137 @@
+"""tests/helpers/early_runs.py: queued runs start at low priority in order, a test gets their exit
+status and output, a run never queued runs when asked for, a queued one asked for jumps the queue
+at normal priority, a run past its wait is killed, and closing kills what is still going."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.helpers import early_runs
+from tests.helpers.early_runs import Command, EarlyRuns
+
+REPORT = "import os, sys; print(os.nice(0), os.environ.get('SRT_TEST_EARLY_RUN')); sys.exit(int(sys.argv[1]))"
+
+
+def _py(code: str, *args: str, timeout: float = 60.0) -> Command:
+    return Command([sys.executable, "-c", code, *args], timeout=timeout)
+
+
+def _started(runs: EarlyRuns, key: str):
+    deadline = time.monotonic() + 10
+    while runs._runs[key].proc is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return runs._runs[key].proc
+
+
+def _priority_becomes(pid: int, value: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if os.getpriority(os.PRIO_PROCESS, pid) == value:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_queued_runs_start_niced_in_order_and_give_their_status_and_output():
+    runs = EarlyRuns()
+    base = os.nice(0)
+    code = "import sys, time; time.sleep(2); print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    try:
+        runs.schedule([("a", _py(code)), ("b", _py(REPORT, "0"))])
+        proc = _started(runs, "a")
+        assert proc is not None and _priority_becomes(proc.pid, min(base + early_runs.NICE, 19))
+        assert runs._runs["b"].proc is None  # one at a time
+        a = runs.result("a", _py("raise SystemExit(9)"))  # the queued command runs, not this one
+        b = runs.result("b", _py("raise SystemExit(9)"))
+    finally:
+        runs.close()
+    assert (a.returncode, a.stdout, a.stderr) == (3, "out\n", "err\n")
+    assert b.returncode == 0 and b.stdout.split()[1] == "1"  # a child knows it is one
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority back needs CAP_SYS_NICE")
+def test_waiting_on_a_run_gives_it_back_normal_priority():
+    runs = EarlyRuns()
+    try:
+        runs.schedule([("a", _py("import time; time.sleep(3)"))])
+        proc = _started(runs, "a")
+        assert proc is not None and _priority_becomes(proc.pid, min(os.nice(0) + early_runs.NICE, 19))
+        waiter = threading.Thread(target=runs.wait, args=("a",))
+        waiter.start()
+        assert _priority_becomes(proc.pid, os.nice(0))
+        waiter.join()
+    finally:
+        runs.close()
+
+
+def test_a_run_never_queued_runs_when_asked_at_normal_priority():
+    runs = EarlyRuns()
+    try:
+        out = runs.result("x", _py(REPORT, "0"))
+    finally:
+        runs.close()
+    assert out.returncode == 0 and out.stdout.split() == [str(os.nice(0)), "1"]
+
+
+def test_a_queued_run_asked_for_jumps_the_queue_at_normal_priority():
+    runs = EarlyRuns()
+    try:  # the first run holds the queue, so the second is still queued when asked for
+        runs.schedule([("slow", _py("import time; time.sleep(30)")), ("next", _py(REPORT, "0"))])
+        t = time.monotonic()
+        out = runs.result("next", _py("raise SystemExit(9)"))
+        took = time.monotonic() - t
+    finally:
+        runs.close()
+    assert out.stdout.split()[0] == str(os.nice(0)) and took < 20
+
+
+def test_a_run_past_its_wait_is_killed_and_says_so():
+    runs = EarlyRuns()
+    try:
+        out = runs.result("hang", _py("import time; time.sleep(60)", timeout=0.5))
+    finally:
+        runs.close()
+    assert out.returncode < 0 and "killed after 0 s of waiting" in out.stderr
+
+
+def test_close_kills_the_running_run_and_drops_the_queue():
+    runs = EarlyRuns()
+    runs.schedule([("slow", _py("import time; time.sleep(60)")), ("never", _py("pass"))])
+    proc = _started(runs, "slow")
+    runs.close()
+    assert proc is not None and proc.wait(10) < 0
+    assert runs._runs["never"].proc is None
+
+
+class _Item:
+    def __init__(self, *marks):
+        self._marks = [pytest.mark.early_run(*m).mark for m in marks]
+
+    def iter_markers(self, name):
+        return (m for m in self._marks if m.name == name)
+
+
+def test_requested_runs_follow_the_items_each_key_once_and_drop_nothing_to_run():
+    a, b = _py("pass"), _py("pass")
+    items = [
+        _Item(("a", lambda: a)),
+        _Item(("none", lambda: None)),
+        _Item(("b", lambda: b), ("a", lambda: pytest.fail("a key is asked once"))),
+    ]
+    assert early_runs.requested(items) == [("a", a), ("b", b)]
+
+
+def test_children_and_collect_only_start_nothing(monkeypatch, pytestconfig):
+    monkeypatch.setattr(pytestconfig.option, "collectonly", False)
+    monkeypatch.delenv(early_runs.CHILD_ENV, raising=False)
+    assert early_runs.enabled(pytestconfig)
+    monkeypatch.setenv(early_runs.CHILD_ENV, "1")
+    assert not early_runs.enabled(pytestconfig)
+    monkeypatch.delenv(early_runs.CHILD_ENV)
+    monkeypatch.setattr(pytestconfig.option, "collectonly", True)
+    assert not early_runs.enabled(pytestconfig)
