@@ -3,13 +3,19 @@ they run on the cores the main run leaves idle (server start-ups, round trips ov
 instead of adding their time to its own: the lowered kernel runs (tests/unit/test_isa_lowering.py)
 and the transformers references of the exactness modules (``hf_reference.warm_command``).
 
+Low priority is Linux's SCHED_IDLE policy (niceness 19 where it is missing): such a process runs
+only on a core no other process wants, and gives it up at once when one does. Niceness alone is
+not enough: a niced process still gets its slices, and a slice taken from one of the main run's
+OpenMP threads stalls every op of the other at its barrier (transformers' forward of the default
+model, thousands of small ops, ran 10x slower beside niced kernel tests).
+
 A test, or a module through ``pytestmark``, asks for one with the marker
 ``early_run(key, command)``: ``command()`` gives the child's ``Command``, or None where there is
 nothing to run (the test would skip; the references are cached). tests/conftest.py queues the runs
 of the selected items in collection order and starts them (``schedule``); the test then takes the
 run's ``Outcome`` with ``result(key, command)`` (or only waits for it with ``wait(key)``): it waits
-while the run goes on, at normal priority from then on where the OS allows it, and runs it there
-and then if it was never started. A run is judged only by the test that asked for it; one still
+while the run goes on, at normal priority from then on, and runs it there and then if it was never
+started. A run is judged only by the test that asked for it; one still
 going when the session ends is killed with its process group.
 """
 
@@ -18,14 +24,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-NICE = 15  # the queued runs' niceness: a few percent of a core while the main run wants both
+# the queued runs' launcher: SCHED_IDLE (else niceness 19), then the command
+_IDLE_EXEC = (
+    "import os, sys\n"
+    "try:\n"
+    "    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "except (AttributeError, OSError):\n"
+    "    os.nice(19)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 CHILD_ENV = "SRT_TEST_EARLY_RUN"  # set in every early run: a child pytest starts none of its own
 MARKER = "early_run"
 
@@ -52,19 +68,16 @@ class _Run:
         self.out = tempfile.TemporaryFile()
         self.err = tempfile.TemporaryFile()
 
-    def start(self, nice: int) -> None:
+    def start(self, idle: bool) -> None:
         env = {**(self.command.env or os.environ), CHILD_ENV: "1"}
-        argv = ["nice", "-n", str(nice), *self.command.argv] if nice else self.command.argv
+        argv = [sys.executable, "-c", _IDLE_EXEC, *self.command.argv] if idle else self.command.argv
         self.proc = subprocess.Popen(
             argv, env=env, cwd=self.command.cwd, stdout=self.out, stderr=self.err, start_new_session=True
         )
 
     def finish(self, timeout: float) -> Outcome:
         assert self.proc is not None
-        try:  # from now on the suite waits on it: back to normal priority (needs CAP_SYS_NICE)
-            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
-        except OSError:
-            pass
+        _normal_priority(self.proc.pid)  # from now on the suite waits on it
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -78,6 +91,28 @@ class _Run:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
+                pass
+
+
+def _normal_priority(pgid: int) -> None:
+    """Every thread of process group ``pgid`` back to the normal policy at this process's niceness,
+    where the OS allows it (leaving SCHED_IDLE it does; undoing niceness 19 needs CAP_SYS_NICE)."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            tids = [int(task.name) for task in (stat.parent / "task").iterdir()]
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except (AttributeError, OSError):
+                pass
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:
                 pass
 
 
@@ -112,7 +147,7 @@ class EarlyRuns:
                 if self._closed or not self._queued:
                     return
                 run = self._queued.pop(0)
-                run.start(NICE)
+                run.start(idle=True)
             run.proc.wait()
 
     def _claim(self, key: str) -> _Run | None:
@@ -121,7 +156,7 @@ class EarlyRuns:
             run = self._runs.get(key)
             if run is not None and run.proc is None:
                 self._queued.remove(run)
-                run.start(0)
+                run.start(idle=False)
             return run
 
     def result(self, key: str, command: Command) -> Outcome:
@@ -129,7 +164,7 @@ class EarlyRuns:
         if run is None:  # never scheduled (the marker's item was not selected): run it here
             with self._lock:
                 self._runs[key] = run = _Run(key, command)
-                run.start(0)
+                run.start(idle=False)
         return run.finish(command.timeout)
 
     def wait(self, key: str, timeout: float = 1800.0) -> None:

@@ -8,13 +8,15 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import early_runs
 from tests.helpers.early_runs import Command, EarlyRuns
 
-REPORT = "import os, sys; print(os.nice(0), os.environ.get('SRT_TEST_EARLY_RUN')); sys.exit(int(sys.argv[1]))"
+REPORT = "import os, sys; print(os.sched_getscheduler(0), os.environ.get('SRT_TEST_EARLY_RUN')); sys.exit(int(sys.argv[1]))"
+IDLE, OTHER = os.SCHED_IDLE, os.SCHED_OTHER
 
 
 def _py(code: str, *args: str, timeout: float = 60.0) -> Command:
@@ -28,23 +30,22 @@ def _started(runs: EarlyRuns, key: str):
     return runs._runs[key].proc
 
 
-def _priority_becomes(pid: int, value: int, within: float = 10.0) -> bool:
+def _policy_becomes(pid: int, policy: int, within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if os.getpriority(os.PRIO_PROCESS, pid) == value:
+        if os.sched_getscheduler(pid) == policy:
             return True
         time.sleep(0.01)
     return False
 
 
-def test_queued_runs_start_niced_in_order_and_give_their_status_and_output():
+def test_queued_runs_start_idle_in_order_and_give_their_status_and_output():
     runs = EarlyRuns()
-    base = os.nice(0)
     code = "import sys, time; time.sleep(2); print('out'); print('err', file=sys.stderr); sys.exit(3)"
     try:
         runs.schedule([("a", _py(code)), ("b", _py(REPORT, "0"))])
         proc = _started(runs, "a")
-        assert proc is not None and _priority_becomes(proc.pid, min(base + early_runs.NICE, 19))
+        assert proc is not None and _policy_becomes(proc.pid, IDLE)
         assert runs._runs["b"].proc is None  # one at a time
         a = runs.result("a", _py("raise SystemExit(9)"))  # the queued command runs, not this one
         b = runs.result("b", _py("raise SystemExit(9)"))
@@ -54,19 +55,31 @@ def test_queued_runs_start_niced_in_order_and_give_their_status_and_output():
     assert b.returncode == 0 and b.stdout.split()[1] == "1"  # a child knows it is one
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority back needs CAP_SYS_NICE")
-def test_waiting_on_a_run_gives_it_back_normal_priority():
+def test_waiting_on_a_run_gives_every_thread_of_its_group_the_normal_policy_back():
     runs = EarlyRuns()
+    spawn = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(5)']); time.sleep(3)"
     try:
-        runs.schedule([("a", _py("import time; time.sleep(3)"))])
+        runs.schedule([("a", _py(spawn))])
         proc = _started(runs, "a")
-        assert proc is not None and _priority_becomes(proc.pid, min(os.nice(0) + early_runs.NICE, 19))
+        assert proc is not None and _policy_becomes(proc.pid, IDLE)
+        deadline, grandchildren = time.monotonic() + 10, []
+        while not grandchildren and time.monotonic() < deadline:
+            grandchildren = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _ppid(p) == proc.pid]
+        assert grandchildren and all(os.sched_getscheduler(g) == IDLE for g in grandchildren)
         waiter = threading.Thread(target=runs.wait, args=("a",))
         waiter.start()
-        assert _priority_becomes(proc.pid, os.nice(0))
+        assert _policy_becomes(proc.pid, OTHER)
+        assert all(_policy_becomes(g, OTHER) for g in grandchildren)
         waiter.join()
     finally:
         runs.close()
+
+
+def _ppid(proc_dir: Path) -> int:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def test_a_run_never_queued_runs_when_asked_at_normal_priority():
@@ -75,7 +88,7 @@ def test_a_run_never_queued_runs_when_asked_at_normal_priority():
         out = runs.result("x", _py(REPORT, "0"))
     finally:
         runs.close()
-    assert out.returncode == 0 and out.stdout.split() == [str(os.nice(0)), "1"]
+    assert out.returncode == 0 and out.stdout.split() == [str(OTHER), "1"]
 
 
 def test_a_queued_run_asked_for_jumps_the_queue_at_normal_priority():
@@ -87,7 +100,7 @@ def test_a_queued_run_asked_for_jumps_the_queue_at_normal_priority():
         took = time.monotonic() - t
     finally:
         runs.close()
-    assert out.stdout.split()[0] == str(os.nice(0)) and took < 20
+    assert out.stdout.split()[0] == str(OTHER) and took < 20
 
 
 def test_a_run_past_its_wait_is_killed_and_says_so():
