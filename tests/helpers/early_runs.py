@@ -77,7 +77,8 @@ class _Run:
 
     def finish(self, timeout: float) -> Outcome:
         assert self.proc is not None
-        _normal_priority(self.proc.pid)  # from now on the suite waits on it
+        if self.proc.poll() is None:
+            _normal_priority(self.proc.pid)  # from now on the suite waits on it
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

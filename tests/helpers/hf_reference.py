@@ -291,7 +291,7 @@ def default_model_references_each(items: Sequence[tuple[Sequence[int], int]]) ->
     on, at most one per reference), each on ``REF_THREADS`` torch thread: transformers' forward of
     a 135M model at batch 1 is mostly per-op overhead, which threads do not share, so two
     single-thread processes take about half the time of one process on two threads."""
-    paths = [_cache_path(DEFAULT_MODEL_KEY, p, n, REF_THREADS) for p, n in items]
+    paths = _default_paths(items)
     missing = sorted({i for i, path in enumerate(paths) if not path.exists()}, key=lambda i: -_cost(items[i]))
     if missing:
         import multiprocessing
@@ -306,8 +306,9 @@ def default_model_references_each(items: Sequence[tuple[Sequence[int], int]]) ->
     return [GreedyReference.from_json(json.loads(path.read_text())) for path in paths]
 
 
-def _missing(items: Sequence[tuple[Sequence[int], int]]) -> bool:
-    return any(not _cache_path(DEFAULT_MODEL_KEY, p, n, REF_THREADS).exists() for p, n in items)
+def _default_paths(items: Sequence[tuple[Sequence[int], int]]) -> list[Path]:
+    """The cache files of the default model's references for ``items``, as the workers key them."""
+    return [_cache_path(DEFAULT_MODEL_KEY, p, n, REF_THREADS) for p, n in items]
 
 
 def warm_command(items: Callable[[], Sequence[tuple[Sequence[int], int]]]):
@@ -317,7 +318,7 @@ def warm_command(items: Callable[[], Sequence[tuple[Sequence[int], int]]]):
     then reads them as usual."""
     from tests.helpers import early_runs
 
-    if not _missing(items()):
+    if all(path.exists() for path in _default_paths(items())):
         return None
     root = Path(__file__).resolve().parents[2]
     module = ".".join(Path(inspect.getfile(items)).resolve().relative_to(root).with_suffix("").parts)
