@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.threads import torch_threads
+
 _XDG_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 CACHE_DIR = Path(os.environ.get("SRT_HF_REF_CACHE") or _XDG_CACHE / "srt" / "hf-reference")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -207,7 +209,11 @@ def _code_hash() -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-# torch threads of the processes that compute the default model's references (_default_worker)
+# torch threads of every reference's forward (the default model's worker processes set it for
+# good; a test process for the call): transformers' forward at batch 1 is mostly per-op overhead,
+# which a second thread does not share, and on one thread it never waits at a barrier for a core an
+# early run holds (tests/helpers/early_runs.py): the LoRA module's peft references took 82 s instead
+# of 150-212 s beside the lowered kernel runs
 REF_THREADS = 1
 
 
@@ -227,7 +233,8 @@ def _cache_path(
 
 
 def hf_greedy_reference(model, prompt: Sequence[int], max_new_tokens: int) -> GreedyReference:
-    """Greedy ``generate`` of ``prompt`` alone (EOS disabled, so exactly ``max_new_tokens`` tokens)."""
+    """Greedy ``generate`` of ``prompt`` alone (EOS disabled, so exactly ``max_new_tokens`` tokens),
+    on ``REF_THREADS`` torch threads (the process's count restored)."""
     from transformers import GenerationConfig
 
     gen_config = GenerationConfig(
@@ -240,7 +247,7 @@ def hf_greedy_reference(model, prompt: Sequence[int], max_new_tokens: int) -> Gr
         return_dict_in_generate=True,
     )
     ids = torch.tensor([list(prompt)], dtype=torch.int64)
-    with torch.inference_mode():
+    with torch_threads(REF_THREADS), torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
     new_ids = out.sequences[0, len(prompt) :].tolist()
     logits = torch.cat(out.logits).float()  # [steps, vocab]
@@ -266,7 +273,7 @@ def hf_greedy_references(
     results: list[GreedyReference | None] = [None] * len(prompts)
     missing: list[int] = []
     for i, p in enumerate(prompts):
-        path = _cache_path(model_key, p, max_new_tokens) if model_key else None
+        path = _cache_path(model_key, p, max_new_tokens, REF_THREADS) if model_key else None
         if path is not None and path.exists():
             results[i] = GreedyReference.from_json(json.loads(path.read_text()))
         else:
@@ -277,7 +284,9 @@ def hf_greedy_references(
             ref = hf_greedy_reference(model, prompts[i], max_new_tokens)
             results[i] = ref
             if model_key:
-                _atomic_write(_cache_path(model_key, prompts[i], max_new_tokens), json.dumps(ref.to_json()))
+                _atomic_write(
+                    _cache_path(model_key, prompts[i], max_new_tokens, REF_THREADS), json.dumps(ref.to_json())
+                )
     return results  # type: ignore[return-value]
 
 

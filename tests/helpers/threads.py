@@ -1,9 +1,10 @@
 """Running a call under different torch thread counts, for tests that an op's result does not
-depend on how its work is split between threads."""
+depend on how its work is split between threads; a block on a set number of threads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -20,5 +21,16 @@ def with_threads(fn: Callable[[], T], counts: tuple[int, ...] = (1, 2)) -> list[
             torch.set_num_threads(n)
             results.append(fn())
         return results
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` threads inside the block (the process's count restored after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)

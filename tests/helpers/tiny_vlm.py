@@ -53,6 +53,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.helpers.hf_reference import REF_THREADS
+from tests.helpers.threads import torch_threads
 from tests.helpers.tiny_models import randomize_
 
 VLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "gemma3")
@@ -554,7 +556,7 @@ def hf_greedy_from_inputs(model, inputs: dict, max_new_tokens: int) -> list[int]
         eos_token_id=[],  # never stop early (None would fall back to the model's EOS)
         pad_token_id=2,
     )
-    with torch.inference_mode():
+    with torch_threads(REF_THREADS), torch.inference_mode():
         out = model.generate(**inputs, generation_config=gen_config)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
