@@ -212,8 +212,7 @@ def _code_hash() -> str:
 # torch threads of every reference's forward (the default model's worker processes set it for
 # good; a test process for the call): transformers' forward at batch 1 is mostly per-op overhead,
 # which a second thread does not share, and on one thread it never waits at a barrier for a core an
-# early run holds (tests/helpers/early_runs.py): the LoRA module's peft references took 82 s instead
-# of 150-212 s beside the lowered kernel runs
+# early run holds (tests/helpers/early_runs.py; docs/testing.md)
 REF_THREADS = 1
 
 

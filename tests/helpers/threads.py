@@ -14,15 +14,11 @@ T = TypeVar("T")
 
 def with_threads(fn: Callable[[], T], counts: tuple[int, ...] = (1, 2)) -> list[T]:
     """fn's results under each of ``counts`` threads, in that order (the process's count restored)."""
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in counts:
-            torch.set_num_threads(n)
+    results = []
+    for n in counts:
+        with torch_threads(n):
             results.append(fn())
-        return results
-    finally:
-        torch.set_num_threads(threads)
+    return results
 
 
 @contextmanager
