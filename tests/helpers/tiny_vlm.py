@@ -156,7 +156,7 @@ def image_special_tokens(kind: str) -> tuple[str, ...]:
 def _base_tokenizer():
     from tests.helpers.hf_reference import load_default_tokenizer
 
-    return load_default_tokenizer()  # ~3 s (parses the GGUF): once per process
+    return load_default_tokenizer()
 
 
 def vlm_tokenizer(kind: str):

@@ -47,6 +47,25 @@ def test_a_tokenizer_loaded_without_torch_is_the_same_tokenizer(tmp_path):
     }
 
 
+def test_the_cached_conversion_is_transformers_gguf_tokenizer():
+    """srt (and the tests' references) load the GGUF's tokenizer from its cached conversion: it
+    must be the tokenizer transformers builds from the file itself."""
+    from transformers import AutoTokenizer
+
+    gguf = tokenizer_source(ServerArgs())
+    cached = load_tokenizer(gguf)
+    assert os.path.isfile(os.path.join(_cache_dir(gguf), "tokenizer.json"))
+    parsed = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    assert type(cached) is type(parsed) and len(cached) == len(parsed)
+    assert cached.all_special_ids == parsed.all_special_ids and cached.chat_template == parsed.chat_template
+    for text in TEXTS:
+        ids = parsed.encode(text)
+        assert cached.encode(text) == ids
+        assert cached.decode(ids, skip_special_tokens=True) == parsed.decode(ids, skip_special_tokens=True)
+    every = list(range(len(parsed)))
+    assert cached.convert_ids_to_tokens(every) == parsed.convert_ids_to_tokens(every)
+
+
 def test_tokenizer_needs_torch(tmp_path):
     gguf = tokenizer_source(ServerArgs())
     assert gguf.endswith(".gguf")
