@@ -38,12 +38,14 @@ import threading
 import urllib.parse
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from PIL import Image, UnidentifiedImageError
 
 from srt.utils.errors import RequestError
+
+if TYPE_CHECKING:  # imported where a URL is fetched: the scheduler and detokenizer children import
+    import aiohttp  # this module too (through srt.entrypoints.launch), and only the main one fetches
 
 # the encoded formats a request may send; others (EPS runs Ghostscript, and so on) are refused.
 # MPO, the multi-picture JPEG of phone cameras, is opened by the JPEG plugin.
@@ -215,6 +217,8 @@ def _check_bytes(n: int, limits: ImageLimits, param: str, what: str) -> None:
 
 
 def _new_session(limits: ImageLimits) -> aiohttp.ClientSession:
+    import aiohttp
+
     # identity encoding, no decompression: max_bytes bounds what crosses the wire and what we hold
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=limits.fetch_timeout_s),
@@ -233,6 +237,8 @@ async def fetch_image_bytes(
             "as a data URI or base64",
             param,
         )
+    import aiohttp
+
     shown = _shown(url)
     try:
         return await asyncio.wait_for(_fetch(url, limits, param, session), limits.fetch_timeout_s)

@@ -1,9 +1,10 @@
 """``--dp-size 2`` end to end on the default model: two scheduler groups behind the controller.
 
-One dp=1 server gives the reference greedy outputs of a short burst; one dp=2 server (shared by
-the tests below, killed by the last one) must give the same outputs with the requests spread over
-both groups (read from the controller's state and /metrics), route an abort to the group that
-runs the request, leave every pool full after idle, and go down when a group dies."""
+The suite's shared dp=1 server (tests/integration/conftest.py) gives the reference greedy outputs
+of a short burst; one dp=2 server (shared by the tests below, killed by the last one) must give
+the same outputs with the requests spread over both groups (read from the controller's state and
+/metrics), route an abort to the group that runs the request, leave every pool full after idle,
+and go down when a group dies."""
 
 from __future__ import annotations
 
@@ -61,13 +62,12 @@ def pools_full(server: ServerProcess) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    with ServerProcess() as s:
-        return burst(s)
+def reference(default_server) -> list[list[int]]:
+    return burst(default_server)
 
 
 @pytest.fixture(scope="module")
-def server(reference):  # after the reference server is gone: never two servers at once
+def server(reference):  # after the reference burst: the dp=1 server idles while this one runs
     with ServerProcess([*DEFAULT_TEST_ARGS, "--dp-size", "2"]) as s:
         yield s
 

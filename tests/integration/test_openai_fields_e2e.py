@@ -9,17 +9,14 @@ import openai
 import pytest
 import requests
 
-from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess
-
 MODEL = "SmolLM2-135M-Instruct"
 USER = {"role": "user", "content": "Name a colour."}
 PARTIAL = {"role": "assistant", "content": "My favourite colour is"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess([*DEFAULT_TEST_ARGS]) as s:
-        yield s
+def server(default_server):
+    return default_server  # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")

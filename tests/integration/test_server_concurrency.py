@@ -11,15 +11,12 @@ import asyncio
 import openai
 import pytest
 
-from tests.helpers.server import ServerProcess
-
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess() as s:
-        yield s
+def server(default_server):
+    return default_server  # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")

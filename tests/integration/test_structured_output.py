@@ -12,8 +12,6 @@ import openai
 import pytest
 import requests
 
-from tests.helpers.server import ServerProcess
-
 MODEL = "SmolLM2-135M-Instruct"
 
 PERSON = {
@@ -40,9 +38,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess() as s:
-        yield s
+def server(default_server):
+    return default_server  # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -665,28 +665,28 @@ def _tokenizer_of(path: str):
 
 
 # ---------------------------------------------------------------------------- a text-only model
-def test_text_only_model_refuses_images():
-    with ServerProcess(DEFAULT_TEST_ARGS) as server:
-        r = requests.post(
-            server.url("/generate"),
-            json={
-                "text": "Describe the image.",
-                "image_data": data_uri(IMAGES[0]),
-                "sampling_params": GREEDY,
-            },
-            timeout=60,
-        )
-        assert_error(r, "takes no image input", param="image_data[0]")
-        model = requests.get(server.url("/v1/models"), timeout=10).json()["data"][0]["id"]
-        content = [
-            {"type": "text", "text": "Hi"},
-            {"type": "image_url", "image_url": {"url": data_uri(IMAGES[0])}},
-        ]
-        r = requests.post(
-            server.url("/v1/chat/completions"),
-            json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2},
-            timeout=60,
-        )
-        assert_error(r, "takes no image input", param="messages[0].content[1].image_url")
-        # text requests are still served
-        assert len(generate(server, {"text": "Hi", "sampling_params": GREEDY})["output_ids"]) == MAX_NEW
+def test_text_only_model_refuses_images(default_server):
+    server = default_server  # tests/integration/conftest.py
+    r = requests.post(
+        server.url("/generate"),
+        json={
+            "text": "Describe the image.",
+            "image_data": data_uri(IMAGES[0]),
+            "sampling_params": GREEDY,
+        },
+        timeout=60,
+    )
+    assert_error(r, "takes no image input", param="image_data[0]")
+    model = requests.get(server.url("/v1/models"), timeout=10).json()["data"][0]["id"]
+    content = [
+        {"type": "text", "text": "Hi"},
+        {"type": "image_url", "image_url": {"url": data_uri(IMAGES[0])}},
+    ]
+    r = requests.post(
+        server.url("/v1/chat/completions"),
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert_error(r, "takes no image input", param="messages[0].content[1].image_url")
+    # text requests are still served
+    assert len(generate(server, {"text": "Hi", "sampling_params": GREEDY})["output_ids"]) == MAX_NEW
