@@ -2,8 +2,7 @@
 
 ``default_server``: one server on DEFAULT_TEST_ARGS for the modules that only send it requests
 (no flag of their own, no change to the server's state: no flush, abort, weight update, pause,
-counter reading or kill). A server start costs about 17 CPU-seconds on 2 cores (three processes
-importing transformers, the scheduler torch too; the model load; the grammar backend): sharing one
+counter reading or kill). A server start costs about 17 CPU-seconds (docs/testing.md): sharing one
 saves that for each module below. It lives until the session ends, idle between its users.
 
 Users: test_dp_server (the dp=1 reference), test_openai_fields_e2e, test_responses,
