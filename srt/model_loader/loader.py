@@ -118,10 +118,13 @@ def get_model(
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
     _load_weights(model, model_config, fmt, quantization, seed, plan)
+    bf16_storage = linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
+    if fmt == "dummy" and bf16_storage:
+        _round_to_bf16_values(model)
     model.shard_plan = plan  # what LoRA adapters are cut by (srt/lora/adapter.py)
     model.eval().requires_grad_(False)
     prepare_weights(model)
-    if linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16:
+    if bf16_storage:
         _store_embeddings_bf16(model)
     use_int8_kernels(model)
     if int8_activations:
@@ -145,6 +148,16 @@ def get_model(
         quantized_summary(model),
     )
     return model
+
+
+def _round_to_bf16_values(model: nn.Module) -> None:
+    """Dummy weights under bf16 storage (a bf16 checkpoint served with float32 activations) take
+    the values such a checkpoint holds, bf16 ones kept in float32 until packed: as with the real
+    checkpoint, packing then loses nothing (a tied LM head's packed rows are the embedding's)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype == torch.float32 and not param.is_meta:
+                param.copy_(param.to(torch.bfloat16))
 
 
 def _store_embeddings_bf16(model: nn.Module) -> None:

@@ -180,6 +180,25 @@ def test_unknown_architecture_is_a_clear_error():
         get_model_class("GPT2LMHeadModel")
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="bf16 storage packs through the native kernels")
+def test_dummy_weights_under_bf16_storage_tie_the_head_to_the_embedding(tmp_path):
+    """A bf16 checkpoint on a CPU without bf16 arithmetic: float32 activations, bf16 weights. Its
+    dummy weights hold bf16 values as the checkpoint would, so a tied embedding reads its rows from
+    the packed head (float32 dummy values refused that: the server did not start)."""
+    path = save_tiny_model("qwen2", tmp_path / "m", seed=3)  # tied embeddings
+    mc = ModelConfig(path, dtype="float32", load_format="dummy")
+    model = get_model(mc, linear_backend=create_linear_backend("native", weight_dtype=torch.bfloat16))
+    emb = model.model.embed_tokens
+    assert emb.packed_rows is not None and model.lm_head.weight.is_meta
+    plain = get_model(mc)  # float32 storage: the same draws, not rounded
+    ids = torch.tensor([0, 5, 31, 32, mc.hf_config.vocab_size - 1])
+    want = plain.model.embed_tokens(ids).to(torch.bfloat16).float()
+    assert torch.equal(emb(ids), want)
+    fb = extend_batch([list(range(3, 20))])
+    with torch.inference_mode():
+        assert torch.isfinite(model(fb.input_ids, fb.positions, fb).next_token_logits).all()
+
+
 def test_bfloat16_on_cpu_runs_a_forward(tmp_path):
     """Asking for bfloat16 on CPU must never crash the process (AMX traps on some VMs):
     either bf16 is usable (then close to float32) or the config falls back to float32."""
