@@ -104,7 +104,7 @@ constexpr int64_t kSlowDotRows = 8;
 // load of 8 pairs widened into the even (k) and odd (k+1) weights, 2 FMAs a row. One row takes 2
 // whole panels at once, 2 rows one whole panel (8 chains of 2 FMAs a pair of k each), 3-4 rows half
 // a panel at a time. Qwen2.5-1.5B's layers (2.65 GB of panels) on an AMD Zen 3 (2 cores), three
-// rounds of alternated processes: one row 73-86 ms against 155-180 with half a panel at a time (as
+// rounds of alternated processes: one row 77-86 ms against 155-180 with half a panel at a time (as
 // 3-4 rows run), 2 rows 97-113 against 168-183 (and 139-155 with 2 panels of half width).
 template <typename XT, int R, int NP>
 SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
