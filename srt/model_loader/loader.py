@@ -118,7 +118,9 @@ def get_model(
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
     _load_weights(model, model_config, fmt, quantization, seed, plan)
-    bf16_storage = linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
+    bf16_storage = (
+        linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
+    )
     if fmt == "dummy" and bf16_storage:
         _round_to_bf16_values(model)
     model.shard_plan = plan  # what LoRA adapters are cut by (srt/lora/adapter.py)
