@@ -117,12 +117,8 @@ def get_model(
     with torch.device(device):
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
-    _load_weights(model, model_config, fmt, quantization, seed, plan)
-    bf16_storage = (
-        linear_backend is not None and getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
-    )
-    if fmt == "dummy" and bf16_storage:
-        _round_to_bf16_values(model)
+    bf16_storage = getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
+    _load_weights(model, model_config, fmt, quantization, seed, plan, bf16_storage)
     model.shard_plan = plan  # what LoRA adapters are cut by (srt/lora/adapter.py)
     model.eval().requires_grad_(False)
     prepare_weights(model)
@@ -255,10 +251,14 @@ def _load_weights(
     quantization: str,
     seed: int,
     plan: ShardPlan | None,
+    bf16_storage: bool = False,
 ) -> None:
-    """Fill ``model``'s weights from the source ``fmt`` names (only this rank's shard with a ``plan``)."""
+    """Fill ``model``'s weights from the source ``fmt`` names (only this rank's shard with a ``plan``).
+    ``bf16_storage``: float32 activations on bf16 weights, whose dummy values are bf16 ones."""
     if fmt == "dummy":
         init_dummy_weights(model, seed, views=None if plan is None else plan.views)
+        if bf16_storage:
+            _round_to_bf16_values(model)
     elif fmt == "gguf":
         from srt.model_loader.gguf import gguf_weights_iterator
 
