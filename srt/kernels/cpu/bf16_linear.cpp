@@ -23,7 +23,7 @@
 //   "avx512", "avx2", "scalar"   any x (CPUs without bf16 arithmetic, float32 activations; and a
 //                  bf16 x of 8 rows or more on Intel cores without AMX, where vdpbf16ps issues at
 //                  half the FMA's rate: kSlowDotRows): each weight pair widened to float32 in
-//                  registers (a 16-bit shift) and two FMAs (AVX2: 1-2 rows take 2 panels at
+//                  registers (a 16-bit shift) and two FMAs (AVX2: one row takes 2 panels at
 //                  once); a bf16 x goes as a float32 copy.
 // Every path sums each output over k in pair order in float32; the products of bf16 values are
 // exact in float32, so the paths differ only by float32 rounding of the sums (and by how the
