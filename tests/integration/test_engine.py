@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -178,7 +179,7 @@ def test_server_info_flush_and_abort(engine):
 def test_launch_failure_raises_and_leaves_nothing(engine):
     from srt.utils.hf_tokenizer import tokenizer_source
 
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in _session_descendants()}
     with pytest.raises(LaunchError) as e:
         Engine(
             model_path="/nonexistent/model",
@@ -186,8 +187,22 @@ def test_launch_failure_raises_and_leaves_nothing(engine):
             log_level="error",
         )
     assert e.value.process_name == "scheduler" and "/nonexistent/model" in str(e.value)
-    extra = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    extra = [p for p in _session_descendants() if p.pid not in before]
     assert wait_gone(extra, 5.0) == []
+
+
+def _session_descendants() -> list[psutil.Process]:
+    """This process's descendants in its own session: an Engine's children, not the suite's early
+    runs (tests/helpers/early_runs.py), which start in sessions of their own at any moment."""
+    sid = os.getsid(0)
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+        except ProcessLookupError:
+            pass
+    return out
 
 
 def test_the_detokenizer_does_not_load_torch(engine):
