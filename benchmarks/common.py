@@ -136,8 +136,8 @@ def _time_matmul(m: int, k: int, n: int, min_time_s: float, dtype=None) -> float
     """FLOP/s of [m, k] @ [k, n], each candidate timed repeatedly (best time). float32: the best of
     torch's matmul (MKL) and, when it works here, oneDNN's linear (the matmul srt's
     ``--linear-backend onednn`` runs). bf16 (``dtype=torch.bfloat16``): the best of torch's matmul
-    (oneDNN: AMX or AVX512-BF16 where the CPU has them; not timed on a CPU without bf16 units, where
-    it is a scalar loop minutes a call) and srt's bf16 linear."""
+    (oneDNN: AMX or AVX512-BF16 where the CPU has them; on a CPU without bf16 units a scalar loop,
+    timed there only when srt's kernels are missing) and srt's bf16 linear."""
     import torch
 
     from srt.configs.cpu_features import cpu_bf16_units
@@ -150,15 +150,14 @@ def _time_matmul(m: int, k: int, n: int, min_time_s: float, dtype=None) -> float
     b = torch.randn(k, n, generator=gen).to(dtype)
     w = b.t().contiguous()  # [n, k]: F.linear's weight layout
     out = torch.empty(m, n, dtype=dtype)
-    torch_matmul = lambda: torch.matmul(a, b, out=out)  # noqa: E731
-    candidates = [] if dtype == torch.bfloat16 and cpu_bf16_units() is None else [torch_matmul]
-    if dtype == torch.bfloat16:
-        if cpu_kernels.load() and hasattr(torch.ops.srt_cpu, "bf16_linear"):
-            packed = torch.ops.srt_cpu.pack_bf16_weight(w)
-            candidates.append(lambda: torch.ops.srt_cpu.bf16_linear(a, packed, n, None, ""))
-    elif onednn_linear_available():
+    candidates = []
+    if dtype == torch.bfloat16 and cpu_kernels.load() and hasattr(torch.ops.srt_cpu, "bf16_linear"):
+        packed = torch.ops.srt_cpu.pack_bf16_weight(w)
+        candidates.append(lambda: torch.ops.srt_cpu.bf16_linear(a, packed, n, None, ""))
+    if dtype != torch.bfloat16 or cpu_bf16_units() is not None or not candidates:
+        candidates.append(lambda: torch.matmul(a, b, out=out))
+    if dtype != torch.bfloat16 and onednn_linear_available():
         candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
-    candidates = candidates or [torch_matmul]  # no native kernels: torch's is the only bf16 matmul
     best = float("inf")
     for fn in candidates:
         for _ in range(2):
