@@ -154,7 +154,7 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
         for (int64_t p = 0; p < np;) {  // sub-groups of at_once panels, single ones at the tail
           const int n = p + at_once <= np ? at_once : 1;
           run_tile<XT>(path, R, n, xa + m * lda, lda, K, w + (p0 + p) * pstride, pstride,
-                       bias ? bias_group + p * kNR : nullptr, c + p * kNR, ldc, false);
+                       bias ? bias_group + p * kNR : nullptr, c + p * kNR, ldc, false, nullptr, 0, R == M);
           p += n;
         }
         store_tile<OT>(R, c, cols, ldc, o + m * N + p0 * kNR, N);

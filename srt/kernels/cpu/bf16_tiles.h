@@ -106,6 +106,14 @@ constexpr int64_t kSlowDotRows = 8;
 // (blocks of 32 / 64 / 128: 64 best; taking 5-64 rows as the AVX-512 tiles do, every tile of rows
 // over one block of a panel, was 1.05-1.16x slower).
 constexpr int64_t kAvx2PartBlock = 64;
+// Pairs of k ahead an AVX2 tile of 2-3 rows prefetches its panel when it is the call's only tile of
+// rows (`stream`: it reads the panel from memory, no tile before it brought it into cache).
+// Qwen2.5-1.5B's layers on an AMD Zen 3 (2 cores), alternated in one process, medians of 11 paired
+// rounds: 2 rows 1.14-1.15x, 3 rows 1.13x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not
+// for one row (read-bound: 0.99x), 4 rows (0.87x) or a later tile of rows (a 2-row tail after a
+// 4-row tile, reading the panel from L2: 0.87x): there the two prefetches a pair of k cost more
+// than they hide.
+constexpr int64_t kAvx2Prefetch = 32;
 // AVX2: NP panels at once, each in passes of V vectors of 8 columns (V = 4: the whole panel; 2: a
 // half, where R x NP x 4 accumulators would not fit the 16 registers); per vector and pair of k, one
 // load of 8 pairs widened into the even (k) and odd (k+1) weights, 2 FMAs a row. One row takes 2
@@ -113,7 +121,7 @@ constexpr int64_t kAvx2PartBlock = 64;
 // a panel at a time. Qwen2.5-1.5B's layers (2.65 GB of panels) on an AMD Zen 3 (2 cores), three
 // rounds of alternated processes: one row 77-86 ms against 155-180 with half a panel at a time (as
 // 3-4 rows run), 2 rows 97-113 against 168-183 (and 139-155 with 2 panels of half width).
-template <typename XT, int R, int NP>
+template <typename XT, int R, int NP, bool PF>
 SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
                                  const float* bias, float* c, int64_t ldc, bool more) {
   constexpr int V = R * NP * 4 <= 8 ? 4 : 2;
@@ -135,6 +143,14 @@ SRT_TARGET_AVX2 void tile_avx2_r(const XT* xa, int64_t lda, int64_t K, const uin
                                         : _mm256_setzero_ps();
         }
     for (int64_t kh = kb; kh < ke; ++kh) {
+      if constexpr (PF) {
+        if (part == 0) {
+          // past the panel's end: the next panel's, or an address never read (a prefetch never faults)
+          const char* ahead = reinterpret_cast<const char*>(w + (kh + kAvx2Prefetch) * kNR * 2);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        }
+      }
       if constexpr (R <= 2) {  // x's broadcasts held across the panels (2R + 8 accumulators + 3)
         __m256 x0[R], x1[R];
         for (int i = 0; i < R; ++i) {
@@ -324,11 +340,12 @@ inline int panels_at_once(Bf16Path path, int R) {
 
 // R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart. `pf`: the bf16 dot
 // tiles prefetch pf_lines cache lines from pf (one a pair of k) instead of their own stream ahead
-// (blocks of k: the next block, while this one is in cache)
+// (blocks of k: the next block, while this one is in cache). `stream`: the tile is the call's only
+// tile of rows, so it reads its panels from memory (the AVX2 tiles of 2-3 rows prefetch ahead then)
 template <typename XT>
 void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
               const float* bias, float* c, int64_t ldc, bool more, const uint16_t* pf = nullptr,
-              int64_t pf_lines = 0) {
+              int64_t pf_lines = 0, bool stream = false) {
 #if SRT_CPU_X86
   if constexpr (std::is_same_v<XT, c10::BFloat16>) {
     if (path == Bf16Path::kAvx512Bf16) {
@@ -354,7 +371,11 @@ void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K
   if (path == Bf16Path::kAvx2) {
     return with_rows<kMR2>(R, [&](auto r) {
       with_panels(np, [&](auto n) {
-        tile_avx2_r<XT, decltype(r)::value, decltype(n)::value>(xa, lda, K, w, pstride, bias, c, ldc, more);
+        constexpr int RR = decltype(r)::value, NN = decltype(n)::value;
+        if constexpr (NN == 1 && (RR == 2 || RR == 3)) {
+          if (stream) return tile_avx2_r<XT, RR, NN, true>(xa, lda, K, w, pstride, bias, c, ldc, more);
+        }
+        tile_avx2_r<XT, RR, NN, false>(xa, lda, K, w, pstride, bias, c, ldc, more);
       });
     });
   }
