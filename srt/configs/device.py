@@ -9,7 +9,9 @@ cap is set in this process (oneDNN reads it lazily, at its first primitive, so t
 long as no oneDNN kernel has run here yet; ``ModelRunner`` resolves the dtype before loading
 the model). If both fail, ``resolve_dtype`` falls back to float32 with a warning.
 
-    resolve_dtype("auto", "cpu")      -> torch.float32
+    resolve_dtype("auto", "cpu")      -> torch.float32 (no checkpoint in sight: the server
+                                         resolves ``--dtype auto`` on CPU before, from the
+                                         checkpoint, in srt.configs.cpu_dtype)
     resolve_dtype("auto", "cuda")     -> torch.bfloat16 (float16 if the GPU lacks bf16)
     resolve_dtype("bfloat16", "cpu")  -> torch.bfloat16 if probe_bf16("cpu") else torch.float32
 
@@ -62,7 +64,10 @@ def _probe_bf16_cached(device_type: str) -> bool:
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """Turn a ``--dtype`` value into a torch dtype that is safe on ``device``.
 
-    ``auto`` is float32 on CPU and bfloat16 (or float16 without bf16 support) on CUDA.
+    ``auto`` is float32 on CPU and bfloat16 (or float16 without bf16 support) on CUDA. This is
+    the fallback for a caller with no checkpoint to follow: ``ServerArgs`` turns ``--dtype auto``
+    on CPU into the checkpoint's dtype where the CPU computes it well
+    (``srt.configs.cpu_dtype.resolve_cpu_dtype``) before a ``ModelConfig`` sees it.
     A bfloat16 request on a device where ``probe_bf16`` fails falls back to float32 with a
     warning instead of crashing later. Raises ``DtypeError`` for unknown names.
     """
