@@ -37,6 +37,7 @@ SHAPES = [
     (17, 576, 96),
     (70, 1024, 65),
     (20, 2500, 70),
+    (5, 4200, 40),  # avx2: pairs of rows and an odd one, k in blocks (2,048 + 2,048 + 104)
     (300, 3200, 70),  # brgemm: two chunks of rows (256 + 44), k whole
     (260, 3400, 40),  # brgemm: k in two blocks (3,200 + 200) summed in float32, chunks of 256 + 4 rows
     (2, 2, 5),
@@ -104,7 +105,7 @@ def test_a_row_does_not_depend_on_its_batch_on_the_tile_paths(path):
     x = x.bfloat16()
     packed = torch.ops.srt_cpu.pack_bf16_weight(w)
     full = _run(x, packed, 70, bias, path)
-    for lo, hi in [(0, 1), (5, 6), (3, 11), (8, 19)]:
+    for lo, hi in [(0, 1), (5, 6), (3, 11), (8, 19), (2, 4), (10, 17)]:
         assert torch.equal(_run(x[lo:hi], packed, 70, bias, path), full[lo:hi]), (lo, hi)
 
 

@@ -106,13 +106,13 @@ constexpr int64_t kSlowDotRows = 8;
 // (blocks of 32 / 64 / 128: 64 best; taking 5-64 rows as the AVX-512 tiles do, every tile of rows
 // over one block of a panel, was 1.05-1.16x slower).
 constexpr int64_t kAvx2PartBlock = 64;
-// Pairs of k ahead an AVX2 tile of 2-3 rows prefetches its panel when it is the call's only tile of
-// rows (`stream`: it reads the panel from memory, no tile before it brought it into cache).
-// Qwen2.5-1.5B's layers on an AMD Zen 3 (2 cores), alternated in one process, medians of 11 paired
-// rounds: 2 rows 1.14-1.15x, 3 rows 1.13x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not
-// for one row (read-bound: 0.99x), 4 rows (0.87x) or a later tile of rows (a 2-row tail after a
-// 4-row tile, reading the panel from L2: 0.87x): there the two prefetches a pair of k cost more
-// than they hide.
+// Pairs of k ahead an AVX2 tile of 2 rows prefetches its panel when it reads it from memory (`stream`:
+// a call of 2 rows, or the first pair of rows of run_row_pairs in bf16_linear.cpp). Qwen2.5-1.5B's
+// layers on an AMD Zen 3 (2 cores), alternated in one process, medians of 11 paired rounds: 2 rows
+// 1.14-1.15x, and the 3-row tile 1.13x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not for
+// one row (read-bound: 0.99x), 4 rows (0.87x) or a tile after another over the same panel (a 2-row
+// tail after a 4-row tile, reading the panel from L2: 0.87x): there the two prefetches a pair of k
+// cost more than they hide.
 constexpr int64_t kAvx2Prefetch = 32;
 // AVX2: NP panels at once, each in passes of V vectors of 8 columns (V = 4: the whole panel; 2: a
 // half, where R x NP x 4 accumulators would not fit the 16 registers); per vector and pair of k, one
@@ -340,8 +340,8 @@ inline int panels_at_once(Bf16Path path, int R) {
 
 // R rows x np panels (pstride elements apart): c[i][p * 32 + j], rows ldc apart. `pf`: the bf16 dot
 // tiles prefetch pf_lines cache lines from pf (one a pair of k) instead of their own stream ahead
-// (blocks of k: the next block, while this one is in cache). `stream`: the tile is the call's only
-// tile of rows, so it reads its panels from memory (the AVX2 tiles of 2-3 rows prefetch ahead then)
+// (blocks of k: the next block, while this one is in cache). `stream`: the tile is the first over its
+// panels, so it reads them from memory (an AVX2 tile of 2 rows prefetches ahead then: kAvx2Prefetch)
 template <typename XT>
 void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K, const uint16_t* w, int64_t pstride,
               const float* bias, float* c, int64_t ldc, bool more, const uint16_t* pf = nullptr,
@@ -372,7 +372,7 @@ void run_tile(Bf16Path path, int R, int np, const XT* xa, int64_t lda, int64_t K
     return with_rows<kMR2>(R, [&](auto r) {
       with_panels(np, [&](auto n) {
         constexpr int RR = decltype(r)::value, NN = decltype(n)::value;
-        if constexpr (NN == 1 && (RR == 2 || RR == 3)) {
+        if constexpr (NN == 1 && RR == 2) {
           if (stream) return tile_avx2_r<XT, RR, NN, true>(xa, lda, K, w, pstride, bias, c, ldc, more);
         }
         tile_avx2_r<XT, RR, NN, false>(xa, lda, K, w, pstride, bias, c, ldc, more);
