@@ -24,8 +24,8 @@
 //                  bf16 x of 8 rows or more on Intel cores without AMX, where vdpbf16ps issues at
 //                  half the FMA's rate: kSlowDotRows): each weight pair widened to float32 in
 //                  registers (a 16-bit shift) and two FMAs (AVX2: one row takes 2 panels at
-//                  once, 3-16 rows go in pairs over blocks of k: run_row_pairs); a bf16 x goes as a
-//                  float32 copy.
+//                  once; from 3 rows, blocks of k: run_avx2_blocks); a bf16 x goes as a float32
+//                  copy.
 // Every path sums each output over k in pair order in float32; the products of bf16 values are
 // exact in float32, so the paths differ only by float32 rounding of the sums (and by how the
 // brgemm's ukernel orders them). A float32 x is never rounded to bf16.
@@ -119,30 +119,33 @@ void run_blocked(Bf16Path path, int64_t M, int64_t K, int MR, const XT* xa, int6
   }
 }
 
-// AVX2, 3 to kAvx2PairRows rows: each panel of the group in blocks of kAvx2PairBlockK k, every pair of
-// rows in turn over a block (a tile of 2 rows takes the whole panel: 8 chains), the first pair
-// reading the block from memory with its prefetch (`stream`), the others from cache; an odd row last.
-// A panel of the down projection (k 8,960: 573 KiB) outgrows a Zen 3's 512 KiB of L2, so tiles of
-// 4 rows over whole panels each read it from L3. Qwen2.5-1.5B's layers on an AMD Zen 3 (2 cores),
-// against 3-4-row tiles over whole panels, medians of 5-6 alternated processes: 1.03x at 3 rows,
-// 1.01x at 4, 1.13x at 5, 1.17x at 6, 1.10-1.11x at 7-8, 1.07x at 9, 1.14x at 10, 1.06x at 12,
-// 1.02-1.04x at 14-16; 0.96-1.02x at 18-32, which keep the 4-row tiles (blocks of 256 / 512 /
-// 1,024 / 2,048 / whole k, in one process: 2,048 best or within 0.03).
-constexpr int64_t kAvx2PairRows = 16;
-constexpr int64_t kAvx2PairBlockK = 2048;
+// AVX2, 3 rows or more: each panel of the group in blocks of kAvx2BlockK k; over each block the first
+// two rows (a tile of 2 rows takes the whole panel, 8 chains) read it from memory with their
+// prefetch (`stream`), then the other rows in tiles of 4 (half a panel at a time) read it from cache.
+// A tile of rows over a whole panel would read it from beyond L2 where the panel outgrows L2: on an
+// AMD Zen 3 (512 KiB of L2 a core) the down projection's (k 8,960: 573 KiB). `c` holds the sums of
+// the group's M rows (the blocks of k summed on in order). Qwen2.5-1.5B's four kinds of layer on an
+// AMD Zen 3 (2 cores), medians of 5-9 paired rounds in one process against 4-row tiles over whole
+// panels: 1.12x at 5 rows, 1.15x at 8, 1.06-1.08x at 12-24, 1.04x at 32, 1.01-1.02x at 64-1,024
+// (all rows in pairs: 1.09x at 5, 1.11x at 8, 0.99-1.02x at 16-32; tiles of 3 after the pair
+// slower; blocks of 256 / 512 / 1,024 / whole k slower than 2,048 or within 0.03).
+constexpr int64_t kAvx2BlockK = 2048;
 
 template <typename XT, typename OT>
-void run_row_pairs(Bf16Path path, int64_t M, int64_t K, const XT* xa, int64_t lda, const uint16_t* w, int64_t np,
-                   int64_t pstride, const float* bias_group, float* c, int64_t cols, OT* o, int64_t N) {
+void run_avx2_blocks(int64_t M, int64_t K, const XT* xa, int64_t lda, const uint16_t* w, int64_t np,
+                     int64_t pstride, const float* bias_group, float* c, int64_t cols, OT* o, int64_t N) {
   constexpr int64_t ldc = kMaxNP * kNR;
   for (int64_t p = 0; p < np; ++p)
-    for (int64_t k0 = 0; k0 < K; k0 += kAvx2PairBlockK) {
-      const int64_t kc = std::min(kAvx2PairBlockK, K - k0);
+    for (int64_t k0 = 0; k0 < K; k0 += kAvx2BlockK) {
+      const int64_t kc = std::min(kAvx2BlockK, K - k0);
       const uint16_t* wp = w + p * pstride + k0 * kNR;
-      for (int64_t m = 0; m < M; m += 2)
-        run_tile<XT>(path, static_cast<int>(std::min<int64_t>(2, M - m)), 1, xa + m * lda + k0, lda, kc, wp, pstride,
+      for (int64_t m = 0; m < M;) {
+        const int R = static_cast<int>(std::min<int64_t>(m == 0 ? 2 : kMR2, M - m));
+        run_tile<XT>(Bf16Path::kAvx2, R, 1, xa + m * lda + k0, lda, kc, wp, pstride,
                      bias_group ? bias_group + p * kNR : nullptr, c + m * ldc + p * kNR, ldc, k0 > 0, nullptr, 0,
                      m == 0);
+        m += R;
+      }
     }
   for (int64_t m = 0; m < M; m += kMR2)
     store_tile<OT>(static_cast<int>(std::min<int64_t>(kMR2, M - m)), c + m * ldc, cols, ldc, o + m * N, N);
@@ -161,11 +164,12 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
   const int MR = tile_rows(path);
   constexpr int64_t ldc = kMaxNP * kNR;
   const bool blocked = path == Bf16Path::kAvx512Bf16 && M > MR;
+  const bool avx2_blocks = path == Bf16Path::kAvx2 && M > 2;
   // threads take groups of kMaxNP panels
   at::parallel_for(0, (P + kMaxNP - 1) / kMaxNP, 1, [&](int64_t g0, int64_t g1) {
-    alignas(64) float c[std::max<int64_t>(kMR512, kAvx2PairRows) * ldc];
+    alignas(64) float c[kMR512 * ldc];
     alignas(64) float bias_group[ldc];
-    std::vector<float> rows_c(blocked ? std::min(M, kChunkRows) * ldc : 0);
+    std::vector<float> rows_c(blocked ? std::min(M, kChunkRows) * ldc : avx2_blocks ? M * ldc : 0);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kMaxNP, np = std::min<int64_t>(kMaxNP, P - p0);
       const int64_t cols = std::min(np * kNR, N - p0 * kNR);
@@ -178,9 +182,9 @@ void run_panels(Bf16Path path, const at::Tensor& x, const at::Tensor& packed, in
                             rows_c.data(), cols, o + p0 * kNR, N);
         continue;
       }
-      if (path == Bf16Path::kAvx2 && M > 2 && M <= kAvx2PairRows) {  // pairs of rows (run_row_pairs)
-        run_row_pairs<XT, OT>(path, M, K, xa, lda, w + p0 * pstride, np, pstride, bias ? bias_group : nullptr, c, cols,
-                              o + p0 * kNR, N);
+      if (avx2_blocks) {  // blocks of k (run_avx2_blocks)
+        run_avx2_blocks<XT, OT>(M, K, xa, lda, w + p0 * pstride, np, pstride, bias ? bias_group : nullptr,
+                                rows_c.data(), cols, o + p0 * kNR, N);
         continue;
       }
       for (int64_t m = 0; m < M; m += MR) {

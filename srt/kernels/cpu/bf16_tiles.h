@@ -103,11 +103,12 @@ constexpr int64_t kSlowDotRows = 8;
 // and then the other read it from L1, where whole passes over the panel each streamed it from
 // memory with every other cache line skipped. Qwen2.5-1.5B's layers on an AMD Zen 3 (2 cores),
 // alternated in one process: 4 rows 128 ms against 183, 8 rows 212 against 263, 16 / 32 rows 1.05x
-// (blocks of 32 / 64 / 128: 64 best; taking 5-64 rows as the AVX-512 tiles do, every tile of rows
-// over one block of a panel, was 1.05-1.16x slower).
+// (blocks of 32 / 64 / 128: 64 best). Over whole panels then; bf16_linear.cpp's run_avx2_blocks now
+// gives these tiles blocks of 2,048 k (the AVX-512 tiles' blocked path, blocks of 1,024 k and tiles
+// of even heights, was 1.05-1.16x slower than whole panels).
 constexpr int64_t kAvx2PartBlock = 64;
 // Pairs of k ahead an AVX2 tile of 2 rows prefetches its panel when it reads it from memory (`stream`:
-// a call of 2 rows, or the first pair of rows of run_row_pairs in bf16_linear.cpp). Qwen2.5-1.5B's
+// a call of 2 rows, or the first two rows of run_avx2_blocks in bf16_linear.cpp). Qwen2.5-1.5B's
 // layers on an AMD Zen 3 (2 cores), alternated in one process, medians of 11 paired rounds: 2 rows
 // 1.14-1.15x, and the 3-row tile 1.13x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not for
 // one row (read-bound: 0.99x), 4 rows (0.87x) or a tile after another over the same panel (a 2-row
