@@ -37,7 +37,7 @@ SHAPES = [
     (17, 576, 96),
     (70, 1024, 65),
     (20, 2500, 70),
-    (5, 4200, 40),  # avx2: pairs of rows and an odd one, k in blocks (2,048 + 2,048 + 104)
+    (5, 4200, 40),  # avx2: the first two rows, then a tile of 3, k in blocks (2,048 + 2,048 + 104)
     (300, 3200, 70),  # brgemm: two chunks of rows (256 + 44), k whole
     (260, 3400, 40),  # brgemm: k in two blocks (3,200 + 200) summed in float32, chunks of 256 + 4 rows
     (2, 2, 5),

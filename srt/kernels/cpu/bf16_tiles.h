@@ -110,10 +110,10 @@ constexpr int64_t kAvx2PartBlock = 64;
 // Pairs of k ahead an AVX2 tile of 2 rows prefetches its panel when it reads it from memory (`stream`:
 // a call of 2 rows, or the first two rows of run_avx2_blocks in bf16_linear.cpp). Qwen2.5-1.5B's
 // layers on an AMD Zen 3 (2 cores), alternated in one process, medians of 11 paired rounds: 2 rows
-// 1.14-1.15x, and the 3-row tile 1.13x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not for
-// one row (read-bound: 0.99x), 4 rows (0.87x) or a tile after another over the same panel (a 2-row
-// tail after a 4-row tile, reading the panel from L2: 0.87x): there the two prefetches a pair of k
-// cost more than they hide.
+// 1.14-1.15x (16 / 32 / 64 pairs ahead: 32 best or within 0.05). Not for one row (read-bound:
+// 0.99x), 4 rows (0.87x) or a tile after another over the same panel (a 2-row tail after a 4-row
+// tile, reading the panel from L2: 0.87x): there the two prefetches a pair of k cost more than they
+// hide.
 constexpr int64_t kAvx2Prefetch = 32;
 // AVX2: NP panels at once, each in passes of V vectors of 8 columns (V = 4: the whole panel; 2: a
 // half, where R x NP x 4 accumulators would not fit the 16 registers); per vector and pair of k, one
