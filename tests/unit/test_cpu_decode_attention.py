@@ -162,6 +162,21 @@ def test_parity_half_precision_kv(native_op, isa, kv_dtype, seq_lens, page_size,
     check_isa(native_op, isa, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, kv_dtype, seed=7))
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(12, 2, 128), (9, 3, 64), (8, 8, 32), (10, 2, 96), (5, 1, 80), (4, 2, 256)]
+)
+def test_parity_bf16_kv_bf16_queries(native_op, isa, heads, kv_heads, head_dim):
+    """A bf16 model's queries are bf16 values: on a CPU with AVX512-BF16 the AVX-512 path takes their
+    scores on bf16 dot products (head dims of whole 32-element loads; 80 keeps float32 FMAs). The
+    products are exact, so float32's tolerance holds; a sequence whose queries are not all bf16
+    values (the first here) takes float32 FMAs in the same call."""
+    batch = make_batch([700, 1, 33, 300], 1, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+    q = batch.q.to(torch.bfloat16).float()
+    q[0, 0, 0] += 1e-3  # not a bf16 value
+    batch.q = q
+    check_isa(native_op, isa, batch)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(5, 1, 36), (8, 2, 100), (7, 1, 72), (2, 1, 20)])
 def test_parity_other_shapes(native_op, isa, heads, kv_heads, head_dim):
     """Head dims with a scalar tail and group sizes that mix the 3-, 2- and 1-query tiles."""

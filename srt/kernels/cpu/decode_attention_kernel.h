@@ -152,6 +152,56 @@ SRT_ISA_TARGET inline void scores_block(const float* q, const KT* const* kr, int
   }
 }
 
+#if SRT_ISA_BF16_DOT
+// The AVX512-BF16 copy (decode_attention.cpp compiles this body a fourth time for it): a bf16 K
+// takes its scores on vdpbf16ps, 32 elements (16 pairs of d) a load, where the item's unscaled
+// queries are bf16 values (a.qb: a bf16 model's; a float32 q is never rounded, a.qb null), the
+// products exact in float32 and summed in float32; s = scale x the sum. D a multiple of 32 (the
+// caller's choice).
+// s[g * kBlock + t] = scale * (q_g . kr[t]), g < GQ, t < TQ
+template <int GQ>
+SRT_ISA_TARGET inline void scores_tile_dot(const uint16_t* qb, const c10::BFloat16* const* kr, int64_t D, float scale,
+                                           float* out) {
+  constexpr int TQ = Vec::TQ;
+  reg acc[GQ][TQ];
+  for (int g = 0; g < GQ; ++g) {
+    for (int t = 0; t < TQ; ++t) acc[g][t] = Vec::zero();
+  }
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512bh qv[GQ];
+    for (int g = 0; g < GQ; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
+    for (int t = 0; t < TQ; ++t) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + d);
+      for (int g = 0; g < GQ; ++g) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qv[g], kv);
+    }
+  }
+  for (int g = 0; g < GQ; ++g) {
+    Vec::reduce_store_tq(acc[g], out + g * kBlock);
+    for (int t = 0; t < TQ; ++t) out[g * kBlock + t] *= scale;
+  }
+}
+
+// scores_block on vdpbf16ps: queries in groups of 3 (then 2 or 1) sharing each K load
+SRT_ISA_TARGET inline void scores_block_dot(const uint16_t* qb, const c10::BFloat16* const* kr, int64_t G, int64_t D,
+                                            float scale, float* s, Prefetcher& pf) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) {
+    for (int j = 0; j < kBlock; j += Vec::TQ) {
+      scores_tile_dot<3>(qb + g * D, kr + j, D, scale, s + g * kBlock + j);
+      pf.pump();
+    }
+  }
+  for (int j = 0; j < kBlock && G - g > 0; j += Vec::TQ) {
+    if (G - g == 2) {
+      scores_tile_dot<2>(qb + g * D, kr + j, D, scale, s + g * kBlock + j);
+    } else {
+      scores_tile_dot<1>(qb + g * D, kr + j, D, scale, s + g * kBlock + j);
+    }
+    pf.pump();
+  }
+}
+#endif
+
 #include "online_softmax.h"  // scale_row, cap_scores, softmax_step
 
 // acc[g][d] += sum_j p[g][j] vr[j][d] for g < GT, columns d0 .. : DC column chunks per pass,
@@ -239,7 +289,19 @@ SRT_ISA_TARGET void attend(const AttendArgs& a) {
       }
       const float* q = a.q + h * G * D;
       float* acc = a.acc + h * G * D;
+#if SRT_ISA_BF16_DOT
+      if constexpr (std::is_same_v<KT, c10::BFloat16>) {
+        if (a.qb != nullptr) {
+          scores_block_dot(a.qb + h * G * D, kr, G, D, a.qk_scale, a.s, pf);
+        } else {
+          scores_block(q, kr, G, D, a.s, pf);
+        }
+      } else {
+        scores_block(q, kr, G, D, a.s, pf);
+      }
+#else
       scores_block(q, kr, G, D, a.s, pf);
+#endif
       for (int64_t g = 0; g < G; ++g) {
         float* s = a.s + g * kBlock;
         if (a.cap > 0.f) cap_scores(s, kBlock, a.cap);
