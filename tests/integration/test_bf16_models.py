@@ -4,7 +4,8 @@ srt/configs/cpu_dtype.py), and greedy outputs equal transformers' ``generate`` o
 alone on the same weights in the dtype srt chose, up to one explained near-tie.
 
 Tiny random models (Llama with llama3 rope scaling, Qwen2 with qkv bias and a tied head, Gemma 2
-with sliding windows and soft-caps, Qwen2-MoE with a shared expert), saved in bf16 as the Hub's
+with sliding windows and soft-caps, Qwen2-MoE with a shared expert; Llama and Gemma 2 again with
+head dim 64, the native extend kernel's), saved in bf16 as the Hub's
 checkpoints are; prompts sent as one batch (prefill and decode mixed in one step) and prompts
 sharing a prefix sent one after another (extends on a cached prefix), through chunked prefill.
 """
@@ -33,6 +34,12 @@ BUILDERS = {
     "qwen2": lambda: build_tiny_hf_model("qwen2", seed=5),
     "gemma2": lambda: build_tiny_gemma("gemma2", seed=5),
     "qwen2_moe": lambda: build_tiny_moe("qwen2_moe", seed=5),
+    # head dim 64: extends through the native kernel (bf16 on vdpbf16ps where the CPU's is fast),
+    # with Gemma 2's sliding windows and soft-caps; head dim 16 above takes SDPA
+    "llama_d64": lambda: build_tiny_hf_model(
+        "llama", seed=5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    ),
+    "gemma2_d64": lambda: build_tiny_gemma("gemma2", seed=5, head_dim=64, query_pre_attn_scalar=64),
 }
 
 
@@ -65,7 +72,7 @@ def test_bf16_checkpoint_serves_in_the_dtype_auto_picks_and_matches_transformers
     def load_hf():
         from transformers import AutoModelForCausalLM
 
-        kw = {"attn_implementation": "eager"} if kind == "gemma2" else {}
+        kw = {"attn_implementation": "eager"} if kind.startswith("gemma2") else {}
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).eval()
 
     refs = hf_greedy_references(None, batch + shared, MAX_NEW_TOKENS, load_hf)

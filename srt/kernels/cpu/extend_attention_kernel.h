@@ -62,6 +62,29 @@ SRT_ISA_TARGET inline void tile(int R, const float* a, int64_t lda, const float*
 
 #include "online_softmax.h"  // scale_row, cap_scores, softmax_step
 
+// The scores s [n][KB] of a sub-tile's n rows against one key block, scaled (sc), soft-capped (cap >
+// 0), masked and taken into each row's online softmax (o [n][D], m [n], l [n]); s becomes the
+// block's unnormalized probabilities (0 where masked). Row r sees the block's keys lo_r .. valid_r
+// - 1: valid_r = min(kb_t, lim + r + 1), lo_r = lim + r - window (with a window, else 0), lim the
+// sub-tile's row 0's last key less the block's first.
+SRT_ISA_TARGET inline void block_softmax(int n, float* s, int64_t kb_t, int64_t lim, int64_t window, reg sc, float cap,
+                                         float* o, float* m, float* l, int64_t D) {
+  for (int r = 0; r < n; ++r) {
+    float* sr = s + r * KB;
+    const int64_t valid = std::min<int64_t>(kb_t, lim + r + 1);
+    const int64_t lo = window >= 0 ? std::max<int64_t>(0, lim + r - window) : 0;
+    if (valid <= lo) {  // nothing to see here (a later row's key, or before this row's window): p = 0
+      std::fill(sr, sr + KB, 0.f);
+      continue;
+    }
+    for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
+    if (cap > 0.f) cap_scores(sr, KB, cap);
+    for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
+    for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
+    softmax_step(sr, KB, o + r * D, m[r], l[r], D);
+  }
+}
+
 // One work item (see the top): R <= QB query rows of one head, in sub-tiles of RT rows that each
 // take every key block they see while it is in cache (a key block's K and V serve all the item's
 // sub-tiles before the next block is read, rather than one sub-tile's rows). Each row's sums run
@@ -93,21 +116,7 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
       if (window >= 0 && t0 + KB <= std::max<int64_t>(0, lim - window) / KB * KB) continue;
       tile(n, q + r0 * q_stride, q_stride, kblock, kKeyBlock, D, s, KB, false);
       const int64_t kb_t = std::min<int64_t>(kb, lim + n - t0);  // keys of the block the sub-tile's rows see
-      for (int r = 0; r < n; ++r) {
-        float* sr = s + r * KB;
-        // the keys of this block row r sees: lo .. valid - 1
-        const int64_t valid = std::min<int64_t>(kb_t, lim + r - t0 + 1);
-        const int64_t lo = window >= 0 ? std::max<int64_t>(0, lim + r - window - t0) : 0;
-        if (valid <= lo) {  // nothing to see here (a later row's key, or before this row's window): p = 0
-          std::fill(sr, sr + KB, 0.f);
-          continue;
-        }
-        for (int j = 0; j < KB; j += W) Vec::store(sr + j, Vec::mul(Vec::load(sr + j), sc));
-        if (cap > 0.f) cap_scores(sr, KB, cap);
-        for (int64_t t = 0; t < lo; ++t) sr[t] = -INFINITY;
-        for (int64_t t = valid; t < KB; ++t) sr[t] = -INFINITY;
-        softmax_step(sr, KB, o + (r0 + r) * D, m[r0 + r], l[r0 + r], D);
-      }
+      block_softmax(n, s, kb_t, lim - t0, window, sc, cap, o + r0 * D, m + r0, l + r0, D);
       for (int64_t d0 = 0; d0 < D; d0 += KB)
         tile(n, s, KB, v + t0 * v_stride + d0, v_stride, kb_t, o + r0 * D + d0, D, true);
     }
@@ -117,6 +126,115 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
     for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
   }
 }
+
+#if SRT_ISA_BF16_DOT
+// The AVX512-BF16 copy (extend_attention.cpp compiles this body a fourth time for it): bf16 q, K and
+// V, both products on vdpbf16ps, each lane two exact products a step summed in float32. A block of
+// kKeyBlock keys of K is [D/2][kKeyBlock][2] (key t's (d, d+1) at [d/2][t]), of V [kKeyBlock/2][D][2]
+// (keys (t, t+1)'s value d at [t/2][d]), zeros past the last key. The probabilities are rounded to
+// bf16 for P @ V (what torch's flash attention and transformers' eager attention do with bf16
+// activations); the softmax's sums and the scores stay float32.
+static_assert(KB == kKeyBlock, "one tile block a block of the packed K and V");
+
+// s[r][0 .. KB) = sum over pairs dp < D/2 of q_r(2dp, 2dp+1) . kb[dp][0 .. KB), r < R
+template <int R>
+SRT_ISA_TARGET inline void qk_tile_dot(const uint16_t* q, int64_t q_stride, const uint16_t* kb, int64_t D, float* s) {
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(kb + (dp * kKeyBlock + j * W) * 2);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, q + i * q_stride + 2 * dp, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + i * KB + j * W, acc[i][j]);
+}
+
+// o[r][d0 .. d0 + KB) += sum over key pairs tp < np of p_r(2tp, 2tp+1) . vb[tp][d0 .. d0 + KB), r < R
+// (p: bf16 rows KB apart, o: rows D apart)
+template <int R>
+SRT_ISA_TARGET inline void pv_tile_dot(const uint16_t* p, const uint16_t* vb, int64_t D, int64_t d0, int64_t np,
+                                       float* o) {
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_loadu_ps(o + i * D + d0 + j * W);
+  for (int64_t tp = 0; tp < np; ++tp) {
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(vb + (tp * D + d0 + j * W) * 2);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, p + i * KB + 2 * tp, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + i * D + d0 + j * W, acc[i][j]);
+}
+
+// One sub-tile of NR rows against one key block: scores, softmax (block_softmax), P rounded to bf16
+// (nearest even) into pb, P @ V into o (see rows_bf16; np: pairs of keys, an odd key's partner has
+// p = 0).
+template <int NR>
+SRT_ISA_TARGET inline void sub_tile_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kblock,
+                                         const uint16_t* vblock, int64_t D, int64_t kb_t, int64_t lim, int64_t window,
+                                         reg sc, float cap, float* o, float* m, float* l, float* s, uint16_t* pb) {
+  qk_tile_dot<NR>(q, q_stride, kblock, D, s);
+  block_softmax(NR, s, kb_t, lim, window, sc, cap, o, m, l, D);
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < KB; j += 2 * W)
+      _mm512_storeu_si512(pb + r * KB + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * KB + j + W),
+                                                                        _mm512_loadu_ps(s + r * KB + j)));
+  const int64_t np = (kb_t + 1) / 2;
+  for (int64_t d0 = 0; d0 < D; d0 += KB) pv_tile_dot<NR>(pb, vblock, D, d0, np, o);
+}
+using SubTileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                          int64_t, reg, float, float*, float*, float*, float*, uint16_t*);
+constexpr SubTileFn kSubTiles[] = {nullptr,           &sub_tile_bf16<1>, &sub_tile_bf16<2>, &sub_tile_bf16<3>,
+                                   &sub_tile_bf16<4>, &sub_tile_bf16<5>, &sub_tile_bf16<6>};
+static_assert(RT + 1 == sizeof kSubTiles / sizeof kSubTiles[0], "a sub-tile function for each height 1 .. RT");
+
+// rows() on the packed bf16 K and V (see above): kp, vp the item's KV head's blocks; q bf16 (row
+// stride q_stride). Scratch: s [RT * KB] float, pb [RT * KB] bf16, o [QB * D] float.
+SRT_ISA_TARGET void rows_bf16(int R, const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp,
+                              int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
+                              int64_t out_stride, float* s, uint16_t* pb, float* o) {
+  float m[QB], l[QB];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + R * D, 0.f);
+  const reg sc = Vec::set1(scale);
+  const int64_t n_keys = lim0 + R;
+  const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
+  for (int64_t t0 = first; t0 < n_keys; t0 += KB) {
+    const int64_t kb = std::min<int64_t>(KB, n_keys - t0);
+    const uint16_t* kblock = kp + t0 * D;  // blocks of kKeyBlock x D elements, K's and V's alike
+    const uint16_t* vblock = vp + t0 * D;
+    for (int r0 = 0; r0 < R; r0 += RT) {
+      const int n = std::min(RT, R - r0);
+      const int64_t lim = lim0 + r0;
+      if (t0 > lim + n - 1) continue;
+      if (window >= 0 && t0 + KB <= std::max<int64_t>(0, lim - window) / KB * KB) continue;
+      const int64_t kb_t = std::min<int64_t>(kb, lim + n - t0);
+      const uint16_t* qr = q + r0 * q_stride;
+      float *orow = o + r0 * D, *mr = m + r0, *lr = l + r0;
+      kSubTiles[n](qr, q_stride, kblock, vblock, D, kb_t, lim - t0, window, sc, cap, orow, mr, lr, s, pb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const reg inv = Vec::set1(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
+  }
+}
+#endif  // SRT_ISA_BF16_DOT
 
 }  // namespace SRT_ISA_NS
 }  // namespace srt_cpu

@@ -6,8 +6,10 @@ workspace), each K/V row is loaded once for every query head of its GQA group, a
 are split across threads and merged by log-sum-exp. Extend sequences (prefill, cached prefix +
 new tokens) get their K/V as the torch-native path does (the rows in hand without a prefix, one
 gather with one), then run ``torch.ops.srt_cpu.extend_attention`` (extend_attention.cpp: all the
-batch's sequences in one call, register-tiled, causal blocks skipped; bf16 / fp16 activations and
-K/V widened to float32 for it) when the head dim is a multiple of 64, torch's SDPA otherwise. On a
+batch's sequences in one call, register-tiled, causal blocks skipped; bf16 q, K and V on
+vdpbf16ps where the CPU's is fast (AMD Zen 4 / 5: 1.6x the widened float32 kernel at a 2,048-token
+prefill of Qwen2.5-1.5B's heads), other 16-bit inputs widened to float32 by the kernel) when the
+head dim is a multiple of 64, torch's SDPA otherwise. On a
 CPU with AMX-BF16 tiles, bf16 extends without a window or cap take torch's SDPA instead: its flash
 attention's matmuls run on the tiles (oneDNN's brgemm), 5.8x the float32 kernel at a 1,280-token
 prefill of 32 heads of 128 on an Intel Xeon with AMX (731 against 125 GFLOP/s).
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from srt.layers.forward_batch import ForwardBatch
 
 logger = logging.getLogger("srt.attention")
-# activations the native extend kernel takes (16-bit ones widened to float32 first)
+# activations the native extend kernel takes (bf16 on vdpbf16ps where fast; else widened to float32)
 _EXTEND_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
@@ -84,7 +86,7 @@ class FusedCPUAttnBackend(AttentionBackend):
         logger.info(
             "fused_cpu attention: decode through %s; extend through %s",
             cpu_kernels.kernel_status(),
-            "torch.ops.srt_cpu.extend_attention (float32, head dim a multiple of 64; SDPA otherwise"
+            "torch.ops.srt_cpu.extend_attention (head dim a multiple of 64; SDPA otherwise"
             + ("; bf16 on SDPA, AMX tiles)" if self._bf16_sdpa else ")")
             if self._extend_native
             else "SDPA (the loaded kernels have no extend_attention)",
@@ -124,9 +126,9 @@ class FusedCPUAttnBackend(AttentionBackend):
         return self._decode(q.reshape(bs, h, d), *kv_buf, self._metadata(), layer).reshape(bs, h * d)
 
     def _extend(self, q3, kx, vx, md: TorchNativeMetadata, layer: AttentionLayer, out: torch.Tensor) -> None:
-        """The native extend kernel for head dims that are multiples of 64 (bf16 / fp16 activations
-        and KV widened to float32 for it: 3x torch's bf16 SDPA at a 512-token prefill of a 1.5B
-        model without AMX), SDPA else, and for bf16 without a window or cap on AMX CPUs."""
+        """The native extend kernel for head dims that are multiples of 64 (bf16 q, K and V on
+        vdpbf16ps where the CPU's is fast; other 16-bit inputs widened to float32 by the kernel),
+        SDPA else, and for bf16 without a window or cap on AMX CPUs."""
         desc = self._extend_desc
         window, cap = layer_window_and_cap(layer)
         amx_sdpa = self._bf16_sdpa and q3.dtype == torch.bfloat16 and window < 0 and cap == 0.0
@@ -136,7 +138,7 @@ class FusedCPUAttnBackend(AttentionBackend):
         ne_tok = md.num_extend_tokens
         isa = ""  # the best the CPU runs
         out[:ne_tok] = torch.ops.srt_cpu.extend_attention(
-            q3[:ne_tok].float(), kx.float(), vx.float(), *desc, layer.scaling, isa, window, cap
+            q3[:ne_tok], kx, vx, *desc, layer.scaling, isa, window, cap
         )
 
     def _decode(self, q3, k_buf, v_buf, md: TorchNativeMetadata, layer: AttentionLayer) -> torch.Tensor:
