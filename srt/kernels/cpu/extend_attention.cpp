@@ -1,13 +1,17 @@
 // torch.ops.srt_cpu.extend_attention: causal attention of prefill (extend) tokens on CPU, the
-// prefix-aligned mask SGLang's extend uses, float32:
+// prefix-aligned mask SGLang's extend uses:
 //
-//   q           [T, H, D]      the batch's new tokens (last dim contiguous)
+//   q           [T, H, D]      the batch's new tokens (last dim contiguous); q, k and v float32,
+//                              bf16 or fp16
 //   k, v        [N, H_kv, D]   every sequence's keys / values in order, cached prefix first, then
 //                              the new tokens (last dim contiguous; other strides free)
 //   q_starts, kv_starts, extend_lens, seq_lens   int64 [B]: sequence b's queries are rows
 //               q_starts[b] .. + extend_lens[b] of q, its keys rows kv_starts[b] .. + seq_lens[b]
 //               of k / v
-//   scale       softmax scale;  isa: "scalar" / "avx2" / "avx512" ("": the best the CPU has)
+//   scale       softmax scale;  isa: "scalar" / "avx2" / "avx512" (the float32 kernel, 16-bit
+//               inputs widened to float32 first), "avx512_bf16" (bf16 q, k and v on vdpbf16ps;
+//               AVX512-BF16 CPUs), "" (avx512_bf16 for bf16 inputs where vdpbf16ps is fast, else the
+//               best float32 kernel the CPU runs)
 //   window_left sliding window (-1: none);  logit_cap  soft-cap of the scaled scores (0: none)
 //   -> out      [T, H, D] float32, contiguous
 //
@@ -20,7 +24,8 @@
 // otherwise). Per call, each (sequence, KV head)'s K is transposed once to blocks of 64 keys, each
 // [D][64] (contiguous, so a block's rows never share L1 sets as a long [D][keys]'s do); then work
 // items of up to QB query rows of one head (extend_attention_kernel.h) run on torch's threads,
-// taken longest first from a shared counter (the causal mask makes late rows the costly ones).
+// taken longest first from a shared counter (the causal mask makes late rows the costly ones). The
+// bf16 kernel packs K as blocks [D/2][64][2] and V as [32][D][2] instead (pairs for vdpbf16ps).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
