@@ -70,6 +70,7 @@ HEADERS = (
     "gguf_quant.h",
     "gguf_simple_rows.h",
     "gguf_x8.h",
+    "isa_instance_bf16.h",
     "isa_instances.h",
     "online_softmax.h",
     "small_linear_rows.h",

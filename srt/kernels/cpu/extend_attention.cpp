@@ -48,17 +48,7 @@
 #define SRT_ISA_BODY "extend_attention_kernel.h"
 #include "isa_instances.h"
 // a fourth copy for bf16 q, K and V on CPUs with AVX512-BF16: both products on vdpbf16ps
-#if SRT_CPU_X86
-#define SRT_ISA_NS avx512_bf16
-#define SRT_ISA_VEC VecAvx512
-#define SRT_ISA_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
-#define SRT_ISA_BF16_DOT 1
-#include SRT_ISA_BODY
-#undef SRT_ISA_BF16_DOT
-#undef SRT_ISA_NS
-#undef SRT_ISA_VEC
-#undef SRT_ISA_TARGET
-#endif
+#include "isa_instance_bf16.h"
 #undef SRT_ISA_BODY
 
 namespace srt_cpu {

@@ -85,6 +85,24 @@ SRT_ISA_TARGET inline void block_softmax(int n, float* s, int64_t kb_t, int64_t 
   }
 }
 
+// A work item's running maxima (m), sums (l) and weighted values (o [R][D]) before its first block
+SRT_ISA_TARGET inline void start_rows(int R, int64_t D, float* m, float* l, float* o) {
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + R * D, 0.f);
+}
+
+// out row r (row stride out_stride) = o[r] / l[r], r < R
+SRT_ISA_TARGET inline void finish_rows(int R, int64_t D, const float* l, const float* o, float* out,
+                                       int64_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    const reg inv = Vec::set1(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
+  }
+}
+
 // One work item (see the top): R <= QB query rows of one head, in sub-tiles of RT rows that each
 // take every key block they see while it is in cache (a key block's K and V serve all the item's
 // sub-tiles before the next block is read, rather than one sub-tile's rows). Each row's sums run
@@ -98,11 +116,7 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
                          int64_t v_stride, int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
                          int64_t out_stride, float* s, float* o) {
   float m[QB], l[QB];
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(o, o + R * D, 0.f);
+  start_rows(R, D, m, l, o);
   const reg sc = Vec::set1(scale);
   const int64_t n_keys = lim0 + R;
   const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
@@ -121,10 +135,7 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
         tile(n, s, KB, v + t0 * v_stride + d0, v_stride, kb_t, o + r0 * D + d0, D, true);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const reg inv = Vec::set1(1.f / l[r]);
-    for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
-  }
+  finish_rows(R, D, l, o, out, out_stride);
 }
 
 #if SRT_ISA_BF16_DOT
@@ -136,46 +147,27 @@ SRT_ISA_TARGET void rows(int R, const float* q, int64_t q_stride, const float* k
 // activations); the softmax's sums and the scores stay float32.
 static_assert(KB == kKeyBlock, "one tile block a block of the packed K and V");
 
-// s[r][0 .. KB) = sum over pairs dp < D/2 of q_r(2dp, 2dp+1) . kb[dp][0 .. KB), r < R
+// c[r][0 .. KB) = (acc ? c : 0) + sum over steps k < n of a_r(2k, 2k+1) . b[k * ldb .. + 2 KB), r < R:
+// a's rows (bf16, lda apart) taken a pair at a time, b's KB bf16 pairs a step, c float32 (ldc apart).
+// q K^T: a = q, b = a K block ([D/2][KB][2]); P V: a = P in bf16, b = a V block ([KB/2][D][2]).
 template <int R>
-SRT_ISA_TARGET inline void qk_tile_dot(const uint16_t* q, int64_t q_stride, const uint16_t* kb, int64_t D, float* s) {
-  __m512 acc[R][NV];
+SRT_ISA_TARGET inline void tile_dot(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t n, float* c,
+                                    int64_t ldc, bool acc) {
+  __m512 r[R][NV];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t dp = 0; dp < D / 2; ++dp) {
-    __m512bh b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(kb + (dp * kKeyBlock + j * W) * 2);
+    for (int j = 0; j < NV; ++j) r[i][j] = acc ? _mm512_loadu_ps(c + i * ldc + j * W) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; ++k) {
+    __m512bh bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + k * ldb + j * W * 2);
     for (int i = 0; i < R; ++i) {
       int32_t pair;
-      std::memcpy(&pair, q + i * q_stride + 2 * dp, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+      std::memcpy(&pair, a + i * lda + 2 * k, sizeof pair);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) r[i][j] = _mm512_dpbf16_ps(r[i][j], av, bv[j]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + i * KB + j * W, acc[i][j]);
-}
-
-// o[r][d0 .. d0 + KB) += sum over key pairs tp < np of p_r(2tp, 2tp+1) . vb[tp][d0 .. d0 + KB), r < R
-// (p: bf16 rows KB apart, o: rows D apart)
-template <int R>
-SRT_ISA_TARGET inline void pv_tile_dot(const uint16_t* p, const uint16_t* vb, int64_t D, int64_t d0, int64_t np,
-                                       float* o) {
-  __m512 acc[R][NV];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_loadu_ps(o + i * D + d0 + j * W);
-  for (int64_t tp = 0; tp < np; ++tp) {
-    __m512bh b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(vb + (tp * D + d0 + j * W) * 2);
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, p + i * KB + 2 * tp, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + i * D + d0 + j * W, acc[i][j]);
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + i * ldc + j * W, r[i][j]);
 }
 
 // One sub-tile of NR rows against one key block: scores, softmax (block_softmax), P rounded to bf16
@@ -185,14 +177,14 @@ template <int NR>
 SRT_ISA_TARGET inline void sub_tile_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* kblock,
                                          const uint16_t* vblock, int64_t D, int64_t kb_t, int64_t lim, int64_t window,
                                          reg sc, float cap, float* o, float* m, float* l, float* s, uint16_t* pb) {
-  qk_tile_dot<NR>(q, q_stride, kblock, D, s);
+  tile_dot<NR>(q, q_stride, kblock, kKeyBlock * 2, D / 2, s, KB, false);
   block_softmax(NR, s, kb_t, lim, window, sc, cap, o, m, l, D);
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < KB; j += 2 * W)
       _mm512_storeu_si512(pb + r * KB + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * KB + j + W),
                                                                         _mm512_loadu_ps(s + r * KB + j)));
   const int64_t np = (kb_t + 1) / 2;
-  for (int64_t d0 = 0; d0 < D; d0 += KB) pv_tile_dot<NR>(pb, vblock, D, d0, np, o);
+  for (int64_t d0 = 0; d0 < D; d0 += KB) tile_dot<NR>(pb, KB, vblock + d0 * 2, D * 2, np, o + d0, D, true);
 }
 using SubTileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
                           int64_t, reg, float, float*, float*, float*, float*, uint16_t*);
@@ -206,11 +198,7 @@ SRT_ISA_TARGET void rows_bf16(int R, const uint16_t* q, int64_t q_stride, const 
                               int64_t D, int64_t lim0, int64_t window, float scale, float cap, float* out,
                               int64_t out_stride, float* s, uint16_t* pb, float* o) {
   float m[QB], l[QB];
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(o, o + R * D, 0.f);
+  start_rows(R, D, m, l, o);
   const reg sc = Vec::set1(scale);
   const int64_t n_keys = lim0 + R;
   const int64_t first = window >= 0 ? std::max<int64_t>(0, lim0 - window) / KB * KB : 0;  // row 0's first block
@@ -229,10 +217,7 @@ SRT_ISA_TARGET void rows_bf16(int R, const uint16_t* q, int64_t q_stride, const 
       kSubTiles[n](qr, q_stride, kblock, vblock, D, kb_t, lim - t0, window, sc, cap, orow, mr, lr, s, pb);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const reg inv = Vec::set1(1.f / l[r]);
-    for (int64_t d = 0; d < D; d += W) Vec::store(out + r * out_stride + d, Vec::mul(Vec::load(o + r * D + d), inv));
-  }
+  finish_rows(R, D, l, o, out, out_stride);
 }
 #endif  // SRT_ISA_BF16_DOT
 
