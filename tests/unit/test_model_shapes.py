@@ -302,3 +302,18 @@ def test_srt_runs_get_their_roofline_from_the_step_trace(tmp_path):
     res = {"srt": {"runs": [dict(run)]}}
     add_fractions(res, target, bounds, "", tmp_path / "missing.jsonl")
     assert "roofline_fraction" not in res["srt"]["runs"][0]["fractions"]
+
+
+def test_compare_servers_refuses_an_srt_on_the_kernel_fallback(monkeypatch):
+    pytest.importorskip("torch")
+    import srt.kernels.cpu as cpu_kernels
+    from benchmarks.compare_servers import srt_fallback
+
+    native = "[scheduler] INFO srt.attention: fused_cpu attention: decode through native: ... (avx512)\n"
+    assert srt_fallback(native) is None
+    monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels._fallback("not built for these sources"))
+    line = f"[scheduler] WARNING srt.layers.linear_backend: unavailable ({cpu_kernels.kernel_status()}); using onednn"
+    assert srt_fallback(native + line + "\n") == line
+    monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels._fallback(f"{cpu_kernels.DISABLE_ENV}=1"))
+    asked = f"[scheduler] WARNING srt.attention: unavailable ({cpu_kernels.kernel_status()})\n"
+    assert srt_fallback(native + asked) is None  # the fallback on purpose is measured

@@ -33,6 +33,8 @@ from srt.kernels.cpu.reference import paged_decode_attention_ref
 from srt.utils.cpu_affinity import format_cpu_list, set_process_affinity, thread_ids
 
 __all__ = [
+    "DISABLE_ENV",
+    "FALLBACK_STATUS",
     "OmpBinding",
     "bind_omp_threads",
     "kernel_status",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 DISABLE_ENV = "SRT_DISABLE_NATIVE_KERNELS"
+FALLBACK_STATUS = "fallback: pure-torch reference"  # kernel_status()'s prefix when the kernels are not in use
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,7 +72,7 @@ def _native(where: str) -> KernelState:
 
 
 def _fallback(why: str) -> KernelState:
-    return KernelState(False, f"fallback: pure-torch reference ({why})")
+    return KernelState(False, f"{FALLBACK_STATUS} ({why})")
 
 
 def _try_load(build_if_missing: bool) -> KernelState:
