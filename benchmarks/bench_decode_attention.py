@@ -5,7 +5,9 @@ query heads, 3 KV heads, head dim 64, 30 layers, or ``qwen2.5-1.5b`` 12 / 2 / 12
 ``llama-3.1-8b`` 32 / 8 / 128 / 32 layers):
   * one KV pool (srt's ``MHATokenToKVPool``) per KV dtype and batch size, B sequences of
     ``--context`` tokens each on randomly permuted pages of ``--page-size`` tokens (a pool after
-    some serving; ``--contiguous`` lays each sequence out in order instead), random K/V;
+    some serving; ``--contiguous`` lays each sequence out in order instead), random K/V; the
+    queries random float32 values, rounded to bf16 over a bf16 KV (a bf16 model's, which on an
+    AVX512-BF16 CPU take both products on bf16 dot products);
   * one step = attention for one decode token per sequence in each layer; layers cycle over
     ``distinct`` K/V buffers (one a layer, or fewer past ``--max-pool-gib``; the reuse
     distance then still exceeds the last-level cache), so every layer reads K/V from DRAM;
@@ -120,6 +122,8 @@ def make_setup(
     rows = torch.arange(1, bs + 1)
     req_to_token[rows, :ctx] = slots
     q = torch.randn(bs, shape.heads, d, generator=g)
+    if dtype == torch.bfloat16:
+        q = q.to(dtype).float()
     seq_lens = torch.full((bs,), ctx, dtype=torch.int64)
     kv_bytes = bs * ctx * hkv * d * 2 * dtype.itemsize * shape.layers
     return Setup(shape, pool, distinct, req_to_token, rows, seq_lens, q, kv_bytes)

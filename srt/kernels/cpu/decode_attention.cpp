@@ -19,12 +19,14 @@
 //   slot(i, t) = req_to_token[req_pool_indices[i], t], first_i <= t < seq_lens[i], G = H / H_kv
 //   first_i = max(0, seq_lens[i] - 1 - window_left) (0 without a window), c = the soft-cap or none
 //   (a sequence of length 0 gives zeros; K/V are converted to float32 in registers). Keys before
-//   first_i are never read: a long context under a small window costs the window only. A bf16 K
-//   on a CPU with AVX512-BF16 (the avx512 path, D a multiple of 32) takes the scores of queries
-//   that are bf16 values (a bf16 model's) on vdpbf16ps: exact products, float32 sums, so within
-//   float32 rounding of the FMAs' result; other queries keep the FMAs. Batch 32 x 2,048 tokens
-//   of Qwen2.5-1.5B's attention (28 layers, permuted pages) on an AMD Zen 4, alternated: 131-139
-//   against 143-157 ms; contiguous 79-85 against 95-96.
+//   first_i are never read: a long context under a small window costs the window only. A bf16
+//   KV cache on a CPU with AVX512-BF16 (the avx512 path, D a multiple of 32), for queries that
+//   are bf16 values (a bf16 model's), takes both products on vdpbf16ps: the scores exact products
+//   with float32 sums, P rounded to bf16 for P @ V (as torch's flash attention and transformers'
+//   eager attention round it), the softmax sums float32; other queries keep the FMAs. Batch 32 x
+//   2,048 tokens of Qwen2.5-1.5B's attention (28 layers) on an AMD Zen 4, alternated against the
+//   scores alone on vdpbf16ps: pages of 16 tokens 1.15-1.20x, in order 1.13-1.17x, permuted
+//   slots 1.16-1.29x.
 //
 // Work items are (sequence, KV-head group, token range); each loads a K/V row once for the G
 // query heads of its KV head (decode_attention_kernel.h). Items run on torch's intra-op threads
@@ -78,6 +80,7 @@ struct AttendArgs {
   float* m;               // [NH][G] in: -inf; out: running max of the scores
   float* l;               // [NH][G] in: 0; out: sum_t p_t
   float* s;               // [G][kBlock] scratch: scores, then probabilities
+  uint32_t* pp;           // [G][kBlock / 2] scratch: the probabilities as bf16 pairs (with qb)
   float cap;              // soft-cap of the (scaled) scores, 0: none
   const uint16_t* qb;     // the AVX512-BF16 copy with a bf16 K: [NH][G][D] the queries unscaled, as
   float qk_scale;         // bf16 (its scores are qk_scale x qb . K), or null: q as float32
@@ -90,7 +93,7 @@ using AttendFn = void (*)(const AttendArgs&);
 #define SRT_ISA_BODY "decode_attention_kernel.h"
 #include "isa_instances.h"
 
-// a fourth copy for a bf16 KV cache on CPUs with AVX512-BF16: its scores on vdpbf16ps
+// a fourth copy for a bf16 KV cache on CPUs with AVX512-BF16: bf16 queries' scores and P @ V on vdpbf16ps
 #include "isa_instance_bf16.h"
 #undef SRT_ISA_BODY
 
@@ -112,7 +115,7 @@ AttendFn pick_attend(Isa isa) {
 
 // Whether a bf16 KV cache takes the AVX512-BF16 copy: the AVX-512 path on a CPU with bf16 dot
 // products, a head dim of whole 32-element loads.
-bool bf16_dot_scores(at::ScalarType kv_dtype, Isa isa, int64_t D) {
+bool bf16_dot_copy(at::ScalarType kv_dtype, Isa isa, int64_t D) {
 #if SRT_CPU_X86
   static const bool has = [] {
     __builtin_cpu_init();
@@ -302,7 +305,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
   const Isa isa = requested_isa("paged_decode_attention", isa_request);
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2);
-  const bool dot = bf16_dot_scores(k_buffer.scalar_type(), isa, D);
+  const bool dot = bf16_dot_copy(k_buffer.scalar_type(), isa, D);
   const AttendFn attend = pick_attend(k_buffer.scalar_type(), isa, dot);
   const int64_t S = k_buffer.size(0), h_kv = k_buffer.size(1), G = H / h_kv;
   const int64_t R = req_to_token.size(0), max_ctx = req_to_token.size(1);
@@ -344,6 +347,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
     std::vector<float> buf(2 * hgd + 2 * nh * G + G * kBlock);
     std::vector<int64_t> slots(std::max<int64_t>(plan.max_unit, 1));
     std::vector<uint16_t> qb(dot ? hgd : 0);
+    std::vector<uint32_t> pp(dot ? G * kBlock / 2 : 0);
     float* qs = buf.data();
     float* acc = qs + hgd;
     float* m = acc + hgd;
@@ -387,6 +391,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_bu
                             m,
                             l,
                             s,
+                            pp.data(),
                             static_cast<float>(logit_cap),
                             q_bf16 ? qb.data() : nullptr,
                             static_cast<float>(scale)};

@@ -15,6 +15,9 @@
 //   p[g][j]  = e^(s[g][j] - m_g');  l_g += sum_j p[g][j]
 //   acc_g   += sum_j p[g][j] V_j   up to 4 query heads x DC column chunks of acc in registers
 //                                  across the block (GT * DC ~ 8 independent FMA chains)
+// The AVX512-BF16 copy, for a bf16 KV cache and queries that are bf16 values (a bf16 model's),
+// takes s and acc on vdpbf16ps instead (scores_block_dot, accumulate_v_heads_dot: p rounded to
+// bf16 for the second).
 // With soft-capping (cap > 0) each block's scores become cap * tanh(s / cap) before the softmax.
 // A short last block is padded to kBlock with copies of its first row's pointers and p = 0, so
 // every inner loop has a fixed trip count. The K and V ranges of the next block (the page table
@@ -239,6 +242,73 @@ SRT_ISA_TARGET __attribute__((always_inline)) inline void accumulate_v(float* ac
   }
 }
 
+#if SRT_ISA_BF16_DOT
+// P @ V on vdpbf16ps (the AVX512-BF16 copy, a bf16 V where the queries are bf16 values: a bf16
+// model's). P is rounded to bf16, as transformers' eager attention and torch's flash attention
+// round it before P @ V (l, the softmax sum, stays the float32 one); one dot product adds the
+// pair of tokens (2i, 2i + 1). Their V rows, 32 columns at a time, are interleaved in registers
+// (vpunpcklwd / vpunpckhwd work within 128-bit lanes): the "lo" sums hold columns 0-3, 8-11,
+// 16-19, 24-27 of the 32, the "hi" sums 4-7, 12-15, 20-23, 28-31, so acc is loaded into that
+// order and stored back out of it. D a multiple of 32 (the caller's choice); kBlock == W.
+static_assert(kBlock == W, "one probability vector per query head and block");
+
+// acc[g][d0 .. d0 + 32) += sum_j p[g][j] vr[j][d0 ..], g < GT; pp [GT][kBlock / 2]: p as bf16 pairs
+template <int GT>
+SRT_ISA_TARGET inline void accumulate_v_dot(float* acc, const uint32_t* pp, const c10::BFloat16* const* vr,
+                                            int64_t D, Prefetcher& pf) {
+  const __m512i to_x0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i to_x1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d = 0; d < D; d += 32) {
+    reg lo[GT], hi[GT];
+    for (int g = 0; g < GT; ++g) {
+      const reg x0 = Vec::load(acc + g * D + d), x1 = Vec::load(acc + g * D + d + 16);
+      lo[g] = _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+      hi[g] = _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int i = 0; i < kBlock / 2; ++i) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(vr[2 * i]) + d);
+      const __m512i b = _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(vr[2 * i + 1]) + d);
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < GT; ++g) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * (kBlock / 2) + i]));
+        lo[g] = _mm512_dpbf16_ps(lo[g], pv, vlo);
+        hi[g] = _mm512_dpbf16_ps(hi[g], pv, vhi);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      Vec::store(acc + g * D + d, _mm512_permutex2var_ps(lo[g], to_x0, hi[g]));
+      Vec::store(acc + g * D + d + 16, _mm512_permutex2var_ps(lo[g], to_x1, hi[g]));
+    }
+    pf.pump();
+  }
+}
+
+// All G query heads, in tiles of up to 8 (each V load shared by a tile's heads); p [G][kBlock]
+// float32, pp [G][kBlock / 2] scratch for its bf16 pairs.
+SRT_ISA_TARGET inline void accumulate_v_heads_dot(float* acc, const float* p, uint32_t* pp,
+                                                  const c10::BFloat16* const* vr, int64_t G, int64_t D,
+                                                  Prefetcher& pf) {
+  for (int64_t g = 0; g < G; ++g) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + g * (kBlock / 2)),
+                        (__m256i)_mm512_cvtneps_pbh(Vec::load(p + g * kBlock)));
+  }
+  for (int64_t g = 0; g < G; g += 8) {
+    float* a = acc + g * D;
+    const uint32_t* q = pp + g * (kBlock / 2);
+    switch (std::min<int64_t>(G - g, 8)) {
+      case 8: accumulate_v_dot<8>(a, q, vr, D, pf); break;
+      case 7: accumulate_v_dot<7>(a, q, vr, D, pf); break;
+      case 6: accumulate_v_dot<6>(a, q, vr, D, pf); break;
+      case 5: accumulate_v_dot<5>(a, q, vr, D, pf); break;
+      case 4: accumulate_v_dot<4>(a, q, vr, D, pf); break;
+      case 3: accumulate_v_dot<3>(a, q, vr, D, pf); break;
+      case 2: accumulate_v_dot<2>(a, q, vr, D, pf); break;
+      default: accumulate_v_dot<1>(a, q, vr, D, pf); break;
+    }
+  }
+}
+#endif
+
 // All G query heads, in tiles of up to 4 heads.
 template <class KT>
 SRT_ISA_TARGET inline void accumulate_v_heads(float* acc, const float* p, const KT* const* vr, int64_t G,
@@ -289,18 +359,15 @@ SRT_ISA_TARGET void attend(const AttendArgs& a) {
       }
       const float* q = a.q + h * G * D;
       float* acc = a.acc + h * G * D;
+      bool dot = false;  // a bf16 model over a bf16 KV cache: both products on vdpbf16ps
+#if SRT_ISA_BF16_DOT
+      if constexpr (std::is_same_v<KT, c10::BFloat16>) dot = a.qb != nullptr;
+#endif
+      if (!dot) scores_block(q, kr, G, D, a.s, pf);
 #if SRT_ISA_BF16_DOT
       if constexpr (std::is_same_v<KT, c10::BFloat16>) {
-        if (a.qb != nullptr) {
-          scores_block_dot(a.qb + h * G * D, kr, G, D, a.qk_scale, a.s, pf);
-        } else {
-          scores_block(q, kr, G, D, a.s, pf);
-        }
-      } else {
-        scores_block(q, kr, G, D, a.s, pf);
+        if (dot) scores_block_dot(a.qb + h * G * D, kr, G, D, a.qk_scale, a.s, pf);
       }
-#else
-      scores_block(q, kr, G, D, a.s, pf);
 #endif
       for (int64_t g = 0; g < G; ++g) {
         float* s = a.s + g * kBlock;
@@ -308,6 +375,14 @@ SRT_ISA_TARGET void attend(const AttendArgs& a) {
         for (int j = nb; j < kBlock; ++j) s[j] = -INFINITY;
         softmax_step(s, kBlock, acc + g * D, a.m[h * G + g], a.l[h * G + g], D);
       }
+#if SRT_ISA_BF16_DOT
+      if constexpr (std::is_same_v<KT, c10::BFloat16>) {
+        if (dot) {
+          accumulate_v_heads_dot(acc, a.s, a.pp, vr, G, D, pf);
+          continue;
+        }
+      }
+#endif
       accumulate_v_heads(acc, a.s, vr, G, D, pf);
     }
   }
