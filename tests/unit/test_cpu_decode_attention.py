@@ -162,9 +162,11 @@ def test_parity_half_precision_kv(native_op, isa, kv_dtype, seq_lens, page_size,
     check_isa(native_op, isa, make_batch(seq_lens, page_size, heads, kv_heads, head_dim, kv_dtype, seed=7))
 
 
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(12, 2, 128), (9, 3, 64), (8, 8, 32), (10, 2, 96), (5, 1, 80), (4, 2, 256)]
-)
+BF16_QUERY_SHAPES = [(12, 2, 128), (9, 3, 64), (8, 8, 32), (10, 2, 96), (5, 1, 80), (4, 2, 256)]
+BF16_QUERY_SHAPES += [(14, 2, 64), (32, 4, 64), (32, 2, 32)]  # groups of 7, 8, 16: P V's head tiles hold 8
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", BF16_QUERY_SHAPES)
 def test_parity_bf16_kv_bf16_queries(native_op, isa, heads, kv_heads, head_dim):
     """A bf16 model's queries are bf16 values: on a CPU with AVX512-BF16 the AVX-512 path takes both
     products on bf16 dot products (head dims of whole 32-element loads; 80 keeps float32 FMAs): the
