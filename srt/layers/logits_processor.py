@@ -108,12 +108,32 @@ class LogitsProcessor(nn.Module):
         """Keep the backend's prepacked copy of the loaded LM head weight, if it makes one."""
         self.head_packed = self.linear_backend.pack_weight(lm_head_weight.data, prefill=False)
 
+    @staticmethod
+    def _wants_prompt_rows(fb: ForwardBatch) -> bool:
+        """Whether this step reads rows other than each sequence's last: prompt logprobs or
+        pooling."""
+        prompt_logprobs = fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None
+        return (prompt_logprobs and fb.num_extend_seqs > 0) or fb.pool_methods is not None
+
+    def rows_read(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """The rows of the final hidden states ``forward`` will read (``[bs]``: the last of each
+        sequence), when an EXTEND or MIXED step reads those alone and they are fewer than the
+        step's tokens; else None (every row is read, or nothing would be saved). A model given
+        these may return just those rows (``LlamaModel.forward``'s ``keep_rows``)."""
+        if not fb.forward_mode.is_extend() or fb.batch_size == 0 or self._wants_prompt_rows(fb):
+            return None
+        if fb.input_ids.shape[0] == fb.batch_size:
+            return None
+        return fb.extend_start_loc + fb.extend_seq_lens - 1
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         lm_head: nn.Module,
         forward_batch: ForwardBatch,
     ) -> LogitsProcessorOutput:
+        """Logits of each sequence's last row. ``hidden_states`` holds every row of the step, or
+        only those rows (``[bs, hidden]``: a model that took ``rows_read``)."""
         fb = forward_batch
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             return LogitsProcessorOutput(hidden_states.new_empty((0, self.vocab_size), dtype=torch.float32))

@@ -150,16 +150,22 @@ class GemmaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states ``[T, hidden]`` -> ``[T, hidden]``."""
+        """hidden_states ``[T, hidden]`` -> ``[T, hidden]`` (``[R, hidden]``: only ``keep_rows``
+        go through ``o_proj``, as in ``LlamaAttention.forward``)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None and self.k_norm is not None:
             t = hidden_states.shape[0]
             q = self.q_norm.norm_heads(q.view(t, self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm.norm_heads(k.view(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out if keep_rows is None else out.index_select(0, keep_rows))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -187,14 +193,18 @@ class GemmaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(post-norm MLP output, residual stream)``; the caller adds them (the next layer's
-        input norm, or the final norm), so each add rides in a norm (one kernel on CUDA)."""
+        input norm, or the final norm), so each add rides in a norm (one kernel on CUDA).
+        ``keep_rows``: after the attention only those rows go on."""
         if residual is None:
             residual, h = hidden_states, self.input_layernorm(hidden_states)
         else:
             h, residual = self.input_layernorm.forward_with_residual(hidden_states, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, forward_batch))
+        h = self.post_attention_layernorm(self.self_attn(positions, h, forward_batch, keep_rows))
+        if keep_rows is not None:
+            residual = residual.index_select(0, keep_rows)
         h, residual = self.pre_feedforward_layernorm.forward_with_residual(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -234,17 +244,23 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,
         forward_batch: ForwardBatch,
         input_embeds: torch.Tensor | None = None,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``; ``input_embeds``
         (already scaled where they come from the embedding: a VLM's image rows are not) replace
-        the embedding lookup."""
+        the embedding lookup. ``keep_rows``: the last layer's rows after its attention, as in
+        ``LlamaModel.forward`` (``[R, hidden]``)."""
         if input_embeds is None:
             hidden_states = self.embed_tokens(input_ids) * self.normalizer
         else:
             hidden_states = input_embeds
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        last = len(self.layers) - 1
+        if forward_batch.lora is not None:
+            keep_rows = None
+        for i, layer in enumerate(self.layers):
+            keep = keep_rows if i == last else None
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
         if residual is None:
             return self.norm(hidden_states)
         return self.norm.forward_with_residual(hidden_states, residual)[0]
@@ -287,5 +303,6 @@ class Gemma2ForCausalLM(CheckpointLoader, nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
+        keep_rows = self.logits_processor.rows_read(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, keep_rows=keep_rows)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)

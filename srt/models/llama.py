@@ -136,9 +136,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states ``[T, hidden]`` -> ``[T, hidden]``."""
+        """hidden_states ``[T, hidden]`` -> ``[T, hidden]``; with ``keep_rows`` (``[R]`` row
+        indices) every row still reaches the KV cache and the attention, and only the kept
+        rows go on through ``o_proj``: ``[R, hidden]``."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
@@ -147,6 +153,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm.norm_heads(k.view(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v, forward_batch)
+        if keep_rows is not None:
+            attn_output = attn_output.index_select(0, keep_rows)
         return self.o_proj(attn_output)
 
 
@@ -174,14 +182,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp output, residual stream)``; the caller adds them (next layer's norm)."""
+        """Returns ``(mlp output, residual stream)``; the caller adds them (next layer's norm).
+        ``keep_rows``: after the attention only those rows go on (``LlamaAttention.forward``)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm.forward_with_residual(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep_rows)
+        if keep_rows is not None:
+            residual = residual.index_select(0, keep_rows)
         hidden_states, residual = self.post_attention_layernorm.forward_with_residual(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -216,9 +228,17 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         forward_batch: ForwardBatch,
         input_embeds: torch.Tensor | None = None,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``; ``input_embeds``
-        (``[T, hidden]``, a vision-language model's text and image rows) replaces the lookup."""
+        (``[T, hidden]``, a vision-language model's text and image rows) replaces the lookup.
+
+        ``keep_rows`` (``[R]`` row indices, the only rows the caller reads): the last layer
+        still writes every row's K and V and runs every row's attention, then takes only those
+        rows through ``o_proj`` and the MLP, so the result is ``[R, hidden]``. A prefill's other
+        rows feed nothing after that point (the next step reads their K and V, not their hidden
+        states), so this skips about one layer's matmuls of a prompt. Not with LoRA adapters
+        running (their row layout covers all ``T`` rows)."""
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         # (the native stack takes a batch running LoRA adapters too, when their rows are in runs)
         if self.native_decode is not None and forward_batch.forward_mode.is_decode():
@@ -227,8 +247,12 @@ class LlamaModel(nn.Module):
                 hidden_states, _ = self.norm.forward_with_residual(*out)
                 return hidden_states
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        last = len(self.layers) - 1
+        if forward_batch.lora is not None:
+            keep_rows = None
+        for i, layer in enumerate(self.layers):
+            keep = keep_rows if i == last else None
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
@@ -286,7 +310,8 @@ class LlamaForCausalLM(CheckpointLoader, nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
+        keep_rows = self.logits_processor.rows_read(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, keep_rows=keep_rows)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
 

@@ -138,7 +138,10 @@ class VisionLanguageMixin:
             tokens = self.embed_text(input_ids)
             embeds = merge_image_rows(tokens, forward_batch.image_spans, self.encode_images)
         positions = self.rope_positions(positions, forward_batch)
-        hidden_states = self.model(input_ids, positions, forward_batch, input_embeds=embeds)
+        keep_rows = self.logits_processor.rows_read(forward_batch)
+        hidden_states = self.model(
+            input_ids, positions, forward_batch, input_embeds=embeds, keep_rows=keep_rows
+        )
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
     def decoder_name(self, name: str) -> str | None:
