@@ -43,7 +43,7 @@ from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.models.checkpoint_loader import CheckpointLoader
 from srt.models.config_check import ConfigRequirement, check_config
-from srt.models.llama import LlamaMLP, head_dim_of
+from srt.models.llama import LlamaMLP, head_dim_of, run_layers
 from srt.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -254,13 +254,7 @@ class GemmaModel(nn.Module):
             hidden_states = self.embed_tokens(input_ids) * self.normalizer
         else:
             hidden_states = input_embeds
-        residual: torch.Tensor | None = None
-        last = len(self.layers) - 1
-        if forward_batch.lora is not None:
-            keep_rows = None
-        for i, layer in enumerate(self.layers):
-            keep = keep_rows if i == last else None
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
+        hidden_states, residual = run_layers(self.layers, positions, hidden_states, forward_batch, keep_rows)
         if residual is None:
             return self.norm(hidden_states)
         return self.norm.forward_with_residual(hidden_states, residual)[0]

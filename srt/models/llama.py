@@ -198,6 +198,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def run_layers(
+    layers: nn.ModuleList,
+    positions: torch.Tensor,
+    hidden_states: torch.Tensor,
+    forward_batch: ForwardBatch,
+    keep_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder layers in turn -> ``(last output, residual stream)`` (residual None when there
+    are no layers); the last layer gets ``keep_rows`` unless LoRA adapters run this step (their
+    row layout covers every row)."""
+    if forward_batch.lora is not None:
+        keep_rows = None
+    residual: torch.Tensor | None = None
+    for i, layer in enumerate(layers):
+        keep = keep_rows if i == len(layers) - 1 else None
+        hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
+    return hidden_states, residual
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -246,13 +265,7 @@ class LlamaModel(nn.Module):
             if out is not None:
                 hidden_states, _ = self.norm.forward_with_residual(*out)
                 return hidden_states
-        residual: torch.Tensor | None = None
-        last = len(self.layers) - 1
-        if forward_batch.lora is not None:
-            keep_rows = None
-        for i, layer in enumerate(self.layers):
-            keep = keep_rows if i == last else None
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
+        hidden_states, residual = run_layers(self.layers, positions, hidden_states, forward_batch, keep_rows)
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)

@@ -15,17 +15,15 @@ import pytest
 import torch
 
 from srt.configs.model_config import ModelConfig
-from srt.layers.attention.torch_native import TorchNativeAttnBackend
-from srt.layers.forward_batch import ForwardBatch, ForwardMode
-from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.layers.forward_batch import ForwardMode
 from srt.model_loader import get_model
+from tests.helpers.pool_runner import PoolRunner
 from tests.helpers.tiny_gemma import save_tiny_gemma
 from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.tiny_moe import save_tiny_moe
 from tests.helpers.tolerance import assert_reordered_close, reduction_len
 
 KINDS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe")
-SLOTS = 128  # KV slots per request: request r stores position p in slot 1 + r * SLOTS + p
 
 
 def _save(kind: str, path) -> str:
@@ -34,39 +32,6 @@ def _save(kind: str, path) -> str:
     if kind.endswith("_moe"):
         return save_tiny_moe(kind, path, seed=5)
     return save_tiny_model(kind, path, seed=5)
-
-
-class Steps:
-    """One model over real pools; ``batch`` builds a step of (request, token ids, prefix)."""
-
-    def __init__(self, model) -> None:
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.model = model
-        self.req_pool = ReqToTokenPool(4, SLOTS, "cpu")
-        self.kv_pool = MHATokenToKVPool(
-            4 * SLOTS + 1, 1, torch.float32, cfg.num_key_value_heads, head_dim, cfg.num_hidden_layers, "cpu"
-        )
-        self.backend = TorchNativeAttnBackend(None)
-        self.rows = self.req_pool.alloc(4)
-        for r, row in enumerate(self.rows):
-            self.req_pool.write(row, 0, torch.arange(1 + r * SLOTS, 1 + (r + 1) * SLOTS))
-
-    def batch(self, mode: ForwardMode, seqs: list[tuple[int, list[int], int]], **kw) -> ForwardBatch:
-        ids = [t for _, toks, _ in seqs for t in toks]
-        slots = [1 + r * SLOTS + p + i for r, toks, p in seqs for i in range(len(toks))]
-        fb = ForwardBatch.build(
-            mode,
-            ids,
-            [self.rows[r] for r, _, _ in seqs],
-            [p for _, _, p in seqs],
-            [len(toks) for _, toks, _ in seqs],
-            slots,
-            **kw,
-        )
-        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = self.req_pool, self.kv_pool, self.backend
-        self.backend.init_forward_metadata(fb)
-        return fb
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +55,7 @@ def _last_mlp_rows(model) -> list[int]:
 def test_logits_of_the_kept_rows_equal_the_whole_rows(models, kind):
     model = models[kind]
     vocab = model.config.vocab_size
-    steps = Steps(model)
+    steps = PoolRunner(model, model.config)
     seen = _last_mlp_rows(model)
     a, b, c = _prompt(30, 1, vocab), _prompt(1, 2, vocab), _prompt(12, 3, vocab)
     k = reduction_len(model.config)
@@ -118,7 +83,7 @@ def test_logits_of_the_kept_rows_equal_the_whole_rows(models, kind):
 @torch.inference_mode()
 def test_every_row_goes_through_where_the_step_reads_more(models, kind):
     model = models[kind]
-    steps = Steps(model)
+    steps = PoolRunner(model, model.config)
     seen = _last_mlp_rows(model)
     seqs = [(0, _prompt(9, 4, model.config.vocab_size), 0), (1, _prompt(5, 5, model.config.vocab_size), 0)]
 
@@ -147,7 +112,7 @@ def test_every_row_goes_through_where_the_step_reads_more(models, kind):
 
 def test_rows_read_is_none_where_nothing_would_be_saved(models):
     lp = models["llama"].logits_processor
-    steps = Steps(models["llama"])
+    steps = PoolRunner(models["llama"], models["llama"].config)
     assert lp.rows_read(steps.batch(ForwardMode.DECODE, [(0, [3], 4), (1, [4], 6)])) is None
     assert lp.rows_read(steps.batch(ForwardMode.EXTEND, [(0, [3], 0), (1, [4], 0)])) is None
     assert lp.rows_read(steps.batch(ForwardMode.EXTEND, [(0, [3, 4, 5], 0)])).tolist() == [2]
