@@ -109,21 +109,24 @@ class LogitsProcessor(nn.Module):
         self.head_packed = self.linear_backend.pack_weight(lm_head_weight.data, prefill=False)
 
     @staticmethod
-    def _wants_prompt_rows(fb: ForwardBatch) -> bool:
-        """Whether this step reads rows other than each sequence's last: prompt logprobs or
-        pooling."""
-        prompt_logprobs = fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None
-        return (prompt_logprobs and fb.num_extend_seqs > 0) or fb.pool_methods is not None
+    def _wants_prompt_logprobs(fb: ForwardBatch) -> bool:
+        """Whether this step scores prompt tokens (``_prompt_logprobs`` reads their rows)."""
+        return fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0
 
     def rows_read(self, fb: ForwardBatch) -> torch.Tensor | None:
         """The rows of the final hidden states ``forward`` will read (``[bs]``: the last of each
         sequence), when an EXTEND or MIXED step reads those alone and they are fewer than the
         step's tokens; else None (every row is read, or nothing would be saved). A model given
         these may return just those rows (``LlamaModel.forward``'s ``keep_rows``)."""
-        if not fb.forward_mode.is_extend() or fb.batch_size == 0 or self._wants_prompt_rows(fb):
+        if not fb.forward_mode.is_extend() or fb.input_ids.shape[0] == fb.batch_size:
+            return None  # (decode, or one token a sequence: nothing to skip)
+        if self._wants_prompt_logprobs(fb) or fb.pool_methods is not None:
             return None
-        if fb.input_ids.shape[0] == fb.batch_size:
-            return None
+        return self._last_rows(fb)
+
+    @staticmethod
+    def _last_rows(fb: ForwardBatch) -> torch.Tensor:
+        """Each sequence's last row among the step's tokens, ``[bs]``."""
         return fb.extend_start_loc + fb.extend_seq_lens - 1
 
     def forward(
@@ -140,10 +143,9 @@ class LogitsProcessor(nn.Module):
         if fb.forward_mode.is_decode() or hidden_states.shape[0] == fb.batch_size:
             last = hidden_states
         else:
-            last_index = fb.extend_start_loc + fb.extend_seq_lens - 1
-            last = hidden_states.index_select(0, last_index)
+            last = hidden_states.index_select(0, self._last_rows(fb))
         out = LogitsProcessorOutput(self._logits(last, lm_head))
-        if fb.return_logprob and fb.extend_logprob_start_lens_cpu is not None and fb.num_extend_seqs > 0:
+        if self._wants_prompt_logprobs(fb):
             self._prompt_logprobs(hidden_states, lm_head, fb, out)
         if fb.pool_methods is not None:
             lens = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()

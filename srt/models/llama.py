@@ -211,8 +211,9 @@ def run_layers(
     if forward_batch.lora is not None:
         keep_rows = None
     residual: torch.Tensor | None = None
+    last = len(layers) - 1
     for i, layer in enumerate(layers):
-        keep = keep_rows if i == len(layers) - 1 else None
+        keep = keep_rows if i == last else None
         hidden_states, residual = layer(positions, hidden_states, residual, forward_batch, keep)
     return hidden_states, residual
 
