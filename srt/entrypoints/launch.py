@@ -44,6 +44,7 @@ from srt.entrypoints.tp_launch import start_scheduler_ranks
 from srt.managers.detokenizer.detokenizer_manager import run_detokenizer_process
 from srt.managers.tokenizer.image_prompts import image_prompts
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
+from srt.multimodal.processor import VISION_MODEL_TYPES
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.cpu_memory import configure_cpu_allocator
@@ -52,6 +53,7 @@ from srt.utils.hf_tokenizer import load_tokenizer, load_tokenizer_without_torch,
 from srt.utils.logging_utils import configure_logging
 from srt.utils.model_path import resolve_model_path
 from srt.utils.process import ProcessSupervisor
+from srt.utils.torch_free import transformers_without_torch
 from srt.utils.watchdog import (
     HeartbeatReader,
     Watchdog,
@@ -75,9 +77,12 @@ def run_scheduler(
     spawned child, keeps the main process (tokenizer manager, HTTP server, Engine front end) free
     of both. These are the only edges from srt.entrypoints to the scheduler (a process boundary).
 
-    On a CPU the allocator is set up first, before torch is imported (srt/utils/cpu_memory.py)."""
+    On a CPU the allocator is set up first, before torch is imported (srt/utils/cpu_memory.py);
+    then transformers, with torch hidden where the model allows (`_transformers_first`)."""
     if server_args.device == "cpu":
         logger.info(configure_cpu_allocator(_hidden_size(server_args.model_path)))
+    if _transformers_first(server_args.model_path):
+        logger.debug("transformers imported with torch hidden from it")
     if server_args.tp_size > 1:
         from srt.managers.scheduler.tp_process import run_tp_scheduler_process
 
@@ -97,6 +102,25 @@ def _hidden_size(model_path: str | None) -> int | None:
         return int(config["hidden_size"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelNotFoundError):
         return None
+
+
+def _transformers_first(model_path: str | None) -> bool:
+    """Import transformers' config and tokenizer classes with torch hidden from it, before the
+    scheduler imports torch; True when it did. With torch in sight transformers' config modules
+    also load its activation and weight-conversion code, and ``torch.distributed.tensor`` with
+    them (about 1 s of a 6 s start-up on a 2-core CPU); srt's text models read only the config's
+    values (config.json's dtype is read as JSON, srt/configs/cpu_dtype.py). Not for a
+    vision-language model, whose vision tower runs transformers' own modules, nor for a config
+    the repository's code defines (``auto_map``), nor where the config cannot be read here (the
+    scheduler reports that)."""
+    try:
+        config = model_config_dict(resolve_model_path(model_path))
+    except (OSError, ValueError, TypeError, AttributeError, ModelNotFoundError):
+        return False
+    if config.get("model_type") in VISION_MODEL_TYPES or "auto_map" in config:
+        return False
+    with transformers_without_torch() as hidden:
+        return hidden
 
 
 class Launcher:
