@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,37 +22,21 @@ import time
 from pathlib import Path
 
 import psutil
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, format_table  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.server_health import free_port, wait_healthy  # noqa: E402
 
 
 def start_once(tree: str, server_args: list[str], timeout_s: float = 300.0) -> dict:
     """One start of the server in ``tree``: ready seconds, the scheduler's CPU seconds and RSS."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *server_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server in {tree} exited with {proc.returncode} before it was ready")
-            if time.perf_counter() - t0 > timeout_s:
-                raise RuntimeError(f"the server in {tree} was not ready after {timeout_s} s")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.02)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s, interval_s=0.02)
         ready_s = time.perf_counter() - t0
         children = psutil.Process(proc.pid).children(recursive=True)
         scheduler = max(children, key=lambda p: sum(p.cpu_times()[:2]))

@@ -79,9 +79,10 @@ def run_scheduler(
 
     On a CPU the allocator is set up first, before torch is imported (srt/utils/cpu_memory.py);
     then transformers, with torch hidden where the model allows (`_transformers_first`)."""
+    config = _model_config(server_args.model_path)
     if server_args.device == "cpu":
-        logger.info(configure_cpu_allocator(_hidden_size(server_args.model_path)))
-    if _transformers_first(server_args.model_path):
+        logger.info(configure_cpu_allocator(_hidden_size(config)))
+    if _transformers_first(config):
         logger.debug("transformers imported with torch hidden from it")
     if server_args.tp_size > 1:
         from srt.managers.scheduler.tp_process import run_tp_scheduler_process
@@ -93,31 +94,34 @@ def run_scheduler(
     run_scheduler_process(server_args, port_args, pipe_writer)
 
 
-def _hidden_size(model_path: str | None) -> int | None:
-    """The model's hidden size from its config.json or GGUF header, read without torch; None when
-    neither says (the allocator then keeps its defaults)."""
+def _model_config(model_path: str | None) -> dict | None:
+    """The model's config.json or GGUF header as a dict, read without torch; None when it cannot
+    be read here (the scheduler reports that)."""
     try:
-        config = model_config_dict(resolve_model_path(model_path))  # None: the default model's GGUF
-        config = config if "hidden_size" in config else config.get("text_config", {})
-        return int(config["hidden_size"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ModelNotFoundError):
+        return model_config_dict(resolve_model_path(model_path))  # None: the default model's GGUF
+    except (OSError, ValueError, TypeError, AttributeError, ModelNotFoundError):
         return None
 
 
-def _transformers_first(model_path: str | None) -> bool:
+def _hidden_size(config: dict | None) -> int | None:
+    """The model's hidden size from its config; None when it does not say (the allocator then
+    keeps its defaults)."""
+    try:
+        config = config if "hidden_size" in config else config.get("text_config", {})
+        return int(config["hidden_size"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _transformers_first(config: dict | None) -> bool:
     """Import transformers' config and tokenizer classes with torch hidden from it, before the
     scheduler imports torch; True when it did. With torch in sight transformers' config modules
     also load its activation and weight-conversion code, and ``torch.distributed.tensor`` with
     them (about 1 s of a 6 s start-up on a 2-core CPU); srt's text models read only the config's
     values (config.json's dtype is read as JSON, srt/configs/cpu_dtype.py). Not for a
     vision-language model, whose vision tower runs transformers' own modules, nor for a config
-    the repository's code defines (``auto_map``), nor where the config cannot be read here (the
-    scheduler reports that)."""
-    try:
-        config = model_config_dict(resolve_model_path(model_path))
-    except (OSError, ValueError, TypeError, AttributeError, ModelNotFoundError):
-        return False
-    if config.get("model_type") in VISION_MODEL_TYPES or "auto_map" in config:
+    the repository's code defines (``auto_map``), nor where the config could not be read (None)."""
+    if config is None or config.get("model_type") in VISION_MODEL_TYPES or "auto_map" in config:
         return False
     with transformers_without_torch() as hidden:
         return hidden

@@ -21,9 +21,9 @@ from tests.helpers.tiny_models import tiny_config
 # the scheduler child's first steps, as run_scheduler takes them, then the model's config
 _CHILD = """
 import json, sys
-from srt.entrypoints.launch import _transformers_first
+from srt.entrypoints.launch import _model_config, _transformers_first
 path = sys.argv[1] or None
-hidden = _transformers_first(path)
+hidden = _transformers_first(_model_config(path))
 import torch
 from transformers.utils.import_utils import is_torch_available
 out = {"hidden": hidden, "torch_seen": is_torch_available()}
