@@ -13,6 +13,7 @@ import sys
 
 from srt.server_args import ServerArgs
 from srt.utils.errors import ConfigError, LaunchError
+from srt.utils.transformers_import import cache_import_structure
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -22,6 +23,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cache_import_structure()  # before anything imports transformers (srt/utils/transformers_import.py)
     server_args = parse_args(argv)
     from srt.entrypoints.http_server import launch_server
     from srt.utils.logging_utils import configure_logging

@@ -89,6 +89,9 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _HeaderReader:
     """Sequential little-endian reads over the header bytes."""
 
@@ -107,6 +110,17 @@ class _HeaderReader:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, its merges: about 100,000 in a small model's
+        header), read in one loop of local names."""
+        buf, pos, length, out = self.buf, self.pos, _U64.unpack_from, []
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+            pos += 8 + n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == 8:
             return self.string()
@@ -117,6 +131,8 @@ class _HeaderReader:
                 items = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
                 self.pos += struct.calcsize(fmt) * count
                 return list(items)
+            if elem_type == 8:
+                return self.strings(count)
             return [self.value(elem_type) for _ in range(count)]
         fmt = _SCALAR_FORMATS.get(vtype)
         if fmt is None:

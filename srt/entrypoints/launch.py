@@ -156,15 +156,18 @@ class Launcher:
 
 
 def launch_subprocesses(
-    server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None, owns_process: bool = False
+    server_args: ServerArgs,
+    scheduler_entry: SchedulerEntry | None = None,
+    owns_process: bool = False,
+    while_starting: Callable[[], object] | None = None,
 ) -> tuple[TokenizerManager, dict[str, Any]]:
     """Start the scheduler and the detokenizer; return ``(tokenizer_manager, scheduler_info)``.
 
-    ``scheduler_entry`` replaces ``run_scheduler_process`` (tests use fakes); it is called in the
-    child as ``entry(server_args, port_args, pipe_writer)``. ``owns_process``: this process is
-    srt's own (launch_server), so it is confined as an auxiliary process. Raises `LaunchError`
-    when a child fails to start (after stopping everything it started).
-    """
+    ``scheduler_entry`` replaces ``run_scheduler_process`` (tests use fakes), called in the child
+    as ``entry(server_args, port_args, pipe_writer)``. ``owns_process``: this is srt's own process
+    (launch_server), confined as an auxiliary one. ``while_starting`` runs here while the children
+    start (the HTTP server imports its app then). Raises `LaunchError` when a child fails to start
+    (after stopping everything it started)."""
     configure_logging(server_args.log_level, "main")
     server_args = server_args.resolve()
     if server_args.node_rank > 0:
@@ -179,14 +182,11 @@ def launch_subprocesses(
         for group in range(server_args.dp_size):
             create_heartbeat_file(heartbeat_path(port_args.ipc_dir, group))
     try:
-        entry = scheduler_entry or run_scheduler
-        if server_args.dp_size > 1:
-            scheduler_name = start_dp_groups(sup, server_args, port_args, entry)[0]
-        else:
-            scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
-        tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args, owns_process)
-        detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
-        sup.start("detokenizer", detok_entry, (server_args, port_args))
+        scheduler_name, tokenizer = _start_children(
+            sup, server_args, port_args, scheduler_entry or run_scheduler, owns_process
+        )
+        if while_starting is not None:
+            while_starting()
         ready = sup.wait_ready()
         images = image_prompts(server_args, tokenizer)  # the model's image processor, if it takes images
     except BaseException:
@@ -215,6 +215,26 @@ def launch_subprocesses(
         scheduler_info.get("max_running_requests"),
     )
     return tm, scheduler_info
+
+
+def _start_children(
+    sup: ProcessSupervisor,
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    entry: SchedulerEntry,
+    owns_process: bool,
+) -> tuple[str, Any]:
+    """Start the scheduler ranks (or DP groups) first, the longest to be ready, then load this
+    process's tokenizer and start the detokenizer; returns the first scheduler's name and the
+    tokenizer."""
+    if server_args.dp_size > 1:
+        scheduler_name = start_dp_groups(sup, server_args, port_args, entry)[0]
+    else:
+        scheduler_name = start_scheduler_ranks(sup, server_args, port_args, entry)[0]
+    tokenizer, detok_tokenizer_path = _load_tokenizer(server_args, port_args, owns_process)
+    detok_entry = functools.partial(run_detokenizer_process, tokenizer_path=detok_tokenizer_path)
+    sup.start("detokenizer", detok_entry, (server_args, port_args))
+    return scheduler_name, tokenizer
 
 
 def _load_tokenizer(

@@ -37,6 +37,7 @@ import psutil
 
 from srt.utils.errors import LaunchError
 from srt.utils.logging_utils import configure_logging
+from srt.utils.transformers_import import cache_import_structure
 from srt.utils.watchdog import register_stack_dump_signal
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ def exit_child_on_error(pipe_writer: Any, ready_sent: bool, log: logging.Logger,
 
 def run_child(spec: ChildSpec, pipe_writer: multiprocessing.connection.Connection) -> None:
     """Entry point of every child process (see the module docstring)."""
+    cache_import_structure()  # before anything imports transformers (srt/utils/transformers_import.py)
     if spec.use_pdeathsig:
         set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != spec.parent_pid:  # the parent died before the guard was armed

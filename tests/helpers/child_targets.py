@@ -28,3 +28,13 @@ def exit_silently(code: int, pipe_writer: Any) -> None:
 
 def hang(seconds: float, pipe_writer: Any) -> None:
     time.sleep(seconds)
+
+
+def report_transformers_import_hook(pipe_writer: Any) -> None:
+    """Whether transformers' import-table hook is in place before the target runs."""
+    import sys
+
+    from srt.utils.transformers_import import _ImportUtilsFinder
+
+    hook = any(isinstance(f, _ImportUtilsFinder) for f in sys.meta_path)
+    pipe_writer.send({"status": "ready", "hook": hook, "transformers": "transformers" in sys.modules})

@@ -9,6 +9,7 @@ max_new_tokens, stop_token_ids, AbortReq, StopStringHit, FlushCacheReq and GetIn
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -131,3 +132,14 @@ def run_fake_scheduler_process(server_args: Any, port_args: Any, pipe_writer: An
                 )
             )
         )
+
+
+def run_fake_scheduler_after_file(path: str, server_args: Any, port_args: Any, pipe_writer: Any) -> None:
+    """The fake scheduler, once ``path`` exists (an error after 60 s): a launch is ready only
+    after the parent did what creates it."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+    run_fake_scheduler_process(server_args, port_args, pipe_writer)

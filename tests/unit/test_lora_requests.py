@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -248,6 +249,7 @@ def make_tm():
     yield make
     for tm in made:
         tm.ipc.close_sockets()
+        shutil.rmtree(tm.port_args.ipc_dir, ignore_errors=True)
 
 
 def _prepare(tm: TokenizerManager, obj: GenerateReqInput):

@@ -4,6 +4,7 @@ batched tokenization, streaming merge, aborts, engine death. Outputs are injecte
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def make_tm():
     yield make
     for tm in made:
         tm.ipc.close_sockets()
+        shutil.rmtree(tm.port_args.ipc_dir, ignore_errors=True)
 
 
 def run(coro):
