@@ -52,19 +52,7 @@ _GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA3_GLOBAL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0
 
 # metadata value type id -> struct format (scalars); 8 = string, 9 = array
-_SCALAR_FORMATS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+_SCALAR_FORMATS = {t: f"<{c}" for t, c in zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd")}
 
 
 @dataclass(frozen=True, slots=True)
