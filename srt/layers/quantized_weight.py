@@ -248,7 +248,11 @@ class QuantizedWeight(nn.Module):
         on them (``packed_linear``), smaller ones on the blocks. Returns the copy's bytes."""
         if min_rows <= 0:
             raise ValueError(f"min_rows must be > 0, got {min_rows}")
-        panels = torch.ops.srt_cpu.pack_linear_weight(self.dequantize(), 0)
+        if self._native is not None:  # one pass from the blocks to the panels
+            data, qtype, x8_rows = self._native
+            panels = gguf_kernels.float32_panels(data, qtype, self.out_features, self.in_features, x8_rows > 0)
+        else:
+            panels = torch.ops.srt_cpu.pack_linear_weight(self.dequantize(), 0)
         self.register_buffer("float32_panels", panels, persistent=False)
         self.float32_rows = min_rows
         return panels.numel() * panels.element_size()
@@ -358,7 +362,9 @@ class QuantizedWeight(nn.Module):
             parts.append(
                 data if qtype == F32_TYPE else gguf_kernels.dequantize(data, qtype, self.in_features)
             )
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        if len(parts) > 1:
+            return torch.cat(parts)
+        return parts[0].clone() if parts[0] is self._data(0) else parts[0]  # never the stored rows
 
     def extra_repr(self) -> str:
         kinds = ", ".join(

@@ -244,6 +244,38 @@ def test_x8_pack_matches_reference_and_unpacks(qtype, n):
     assert packed.numel() - data.numel() == ((n + 7) // 8 * 8 - n) * data.shape[1]
 
 
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [1, 7, 8, 23, 24, 25, 49, 67])
+@pytest.mark.parametrize("nr", [0, 24, 48])
+def test_float32_panels_equal_the_packed_dequantized_weight(qtype, n, nr):
+    """The one-pass panels (the float32 copies of GGUF weights) equal pack_linear_weight of the
+    dequantized rows, bit for bit, from the rows and from their x8 groups, at every tail of rows."""
+    k = cols_for(qtype)
+    data = random_blocks(n, k, qtype, seed=n)
+    want = torch.ops.srt_cpu.pack_linear_weight(gguf.dequantize(data, qtype, k), nr)
+    got = torch.ops.srt_cpu.gguf_float32_panels(data, qtype, n, k, False, nr)
+    assert got.shape == want.shape and torch.equal(got, want)
+    if nr == 0:
+        assert torch.equal(gguf.float32_panels(data, qtype, n, k, False), want)
+    if qtype in gguf.x8_qtypes():
+        packed = gguf.pack_x8(data, qtype)
+        assert torch.equal(torch.ops.srt_cpu.gguf_float32_panels(packed, qtype, n, k, True, nr), want)
+
+
+@needs_native
+def test_float32_panels_refuse_what_does_not_fit():
+    data = random_blocks(9, 64, 3)
+    with pytest.raises(RuntimeError, match="expected 8 rows"):
+        torch.ops.srt_cpu.gguf_float32_panels(data, 3, 8, 64, False, 0)
+    with pytest.raises(RuntimeError, match="panel width must be 24 or 48"):
+        torch.ops.srt_cpu.gguf_float32_panels(data, 3, 9, 64, False, 16)
+    with pytest.raises(RuntimeError, match="pack into"):
+        torch.ops.srt_cpu.gguf_float32_panels(data, 3, 9, 64, True, 0)  # rows, not x8 groups
+    with pytest.raises(RuntimeError, match="rows of 96 weights take"):
+        torch.ops.srt_cpu.gguf_float32_panels(data, 3, 9, 96, False, 0)
+
+
 def test_x8_reference_layout():
     """The documented layout, spelled out for one Q4_1 block: fields side by side, codes interleaved."""
     data = torch.arange(2 * 20, dtype=torch.uint8).view(2, 20)  # rows 0, 1: d, m, 16 code bytes

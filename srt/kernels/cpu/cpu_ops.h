@@ -148,7 +148,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                        const at::Tensor& down, int64_t down_qtype, int64_t int8_max_rows);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
 
-// packed_linear.cpp: float32 x @ W^T on a weight from pack_linear_weight (N: W's rows)
+// packed_linear.cpp: float32 x @ W^T on a weight from pack_linear_weight (N: W's rows); the
+// panel width pack_linear_weight takes by default on this CPU (24 or 48)
+int64_t default_panel_width();
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          c10::string_view isa);
 

@@ -209,6 +209,12 @@ def pack_x8(data: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.ops.srt_cpu.gguf_pack_x8(data.contiguous(), qtype)
 
 
+def float32_panels(data: torch.Tensor, qtype: int, rows: int, cols: int, x8: bool) -> torch.Tensor:
+    """``pack_linear_weight(dequantize(...), 0)`` of GGUF rows ``data`` (x8 groups when ``x8``) in
+    one pass per panel, bit for bit; native types only."""
+    return torch.ops.srt_cpu.gguf_float32_panels(data, qtype, rows, cols, x8, 0)
+
+
 def unpack_x8(
     packed: torch.Tensor, qtype: int, rows: int, cols: int, ids: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -4,6 +4,7 @@
 //   gguf_linear(x [M, K] f32, data [N, K / bs * ts] u8, qtype, bias?) -> [M, N] f32
 //   gguf_dequantize(data [R, bpr] u8 (or one row [bpr]), qtype, cols) -> [R, cols] f32
 //   gguf_qtypes() -> the types with row functions on this CPU
+//   gguf_float32_panels(data, qtype, rows, cols, x8, nr) -> pack_linear_weight's panels [P, cols, nr]
 //
 // gguf_linear takes one of these paths by the number of input rows M (threads always take
 // contiguous ranges of weight rows, so the quantized weights stream from memory once per call):
@@ -780,6 +781,53 @@ std::vector<int64_t> gguf_x8_a24_qtypes() {
   return out;
 }
 
+// float32 panels of a GGUF weight of `rows` x `cols` (its rows [rows, bpr], or their x8 groups
+// when x8), equal to pack_linear_weight(gguf_dequantize(rows), nr): each panel's rows dequantized
+// into it in one pass, without the whole float32 weight in between
+at::Tensor gguf_float32_panels(const at::Tensor& data, int64_t qtype, int64_t rows, int64_t cols, bool x8,
+                               int64_t nr) {
+  const char* op = "gguf_float32_panels";
+  const QuantRowOps& ops = ops_or_throw(op, qtype);
+  if (nr == 0) nr = default_panel_width();
+  TORCH_CHECK(nr == 24 || nr == 48, op, ": panel width must be 24 or 48 (0: this CPU's), got ", nr);
+  int64_t bpr = 0;
+  if (x8) {
+    bpr = check_packed(op, data, qtype, rows, cols);
+  } else {
+    check_data(op, data, ops, cols);
+    TORCH_CHECK(data.dim() == 2 && data.size(0) == rows, op, ": expected ", rows, " rows, got ", data.sizes());
+    bpr = data.size(1);
+  }
+  const int64_t P = (rows + nr - 1) / nr, K = cols;
+  at::Tensor out = at::empty({P, K, nr}, data.options().dtype(at::kFloat));
+  if (P == 0) return out;
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  float* outp = out.data_ptr<float>();
+  const x8::Layout* layout = x8 ? x8::layout(qtype) : nullptr;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> packed_row(x8 ? bpr : 0);
+    std::vector<float> values(K);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* panel = outp + p * K * nr;
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t r = p * nr + j;
+        if (r >= rows) {  // the last panel's columns past the weight: zeros, as pack_linear_weight's
+          for (int64_t k = 0; k < K; ++k) panel[k * nr + j] = 0.f;
+          continue;
+        }
+        const uint8_t* row = dp + r * bpr;
+        if (x8) {
+          x8::unpack_rows(*layout, dp + r / x8::kRows * x8::kRows * bpr, bpr, r % x8::kRows, 1, packed_row.data());
+          row = packed_row.data();
+        }
+        ops.dequant_row(row, values.data(), K);
+        for (int64_t k = 0; k < K; ++k) panel[k * nr + j] = values[k];
+      }
+    }
+  });
+  return out;
+}
+
 std::vector<int64_t> gguf_qtypes() {
   std::vector<int64_t> out;
   for (int q : {kGgmlQ4_0, kGgmlQ4_1, kGgmlQ8_0, kGgmlQ4_K, kGgmlQ5_K, kGgmlQ6_K}) {
@@ -796,6 +844,7 @@ TORCH_LIBRARY_FRAGMENT(srt_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor data, int qtype, Tensor? bias=None) -> Tensor");
   m.def("gguf_qtypes() -> int[]", &srt_cpu::gguf_qtypes);
   m.def("gguf_pack_x8(Tensor data, int qtype) -> Tensor");
+  m.def("gguf_float32_panels(Tensor data, int qtype, int rows, int cols, bool x8, int nr=0) -> Tensor");
   m.def("gguf_unpack_x8(Tensor packed, int qtype, int rows, int cols, Tensor? ids=None) -> Tensor");
   m.def("gguf_linear_x8(Tensor x, Tensor packed, int qtype, int rows, Tensor? bias=None) -> Tensor");
   m.def("gguf_linear_x8_a24(Tensor x, Tensor packed, int qtype, int rows, Tensor? bias=None) -> Tensor");
@@ -806,6 +855,7 @@ TORCH_LIBRARY_IMPL(srt_cpu, CPU, m) {
   m.impl("gguf_dequantize", &srt_cpu::gguf_dequantize);
   m.impl("gguf_linear", &srt_cpu::gguf_linear);
   m.impl("gguf_pack_x8", &srt_cpu::gguf_pack_x8);
+  m.impl("gguf_float32_panels", &srt_cpu::gguf_float32_panels);
   m.impl("gguf_unpack_x8", &srt_cpu::gguf_unpack_x8);
   m.impl("gguf_linear_x8", &srt_cpu::gguf_linear_x8);
   m.impl("gguf_linear_x8_a24", &srt_cpu::gguf_linear_x8_a24);

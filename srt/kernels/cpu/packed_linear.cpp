@@ -39,6 +39,11 @@
 #include "vec.h"
 
 namespace srt_cpu {
+// The panel width pack_linear_weight uses by default: 48 (the AVX-512 tile's) where the CPU has
+// AVX-512, else 24 (the AVX2 tile's). Either width runs on every kernel (the AVX2 tile takes a
+// 48-wide panel in two halves), so a packed weight is never tied to the CPU.
+int64_t default_panel_width() { return detect_isa() == CpuIsa::kAvx512 ? 48 : 24; }
+
 namespace {
 
 constexpr int64_t kLine = 64;
@@ -198,11 +203,6 @@ void tile_avx512(int R, const float* a, int64_t lda, const float* b, int64_t ldb
   }
 }
 #endif
-
-// The panel width pack_linear_weight uses by default: 48 (the AVX-512 tile's) where the CPU has
-// AVX-512, else 24 (the AVX2 tile's). Either width runs on every kernel (the AVX2 tile takes a
-// 48-wide panel in two halves), so a packed weight is never tied to the CPU.
-int64_t default_panel_width() { return detect_isa() == CpuIsa::kAvx512 ? 48 : 24; }
 
 Kernel scalar_kernel(int64_t nr) {
   return nr == 48 ? Kernel{&tile_scalar<48>, 48, 4, false} : Kernel{&tile_scalar<24>, 24, 4, false};
