@@ -250,7 +250,9 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"min_rows must be > 0, got {min_rows}")
         if self._native is not None:  # one pass from the blocks to the panels
             data, qtype, x8_rows = self._native
-            panels = gguf_kernels.float32_panels(data, qtype, self.out_features, self.in_features, x8_rows > 0)
+            panels = gguf_kernels.float32_panels(
+                data, qtype, self.out_features, self.in_features, x8_rows > 0
+            )
         else:
             panels = torch.ops.srt_cpu.pack_linear_weight(self.dequantize(), 0)
         self.register_buffer("float32_panels", panels, persistent=False)
