@@ -83,31 +83,30 @@ def _disk_cached(define: Callable[..., dict], parser_file: Path) -> Callable[...
     @functools.lru_cache
     @functools.wraps(define)
     def define_import_structure(module_path: Any, prefix: str | None = None) -> dict:
-        folder = Path(module_path)
-        path = None
-        try:
-            folder = folder.parent if folder.is_file() else folder
-            with os.scandir(folder) as entries:
-                nested = any(e.is_dir() and e.name != "__pycache__" for e in entries)
-            if nested:  # a single package (a model's own) is quick on transformers' path
-                # <which table>-<which contents>: a new table replaces the older ones of its kind
-                kind = hashlib.sha256(f"{folder.resolve()}\0{prefix}".encode()).hexdigest()[:16]
-                path = cache_directory() / f"{kind}-{_fingerprint(folder, prefix, parser_file)}.json"
-        except OSError:
-            pass
+        path = _table_path(Path(module_path), prefix, parser_file)
         if path is None:
             return define(module_path, prefix)
         table = _read(path)
         if table is None:
             table = define(module_path, prefix)
-            if _write(path, table):
-                for old in path.parent.glob(f"{kind}-*.json"):
-                    if old != path:
-                        with contextlib.suppress(OSError):
-                            old.unlink()
+            _write(path, table)
         return table
 
     return define_import_structure
+
+
+def _table_path(module_path: Path, prefix: str | None, parser_file: Path) -> Path | None:
+    """``<which table>-<which contents>.json`` in the cache for a folder with subpackages; None for
+    a single package (a model's own, quick on transformers' path) or a folder it cannot read."""
+    try:
+        folder = module_path.parent if module_path.is_file() else module_path
+        with os.scandir(folder) as entries:
+            if not any(e.is_dir() and e.name != "__pycache__" for e in entries):
+                return None
+        kind = hashlib.sha256(f"{folder.resolve()}\0{prefix}".encode()).hexdigest()[:16]
+        return cache_directory() / f"{kind}-{_fingerprint(folder, prefix, parser_file)}.json"
+    except OSError:
+        return None
 
 
 def _fingerprint(folder: Path, prefix: str | None, parser_file: Path) -> str:
@@ -149,9 +148,9 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _write(path: Path, table: dict) -> bool:
-    """Write ``table`` atomically (a concurrent reader sees the old file or the new one); a cache
-    that cannot be written is only logged (False)."""
+def _write(path: Path, table: dict) -> None:
+    """Write ``table`` atomically (a concurrent reader sees the old file or the new one), then
+    remove the older tables of its kind; a cache that cannot be written is only logged."""
     try:
         rows = [
             [sorted(backends), {m: sorted(names) for m, names in modules.items()}]
@@ -162,14 +161,18 @@ def _write(path: Path, table: dict) -> bool:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     except (OSError, TypeError, ValueError) as e:
         logger.debug("transformers' import table not cached in %s: %s", path.parent, e)
-        return False
+        return
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-        return True
     except OSError as e:
         logger.debug("transformers' import table not cached in %s: %s", path.parent, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        return False
+        return
+    kind = path.name.split("-", 1)[0]  # the new table replaces the older ones of its kind
+    for old in path.parent.glob(f"{kind}-*.json"):
+        if old != path:
+            with contextlib.suppress(OSError):
+                old.unlink()
