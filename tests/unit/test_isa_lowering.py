@@ -54,12 +54,6 @@ SCALAR_DESELECT = (
     "tests/unit/test_quantized_weights.py::test_default_model_keeps_float32_copies_within_the_budget",
     "tests/unit/test_models_forward.py::test_a_broken_dequantization_scale_fails_the_logit_tolerance",
 )
-# Checks that run no kernel (the build's own behaviour without a compiler): the same in every run,
-# so only the main one runs them.
-LOWERED_DESELECT = (
-    "tests/unit/test_cpu_decode_attention.py::test_build_module_with_require_fails_without_a_compiler",
-    "tests/unit/test_cpu_decode_attention.py::test_build_module_exits_0_without_a_compiler",
-)
 
 
 # the CPU flag each lowering needs above it (vec.h's detect_isa asks for more: this only spares the
@@ -76,7 +70,6 @@ def lowered_run(isa: str, check_cpu: bool = True) -> early_runs.Command | None:
     if check_cpu and cpuinfo.exists() and _ABOVE[isa] not in cpuinfo.read_text().split():
         return None
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *KERNEL_TESTS]
-    cmd += [f"--deselect={test}" for test in LOWERED_DESELECT]
     if isa == "scalar":
         cmd += [f"--deselect={test}" for test in SCALAR_DESELECT]
     return early_runs.Command(cmd, env=dict(os.environ, **{CPU_ISA_ENV: isa}), cwd=REPO_ROOT, timeout=900)

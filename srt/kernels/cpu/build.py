@@ -5,8 +5,9 @@ The shared library goes to a cache folder keyed by everything that changes the b
     $XDG_CACHE_HOME (default ~/.cache) / srt / kernels / <torch version>-<hash>/srt_cpu_kernels.so
     hash = sha256(sources, compiler flags, Python ABI tag, machine)[:16]
 
-so a prebuilt library is found without a compiler (``prebuilt_library``) and a stale one is never
-picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, -O3, OpenMP
+so a prebuilt library is found without a compiler (``prebuilt_library``), reused by the next
+set-up of the same sources (another checkout included) instead of compiled again, and a stale one is
+never picked up. ``build`` compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, -O3, OpenMP
 for ``at::parallel_for``; no -march: the AVX2 / AVX-512 paths carry their own target attributes and
 are chosen at run time; the ATen headers are precompiled once, srt/kernels/cpu/pch.py). Running
 the module never fails: it prints what happened and exits 0, so ``make setup`` succeeds on a machine without a compiler (srt then uses the pure-torch fallback).
@@ -125,14 +126,16 @@ def build(verbose: bool = False) -> Path:
     carries the compiler's output."""
     from torch.utils.cpp_extension import load
 
-    why = missing_tools()
-    if why is not None:
-        raise RuntimeError(why)
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / OWNER_LOCK, "a") as owner:  # closing the file releases the lock
         fcntl.flock(owner, fcntl.LOCK_EX)  # waits only on a live srt build of the same folder
         remove_leftover_lock(build_dir)
+        if load_prebuilt():
+            return library_path()
+        why = missing_tools()
+        if why is not None:
+            raise RuntimeError(why)
         sources = [str(SOURCE_DIR / s) for s in SOURCES]
         cflags = [*EXTRA_CFLAGS, *pch.flags(build_dir)]
         try:
@@ -149,6 +152,27 @@ def build(verbose: bool = False) -> Path:
         finally:
             pch.remove(build_dir)
     return library_path()
+
+
+def load_prebuilt() -> bool:
+    """Load the library already built for this key (another checkout of the same sources, an
+    earlier set-up) into this process; True when it loaded. ninja would compile it all again:
+    its build file names the sources by path, and each checkout has its own. One that does not
+    load (cut short by a killed link) is removed and built again."""
+    path = prebuilt_library()
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:
+        print(
+            f"srt.kernels.cpu: {path} does not load ({summarize_error(e)}); building it again",
+            file=sys.stderr,
+        )
+        path.unlink(missing_ok=True)
+        return False
+    print(f"srt.kernels.cpu: reusing {path}, built earlier from the same sources", file=sys.stderr)
+    return True
 
 
 def precompile_header(build_dir: Path, sources: list[str], cflags: list[str]) -> None:
@@ -208,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     isa = torch.ops.srt_cpu.cpu_isa()
-    print(f"srt.kernels.cpu: built {path} in {time.perf_counter() - start:.1f} s (cpu isa: {isa})")
+    print(f"srt.kernels.cpu: {path} ready in {time.perf_counter() - start:.1f} s (cpu isa: {isa})")
     return 0
 
 
