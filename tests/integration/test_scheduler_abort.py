@@ -310,6 +310,29 @@ def test_event_loop_serves_over_zmq_and_blocks_when_idle():
             ctx.destroy(linger=0)
 
 
+def test_an_idle_event_loop_builds_the_grammar_backend(monkeypatch):
+    """With no request at all, the loop wakes once its idle stretch reaches the grammar warm-up
+    time and starts the backend's build (not at start-up: a busy server pays for it only when a
+    grammar asks)."""
+    from srt.managers.scheduler import grammar
+
+    monkeypatch.setattr(grammar, "WARM_UP_AFTER_IDLE_S", 0.3)
+    s = make_scheduler()
+    built = threading.Event()
+    s.grammars = grammar.GrammarManager(lambda: built.set() or object())
+    d = tempfile.mkdtemp(prefix="srt-test-")
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(f"ipc://{d}/in")
+    send = ctx.socket(zmq.PUSH)
+    send.connect(f"ipc://{d}/out")
+    thread = threading.Thread(target=event_loop, args=(s, recv, send), daemon=True)
+    thread.start()
+    assert not s.grammars.started
+    assert built.wait(timeout=10), "the idle loop never built the grammar backend"
+    assert thread.is_alive()  # blocked in poll again
+
+
 def test_zero_and_unbounded_max_new_tokens():
     """max_new_tokens=0 finishes after the prefill with no token; None runs up to the context
     length (here 2048 - prompt) unless a stop token comes first."""

@@ -116,6 +116,12 @@ def test_explicit_abort_request(server):
 def test_idle_cpu_below_5_percent(server):
     procs = server.process_tree()  # main (tokenizer manager + HTTP), scheduler, detokenizer (+ mp's tracker)
     assert set(_child_pids(server).values()) <= {p.pid for p in procs}
+    # a grammar first: its backend is built now (else a few seconds into the idle stretch, once)
+    body = {
+        "text": "Digits:",
+        "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 4, "temperature": 0},
+    }
+    assert requests.post(server.url("/generate"), json=body, timeout=120).status_code == 200
     time.sleep(1.0)  # let the last request's bookkeeping settle
 
     def cpu() -> float:

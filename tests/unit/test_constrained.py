@@ -221,6 +221,35 @@ def test_grammar_manager_compiles_off_the_caller_and_caches(tokenizer):
     gm.shutdown()
 
 
+def test_grammar_backend_is_built_after_an_idle_stretch_or_at_the_first_grammar():
+    """`idle_tick`: the backend is built once the loop has been idle for WARM_UP_AFTER_IDLE_S in
+    one stretch (work in between starts the count again), never while it is busy, and at once for
+    the first grammar; the loop is told how long it may block until then."""
+    from srt.managers.scheduler.grammar import WARM_UP_AFTER_IDLE_S, GrammarManager
+
+    built: list[int] = []
+    gm = GrammarManager(lambda: built.append(1) or object())
+    w = WARM_UP_AFTER_IDLE_S
+    assert gm.idle_tick(False, 0.0) is None and not gm.started
+    assert gm.idle_tick(True, 1.0) == pytest.approx(w)
+    assert gm.idle_tick(True, 1.0 + w / 2) == pytest.approx(w / 2)
+    assert gm.idle_tick(False, 1.0 + w * 0.9) is None  # work: the stretch ends
+    assert gm.idle_tick(True, 1.0 + w * 1.5) == pytest.approx(w) and not gm.started
+    assert gm.idle_tick(True, 1.0 + w * 2.5) is None and gm.started
+    assert gm.idle_tick(True, 100.0) is None
+    gm._backend.result(timeout=10)
+    assert built == [1]
+    gm.shutdown()
+
+    busy = GrammarManager(lambda: built.append(2) or object())
+    for t in range(100):
+        assert busy.idle_tick(False, float(t)) is None
+    assert not busy.started
+    busy.submit(_Req("a", GrammarSpec("regex", "a+")))  # the first grammar builds it at once
+    assert busy.started
+    busy.shutdown()
+
+
 def test_grammar_manager_reports_failures_and_discards(tokenizer):
     from srt.managers.scheduler.grammar import GrammarManager
 

@@ -1,8 +1,10 @@
 """The grammar part: compiling requests' grammars off the loop, and their token masks.
 
-``GrammarManager`` owns the grammar backend (built on its worker thread, ``warm_up`` at the
-server's start-up: it loads the tokenizer and builds the backend's token tables, seconds that
-must not delay the server's readiness), the compile cache (``GrammarSpec`` -> compiled grammar) and the requests waiting for
+``GrammarManager`` owns the grammar backend (built on its worker thread: it loads the tokenizer
+and builds the backend's token tables, 1-2 CPU-seconds that must neither delay the server's
+readiness nor take cores from its first requests; `idle_tick` starts it once the scheduler has
+been idle for `WARM_UP_AFTER_IDLE_S`, the first request with a grammar starts it sooner, and a
+server that never sees a grammar and is never idle that long never pays for it), the compile cache (``GrammarSpec`` -> compiled grammar) and the requests waiting for
 their grammar. A request with a grammar does not enter the waiting queue until its grammar is
 compiled: ``submit`` hands it over, ``poll`` (every step) returns the ones that are ready (each
 with its own matcher) and the ones whose grammar failed. Requests without grammars never wait.
@@ -44,6 +46,9 @@ logger = logging.getLogger("srt.scheduler")
 
 # compiled grammars kept (least recently used dropped first)
 COMPILE_CACHE_SIZE = 256
+# the backend is built once the scheduler has had no work for this long (a fresh server with no
+# traffic: a few seconds after it is ready), unless a grammar asked for it first
+WARM_UP_AFTER_IDLE_S = 3.0
 
 
 def closing_reserve(max_new_tokens: int) -> int:
@@ -64,6 +69,7 @@ class GrammarManager:
         self.pending: list[tuple[Req, Future[Any]]] = []
         self.compile_seconds = 0.0  # worker time spent compiling (metrics)
         self.wait_all = False  # poll waits for every pending compile (tensor-parallel lock step)
+        self._idle_since: float | None = None  # monotonic time the scheduler went idle (idle_tick)
 
     @classmethod
     def create(
@@ -104,9 +110,30 @@ class GrammarManager:
         return self._backend_future
 
     def warm_up(self) -> None:
-        """Start building the backend now (the server process does, right after start-up);
-        otherwise the first request with a grammar does."""
+        """Start building the backend now (`idle_tick` does once the scheduler has been idle long
+        enough, and the first request with a grammar does)."""
         _ = self._backend
+
+    @property
+    def started(self) -> bool:
+        """Whether the backend is built or being built."""
+        return self._backend_future is not None
+
+    def idle_tick(self, idle: bool, now: float) -> float | None:
+        """Called by the scheduler's loop each turn, ``idle`` being whether it has work (``now``: a
+        monotonic clock). Starts the backend's build once the loop has been idle for
+        `WARM_UP_AFTER_IDLE_S` in one stretch; returns the seconds left until then (the longest
+        the loop may block before calling again), or None when there is nothing to wait for."""
+        if self.started or not idle:
+            self._idle_since = None
+            return None
+        if self._idle_since is None:
+            self._idle_since = now
+        left = self._idle_since + WARM_UP_AFTER_IDLE_S - now
+        if left > 0:
+            return left
+        self.warm_up()
+        return None
 
     def _compile(self, spec: GrammarSpec) -> Any:
         t0 = time.perf_counter()

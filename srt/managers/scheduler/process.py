@@ -15,6 +15,8 @@ through the launcher's pipe, then runs ``event_loop`` forever on the same thread
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -46,20 +48,22 @@ def event_loop(
 ) -> None:
     """Serve forever: drain every pending input message (replies to control requests go out at
     once; a weight update's once the step that left the scheduler idle ran it), run one step
-    while there is work, and block in ``poll`` (no timeout, no spinning) while the scheduler is
-    idle. An undecodable message is logged and dropped; anything else that fails propagates (the
+    while there is work, and block in ``poll`` (no spinning; with a timeout only until the grammar
+    backend's build is due, `GrammarManager.idle_tick`) while the scheduler is idle. An undecodable message is logged and dropped; anything else that fails propagates (the
     process dies loudly). With ``dp`` (a data-parallel group) control replies go to the
     controller instead, and the group reports its load to it (`DpGroupLink`)."""
     send_reply = (lambda r: send_socket.send(encode(r))) if dp is None else dp.send_reply
     poller = zmq.Poller()
     poller.register(recv_socket, zmq.POLLIN)
     while True:
-        if scheduler.is_idle():
+        idle = scheduler.is_idle()
+        wait_s = grammar_idle_tick(scheduler, idle)
+        if idle:
             if dp is not None:
                 dp.on_idle(scheduler)
             if scheduler.heartbeat is not None:
                 scheduler.heartbeat.on_idle(scheduler)
-            poller.poll()
+            poller.poll(None if wait_s is None else math.ceil(wait_s * 1000))
         while True:
             try:
                 raw = recv_socket.recv(zmq.NOBLOCK)
@@ -80,6 +84,15 @@ def event_loop(
                 send_reply(reply)
             if dp is not None:
                 dp.after_step(scheduler, outs)
+
+
+def grammar_idle_tick(scheduler: Scheduler, idle: bool) -> float | None:
+    """`GrammarManager.idle_tick` for ``scheduler`` (None without grammars): the seconds an idle
+    loop may block before its grammar backend is due to be built."""
+    grammars = getattr(scheduler, "grammars", None)  # tests drive the loops with bare fakes
+    if grammars is None:
+        return None
+    return grammars.idle_tick(idle, time.monotonic())
 
 
 def decode_input(raw: bytes) -> SchedulerInput | None:
@@ -149,8 +162,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
             scheduler.heartbeat = SchedulerHeartbeat.open(path)
         if server_args.step_trace_path:
             scheduler.step_trace = StepTrace(trace_path(server_args.step_trace_path, port_args.dp_rank))
-        if scheduler.grammars is not None:
-            scheduler.grammars.warm_up()
         ctx = zmq.Context(io_threads=1)
         recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         send = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)

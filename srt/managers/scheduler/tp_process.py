@@ -36,7 +36,7 @@ import zmq
 from srt.distributed.init import init_tp_group, is_group_failure
 from srt.managers.io_struct import encode
 from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
-from srt.managers.scheduler.process import bind_compute_threads, decode_input
+from srt.managers.scheduler.process import bind_compute_threads, decode_input, grammar_idle_tick
 from srt.managers.scheduler.scheduler import Scheduler
 from srt.managers.scheduler.step_timing import StepTrace, trace_path
 from srt.utils.cpu_affinity import NOBIND, format_cpu_list
@@ -81,9 +81,10 @@ def tp_iteration(
     broadcast messages, then steps while busy. Only rank 0 sends (replies, outputs)."""
     leader = group.rank == 0
     payload: list[bytes] | None = None
+    idle = scheduler.is_idle()
+    grammar_idle_tick(scheduler, idle)  # every rank builds its own backend (within a heartbeat)
     if leader:
         assert receive is not None and send is not None
-        idle = scheduler.is_idle()
         heartbeat = getattr(scheduler, "heartbeat", None)  # the hang watchdog's (rank 0 only)
         if idle and heartbeat is not None:
             heartbeat.on_idle(scheduler)
@@ -148,8 +149,6 @@ def run_tp_scheduler_process(
             dist_init_addr, tp_rank, args.tp_size, args.dist_timeout, args.device, local_rank
         )
         scheduler = Scheduler(args, tp_rank=tp_rank)
-        if scheduler.grammars is not None:
-            scheduler.grammars.warm_up()
         receive: Receive | None = None
         send: Send | None = None
         if tp_rank == 0:
