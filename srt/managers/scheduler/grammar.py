@@ -4,8 +4,8 @@
 and builds the backend's token tables, 1-2 CPU-seconds that must neither delay the server's
 readiness nor take cores from its first requests; `idle_tick` starts it once the scheduler has
 been idle for `WARM_UP_AFTER_IDLE_S`, the first request with a grammar starts it sooner, and a
-server that never sees a grammar and is never idle that long never pays for it), the compile cache (``GrammarSpec`` -> compiled grammar) and the requests waiting for
-their grammar. A request with a grammar does not enter the waiting queue until its grammar is
+server that never sees a grammar and is never idle that long never pays for it), the compile
+cache (``GrammarSpec`` -> compiled grammar) and the requests waiting for their grammar. A request with a grammar does not enter the waiting queue until its grammar is
 compiled: ``submit`` hands it over, ``poll`` (every step) returns the ones that are ready (each
 with its own matcher) and the ones whose grammar failed. Requests without grammars never wait.
 

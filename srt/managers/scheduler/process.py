@@ -49,8 +49,9 @@ def event_loop(
     """Serve forever: drain every pending input message (replies to control requests go out at
     once; a weight update's once the step that left the scheduler idle ran it), run one step
     while there is work, and block in ``poll`` (no spinning; with a timeout only until the grammar
-    backend's build is due, `GrammarManager.idle_tick`) while the scheduler is idle. An undecodable message is logged and dropped; anything else that fails propagates (the
-    process dies loudly). With ``dp`` (a data-parallel group) control replies go to the
+    backend's build is due, `GrammarManager.idle_tick`) while the scheduler is idle. An
+    undecodable message is logged and dropped; anything else that fails propagates (the process
+    dies loudly). With ``dp`` (a data-parallel group) control replies go to the
     controller instead, and the group reports its load to it (`DpGroupLink`)."""
     send_reply = (lambda r: send_socket.send(encode(r))) if dp is None else dp.send_reply
     poller = zmq.Poller()
@@ -90,7 +91,7 @@ def grammar_idle_tick(scheduler: Scheduler, idle: bool) -> float | None:
     """`GrammarManager.idle_tick` for ``scheduler`` (None without grammars): the seconds an idle
     loop may block before its grammar backend is due to be built."""
     grammars = getattr(scheduler, "grammars", None)  # tests drive the loops with bare fakes
-    if grammars is None:
+    if grammars is None or grammars.started:  # the usual case on a busy loop: no clock read
         return None
     return grammars.idle_tick(idle, time.monotonic())
 
