@@ -109,6 +109,7 @@ def test_page_size_auto_on_cpu(kwargs, page):
 
 def test_port_args_private_dir():
     import os
+    import shutil
     import stat
 
     p = PortArgs.init_new()
@@ -118,7 +119,45 @@ def test_port_args_private_dir():
         names = {p.tokenizer_ipc_name, p.scheduler_input_ipc_name, p.detokenizer_ipc_name}
         assert len(names) == 3 and all(n.startswith("ipc://" + p.ipc_dir) for n in names)
     finally:
-        os.rmdir(p.ipc_dir)
+        shutil.rmtree(p.ipc_dir)
+
+
+def test_ipc_dirs_of_processes_that_are_gone_are_removed(tmp_path):
+    """A launch SIGKILLed leaves its ipc directory behind (nothing runs its clean-up); the next
+    launch removes the directories whose owner process no longer runs, and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from srt.configs.port_args import IPC_DIR_PREFIX, OWNER_FILE, _identity, remove_orphaned_ipc_dirs
+
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from srt.configs.port_args import PortArgs; print(PortArgs.init_new().ipc_dir)",
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert os.path.dirname(made) == str(tmp_path) and os.path.isfile(os.path.join(made, OWNER_FILE))
+
+    def ipc_dir(name: str, owner: str | None) -> str:
+        d = tmp_path / (IPC_DIR_PREFIX + name)
+        d.mkdir()
+        if owner is not None:
+            (d / OWNER_FILE).write_text(owner)
+        return str(d)
+
+    live = ipc_dir("live", _identity(os.getpid()))
+    reused_pid = ipc_dir("reused", f"{os.getpid()} 12345.00")  # this pid, another process's start
+    unowned = ipc_dir("unowned", None)
+    other = tmp_path / "srt-other"
+    other.mkdir()
+    assert sorted(remove_orphaned_ipc_dirs(str(tmp_path))) == sorted([made, reused_pid])
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(d) for d in (live, unowned, str(other)))
 
 
 def test_true_default_bool_can_be_switched_off():
