@@ -49,7 +49,12 @@ from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
 from srt.utils.cpu_memory import configure_cpu_allocator
 from srt.utils.errors import ConfigError, EngineDeadError, LaunchError, ModelNotFoundError
-from srt.utils.hf_tokenizer import load_tokenizer, load_tokenizer_without_torch, tokenizer_source
+from srt.utils.hf_tokenizer import (
+    load_tokenizer,
+    load_tokenizer_without_torch,
+    save_decode_copy,
+    tokenizer_source,
+)
 from srt.utils.logging_utils import configure_logging
 from srt.utils.model_path import resolve_model_path
 from srt.utils.process import ProcessSupervisor
@@ -254,7 +259,7 @@ def _load_tokenizer(
     if server_args.chat_template is not None:
         tokenizer.chat_template = load_chat_template(server_args.chat_template)
     path = os.path.join(port_args.ipc_dir, "hf_tokenizer")
-    tokenizer.save_pretrained(path)
+    save_decode_copy(tokenizer, path)
     return tokenizer, path
 
 

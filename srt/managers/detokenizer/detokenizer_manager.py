@@ -46,7 +46,7 @@ from srt.managers.io_struct import (
 )
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils.cpu_affinity import confine_aux_process
-from srt.utils.hf_tokenizer import load_tokenizer_without_torch, special_token_ids, tokenizer_source
+from srt.utils.hf_tokenizer import load_decode_tokenizer, special_token_ids, tokenizer_source
 from srt.utils.zmq import get_zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -246,8 +246,8 @@ def run_detokenizer_process(
     confine_aux_process(server_args.cpu_omp_threads_bind, server_args.aux_process_nice, "detokenizer")
     tokenizer = None
     if not server_args.skip_tokenizer_init:
-        # decoding never needs torch: without it this process is about 190 MiB smaller
-        tokenizer = load_tokenizer_without_torch(
+        # decoding never needs torch, and a fast tokenizer's not even transformers (hf_tokenizer.py)
+        tokenizer = load_decode_tokenizer(
             tokenizer_path or tokenizer_source(server_args), server_args.trust_remote_code
         )
     manager = DetokenizerManager(tokenizer)
