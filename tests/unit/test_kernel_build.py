@@ -1,11 +1,13 @@
 """``python -m srt.kernels.cpu.build`` (srt/kernels/cpu/build.py): the set-up's kernel build. It
 never fails without ``--require``; its cache key covers every source; a library already built for
 the key is loaded instead of compiled again, and one that does not load is built again; a lock a
-killed build left is removed."""
+killed build left is removed; the sources are compiled in units whose files define no name twice."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +43,82 @@ def test_the_build_key_covers_every_source_and_header():
     an edit to it would load the library built before the edit."""
     on_disk = {p.name for p in kbuild.SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h")}
     assert on_disk == set(kbuild.SOURCES) | set(kbuild.HEADERS)
+
+
+# names a kernel source defines at namespace scope (srt's sources do not indent namespace bodies)
+_DEFINES = (
+    re.compile(r"^(?:template\s*<[^>]*>\s*)?(?:struct|class|enum(?:\s+class)?|union)\s+(\w+)"),
+    re.compile(r"^using\s+(\w+)\s*="),
+    re.compile(
+        r"^(?:static\s+|inline\s+|thread_local\s+)*(?:constexpr|const)\s+[\w:<>, ]+?[\s*&]+(\w+)\s*[=\[{;]"
+    ),
+    re.compile(
+        r"^(?!return\b|else\b|if\b|for\b|while\b|switch\b|case\b|TORCH_|namespace\b)(?:[\w:<>,*&]+\s+)+[*&]*(\w+)\s*\("
+    ),
+)
+
+
+def _defined_names(text: str) -> set[str]:
+    """Types, aliases, constants and functions ``text`` defines at namespace scope, and the macros
+    it defines and leaves defined."""
+    names = set()
+    for line in text.splitlines():
+        for rx in _DEFINES:
+            m = rx.match(line)
+            if m:
+                names.add(m.group(1))
+                break
+    macros = set(re.findall(r"^#define\s+(\w+)", text, re.M)) - set(
+        re.findall(r"^#undef\s+(\w+)", text, re.M)
+    )
+    return names | macros
+
+
+def test_the_scan_finds_what_a_source_defines():
+    text = """namespace srt_cpu {
+namespace {
+constexpr int64_t kBlock = 16;
+struct Plan {
+  int x;
+};
+using RowsFn = void (*)(int);
+template <typename T>
+std::vector<int64_t> to_vector(const at::Tensor& t) {
+  const int64_t local = 1;
+  return {};
+}
+#define SRT_KEPT 1
+#define SRT_DROPPED 2
+#undef SRT_DROPPED
+}  // namespace
+at::Tensor run_panels(const at::Tensor& x) {
+  return x;
+}
+}  // namespace srt_cpu
+"""
+    assert _defined_names(text) == {"kBlock", "Plan", "RowsFn", "to_vector", "SRT_KEPT", "run_panels"}
+
+
+def test_the_files_of_one_unit_define_no_name_twice():
+    """A unit compiles its sources as one file: a name two of them define (a constant, a helper in
+    an anonymous namespace) would not compile, or, as an overload, could be picked by the other's
+    calls; a macro one leaves defined would reach the next."""
+    assert len(kbuild.SOURCES) == len(set(kbuild.SOURCES))
+    assert len(kbuild.UNITS) >= 2 and all(kbuild.UNITS)
+    for unit in kbuild.UNITS:
+        names = {s: _defined_names((kbuild.SOURCE_DIR / s).read_text()) for s in unit}
+        assert len(names[unit[0]]) > 5  # the scan reads the sources
+        for a, b in itertools.combinations(unit, 2):
+            assert not names[a] & names[b], f"{a} and {b} both define {sorted(names[a] & names[b])}"
+
+
+def test_the_unit_files_include_every_source_once(tmp_path):
+    paths = kbuild.write_units(tmp_path)
+    included = [line.split('"')[1] for p in paths for line in open(p) if line.startswith("#include")]
+    assert sorted(included) == sorted(str(kbuild.SOURCE_DIR / s) for s in kbuild.SOURCES)
+    before = [os.stat(p).st_mtime_ns for p in paths]
+    assert kbuild.write_units(tmp_path) == paths
+    assert [os.stat(p).st_mtime_ns for p in paths] == before  # unchanged: ninja compiles nothing
 
 
 def test_build_module_with_require_fails_without_a_compiler(tmp_path):
