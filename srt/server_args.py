@@ -24,6 +24,7 @@ from srt.configs.cli_args import add_dataclass_cli_args
 from srt.configs.lora_args import LoRAArgs, arg_field, resolve_lora_args
 from srt.configs.mm_args import MultimodalArgs, resolve_mm_args
 from srt.configs.port_args import PortArgs
+from srt.configs.request_args import RequestLimitArgs, resolve_request_limit_args
 from srt.configs.server_args_resolve import LOAD_BALANCE_METHODS, resolve_server_args
 from srt.utils.errors import ConfigError
 
@@ -33,9 +34,10 @@ _f = arg_field
 
 
 @dataclass
-class ServerArgs(LoRAArgs, MultimodalArgs):
+class ServerArgs(LoRAArgs, MultimodalArgs, RequestLimitArgs):
     # (the LoRA fields, --enable-lora ..., are LoRAArgs': srt/configs/lora_args.py; the image
-    # input limits, --max-images-per-request ..., MultimodalArgs': srt/configs/mm_args.py)
+    # input limits, --max-images-per-request ..., MultimodalArgs': srt/configs/mm_args.py; the
+    # request limits, --max-queued-requests ..., RequestLimitArgs': srt/configs/request_args.py)
     # ---- model ----
     model_path: str | None = _f(
         None,
@@ -262,12 +264,6 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
     ssl_keyfile: str | None = _f(None, "TLS private key (PEM); with --ssl-certfile serves HTTPS.")
     ssl_certfile: str | None = _f(None, "TLS certificate chain (PEM); with --ssl-keyfile serves HTTPS.")
     disable_web_ui: bool = _f(False, "Do not serve the built-in web page (chat, dashboard) at GET /.")
-    max_queued_requests: int | None = _f(None, "Reject requests beyond this many waiting with HTTP 429.")
-    max_queue_time: float | None = _f(
-        None,
-        "Refuse a request that waited longer than this many seconds in the scheduler's queue without "
-        "starting: HTTP 503 with Retry-After (a stream ends with an error event). None: no bound.",
-    )
     graceful_shutdown_timeout: float = _f(
         30.0,
         "On SIGTERM/SIGINT: stop accepting (new requests get 503 with Retry-After, /health turns 503), "
@@ -379,6 +375,7 @@ class ServerArgs(LoRAArgs, MultimodalArgs):
         resolve_server_args(a)
         resolve_lora_args(a)
         resolve_mm_args(a)
+        resolve_request_limit_args(a)
         return a
 
     @property

@@ -98,7 +98,6 @@ class ResolvableArgs(Protocol):
     linear_backend: str
     grammar_backend: str
     reasoning_parser: str | None
-    max_queue_time: float | None
     graceful_shutdown_timeout: float
     stream_interval: int
     tp_size: int
@@ -358,8 +357,6 @@ def _resolve_grammar(a: ResolvableArgs) -> None:
 def _check_serving(a: ResolvableArgs) -> None:
     if a.stream_interval < 1:
         raise ConfigError(f"--stream-interval must be >= 1, got {a.stream_interval}.")
-    if a.max_queue_time is not None and not a.max_queue_time > 0:
-        raise ConfigError(f"--max-queue-time must be > 0 seconds, got {a.max_queue_time}.")
     if not a.graceful_shutdown_timeout >= 0:
         raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {a.graceful_shutdown_timeout}.")
 

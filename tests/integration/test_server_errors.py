@@ -115,6 +115,17 @@ def test_chat_400(server):
     assert r.status_code == 400
 
 
+def test_top_logprobs_beyond_the_bound_are_400_and_within_it_are_served(server):
+    """A count near the vocabulary would cost the server gigabytes per request (--max-top-logprobs-num)."""
+    body = {"text": "Hello", "top_logprobs_num": 49152, "sampling_params": {"max_new_tokens": 2}}
+    r = post(server, "/generate", body)
+    assert r.status_code == 400
+    assert_error_body(r.json(), 400, "--max-top-logprobs-num", "49152", param="top_logprobs_num")
+    r = post(server, "/generate", {**body, "top_logprobs_num": 20})
+    assert r.status_code == 200, r.text
+    assert [len(step) for step in r.json()["meta_info"]["output_top_logprobs"]] == [20, 20]
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(

@@ -216,6 +216,20 @@ def test_chat_top_logprobs_needs_logprobs_and_is_bounded():
         )
 
 
+def test_top_logprobs_are_named_as_each_route_spells_them():
+    """The server's bound on top logprobs (checked after the route) names the route's own field."""
+    chat = parse(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 7},
+    )
+    obj = OpenAIServingChat(fake_tm()).build_input(chat)
+    assert obj.top_logprobs_num == 7 and obj.param_names["top_logprobs_num"] == "top_logprobs"
+    obj = OpenAIServingCompletion(fake_tm()).build_input(
+        parse(CompletionRequest, {"prompt": "x", "logprobs": 3})
+    )
+    assert obj.top_logprobs_num == 3 and obj.param_names["top_logprobs_num"] == "logprobs"
+
+
 # ---------------------------------------------------------------- native input
 def test_generate_req_input_expand_batch_and_rids():
     obj = GenerateReqInput(

@@ -131,6 +131,31 @@ def test_validation_happens_before_anything_is_sent(make_tm):
     assert tm.ipc.send_sock.sent == []
 
 
+def test_top_logprobs_beyond_the_server_bound_are_400(make_tm):
+    """--max-top-logprobs-num (default 20) bounds each prompt's top_logprobs_num; the error names
+    the flag and the route's own field, and nothing reaches the scheduler."""
+
+    async def go(tm, obj):
+        await tm.start()
+        return await tm.prepare(obj)
+
+    tm = make_tm()
+    prep = run(go(tm, GenerateReqInput(text="ab", top_logprobs_num=20)))
+    assert prep.reqs[0][0].top_logprobs_num == 20
+    with pytest.raises(RequestError, match=r"<= 20 .*--max-top-logprobs-num.*got 21") as e:
+        run(go(make_tm(), GenerateReqInput(text=["ab", "cd"], top_logprobs_num=[0, 21])))
+    assert e.value.param == "top_logprobs_num" and e.value.status_code == 400
+    tm = make_tm(max_top_logprobs_num=0)
+    assert run(go(tm, GenerateReqInput(text="ab", return_logprob=True))).reqs[0][0].return_logprob
+    chat = GenerateReqInput(text="ab", top_logprobs_num=1).serve_as(
+        param_names={"top_logprobs_num": "top_logprobs"}
+    )
+    with pytest.raises(RequestError, match="top_logprobs must be <= 0") as e:
+        run(go(tm, chat))
+    assert e.value.param == "top_logprobs"
+    assert tm.ipc.send_sock.sent == []
+
+
 def test_n_copies_share_a_prefill_and_get_distinct_seeds(make_tm):
     tm = make_tm()
 

@@ -262,6 +262,7 @@ class OpenAIServingChat(OpenAIServing):
         messages = [_history_message(m) for m in req.messages]
         sp, names = openai_sampling_params(req)
         top = check_top_logprobs(req.top_logprobs, "top_logprobs")
+        names["top_logprobs_num"] = "top_logprobs"
         if top and not req.logprobs:
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         plan = self.output_plan(req)

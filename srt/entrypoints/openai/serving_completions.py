@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise RequestError("prompt must not be empty", param="prompt")
         sampling = openai_sampling_params(req)
         top = check_top_logprobs(req.logprobs, "logprobs")
+        sampling[1]["top_logprobs_num"] = "logprobs"
         want_lp = req.logprobs is not None
         is_ids = isinstance(prompt, list) and isinstance(prompt[0], (int, list))
         return self._generate_input(

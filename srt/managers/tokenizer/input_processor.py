@@ -1,6 +1,7 @@
 """Input normalization and validation: a `GenerateReqInput` -> a `PreparedRequest` (nothing sent).
 
     GenerateReqInput --expand()--> SingleInput per prompt
+        --check_top_logprobs-----> top_logprobs_num within --max-top-logprobs-num
         --LoRARegistry.check-----> each prompt's lora_path a loaded adapter (or None: the base model)
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
         --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
@@ -96,6 +97,7 @@ class InputProcessor:
         share_prefill: bool,
         grammar_backend: str = "none",
         enable_priority: bool = False,
+        max_top_logprobs: int | None = None,
         incremental_stream: bool = True,
         lora: LoRARegistry | None = None,
         images: ImagePrompts | None = None,
@@ -105,6 +107,7 @@ class InputProcessor:
         self.share_prefill = share_prefill  # n > 1 sends a warm-up prefill (radix cache enabled)
         self.grammar_backend = grammar_backend  # resolved --grammar-backend
         self.enable_priority = enable_priority  # --enable-priority-scheduling
+        self.max_top_logprobs = max_top_logprobs  # --max-top-logprobs-num (None: no bound)
         self.incremental_stream = incremental_stream  # --incremental-streaming-output
         self.lora = lora if lora is not None else LoRARegistry()  # the adapters a request may name
         self.images = images  # None: image inputs are refused (no model behind this processor)
@@ -128,6 +131,7 @@ class InputProcessor:
             )
         self.lora.check_all(s.lora_path for s in singles)
         names = obj.param_names
+        self.check_top_logprobs(singles, names)
         params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
         for sp in params:
             self.check_grammar(sp)
@@ -148,6 +152,16 @@ class InputProcessor:
             self._fan_out(s, sp, (ids, mm), obj.stream, (now, deadline), reqs, warmups)
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
+
+    def check_top_logprobs(self, singles: list[SingleInput], names: Mapping[str, str]) -> None:
+        """Each prompt's top_logprobs_num within --max-top-logprobs-num."""
+        bound = self.max_top_logprobs
+        asked = max((s.top_logprobs_num for s in singles), default=0)
+        if bound is not None and asked > bound:
+            name = names.get("top_logprobs_num", "top_logprobs_num")
+            raise RequestError(
+                f"{name} must be <= {bound} on this server (--max-top-logprobs-num), got {asked}", param=name
+            )
 
     def check_grammar(self, sp: SamplingParams) -> None:
         """``sp``'s json_schema / regex / ebnf is one the grammar backend accepts (RequestError

@@ -30,6 +30,7 @@ every in-flight request with `EngineDeadError` and refuses new ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -120,6 +121,7 @@ class TokenizerManager:
             share_prefill=not server_args.disable_radix_cache,
             grammar_backend=server_args.grammar_backend,
             enable_priority=server_args.enable_priority_scheduling,
+            max_top_logprobs=server_args.max_top_logprobs_num,
             incremental_stream=server_args.incremental_streaming_output,
             lora=self.lora_registry,
             images=images,
@@ -163,10 +165,8 @@ class TokenizerManager:
         self.dead = error
         logger.error("%s", self.dead.message)
         if self._loop is not None and not self._loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._fail_all)
-            except RuntimeError:
-                pass
         for cb in self._death_callbacks:
             try:
                 cb(self.dead)
