@@ -2,10 +2,10 @@
 
 `SamplingParams` is a ``msgspec.Struct``: it travels inside ``TokenizedGenerateReqInput`` over
 msgpack, so it holds only plain values. A user's dict becomes a verified, normalized
-`SamplingParams` in `parse_sampling_params` (the tokenizer manager, before anything is sent);
-`SamplingParams.normalize` is the one place that decides greedy, resolves ``max_new_tokens`` and
-clamps, and everything after it (the wire, the scheduler, `SamplingBatchInfo`) reads the
-canonical form it leaves.
+`SamplingParams` in `srt.sampling.user_params.parse_sampling_params` (the tokenizer manager, before
+anything is sent); `SamplingParams.normalize` is the one place that decides greedy, resolves
+``max_new_tokens`` and clamps, and everything after it (the wire, the scheduler,
+`SamplingBatchInfo`) reads the canonical form it leaves.
 
 Conventions:
 - ``temperature == 0`` (anything below ``GREEDY_EPS``) means greedy decoding; `normalize()` turns it
@@ -24,13 +24,11 @@ Conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from srt.utils.errors import RequestError
 
 GREEDY_EPS = 1e-6
 # seeds are reduced to 64 bits for the counter-based noise; accept the signed and unsigned range
@@ -38,6 +36,9 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LOGIT_BIAS_LIMIT = 100.0
 MAX_N = 128  # copies of one prompt (OpenAI's limit): a bigger n is a denial of service, not a request
+# the detokenizer looks for every stop string after each step: thousands would stall every stream
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 512
+_SHOWN_CHARS = 200  # of a bad value's repr in an error message (a huge value is not echoed back)
 _CONSTRAINTS = ("json_schema", "regex", "ebnf")
 _FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
@@ -53,7 +54,13 @@ class SamplingParamsError(ValueError):
         self.param = param
         self.value = value
         self.requirement = requirement
-        super().__init__(f"{param} {requirement}, got {value!r}")
+        super().__init__(f"{param} {requirement}, got {self.shown}")
+
+    @property
+    def shown(self) -> str:
+        """The value as the message shows it: its repr, cut after ``_SHOWN_CHARS`` characters."""
+        r = repr(self.value)
+        return r if len(r) <= _SHOWN_CHARS else f"{r[:_SHOWN_CHARS]}... ({len(r)} characters)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +220,17 @@ def _min_new_tokens(p: SamplingParams, _vocab: int | None) -> str | None:
 
 def _stop(p: SamplingParams, _vocab: int | None) -> str | None:
     stops = [p.stop] if isinstance(p.stop, str) else p.stop
-    if stops is None or (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+    if stops is None:
         return None
-    return "must be a non-empty string or a list of non-empty strings"
+    if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+        return "must be a non-empty string or a list of non-empty strings"
+    longest = max(map(len, stops), default=0)
+    if len(stops) <= MAX_STOP_STRINGS and longest <= MAX_STOP_STRING_CHARS:
+        return None
+    return (
+        f"must be at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters "
+        f"({len(stops)} given, the longest of {longest})"
+    )
 
 
 def _stop_token_ids(p: SamplingParams, vocab: int | None) -> str | None:
@@ -335,56 +350,3 @@ def check_param(param: str, value: Any) -> SamplingParamsError | None:
     before a `SamplingParams` exists; the error it breaks, or None."""
     requirement = _RULE_OF[param](SamplingParams(**{param: value}), None)
     return None if requirement is None else SamplingParamsError(param, value, requirement)
-
-
-# ---------------------------------------------------------------------- user dicts
-_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
-
-
-def parse_sampling_params(
-    params: dict[str, Any], vocab_size: int | None, param_names: Mapping[str, str] | None = None
-) -> SamplingParams:
-    """A verified, normalized `SamplingParams` from a user dict (nothing prompt-dependent yet:
-    ``normalize(bounds)`` resolves ``max_new_tokens`` once the prompt is tokenized).
-
-    Raises `RequestError` naming every bad value (unknown names, wrong types, out-of-range values);
-    ``param`` of the error is the first offending parameter as the caller spells it
-    (``param_names``: internal name -> the caller's, e.g. OpenAI's max_new_tokens -> max_tokens).
-    """
-    names = param_names or {}
-    unknown = sorted(k for k in params if k not in _SAMPLING_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
-    clean = {k: v for k, v in params.items() if v is not None or k in ("max_new_tokens", "seed")}
-    try:
-        sp = msgspec.convert(clean, SamplingParams, strict=True)
-    except msgspec.ValidationError as e:
-        raise type_error(str(e), names) from None
-    errors = sp.validation_errors(vocab_size)
-    if errors:
-
-        def requirement(text: str) -> str:
-            for internal, external in names.items():
-                text = text.replace(internal, external)
-            return text
-
-        shown = [names.get(e.param, e.param) for e in errors]
-        message = "; ".join(
-            f"{s} {requirement(e.requirement)}, got {e.value!r}" for s, e in zip(shown, errors)
-        )
-        raise RequestError(message, param=shown[0])
-    return sp.normalize(vocab_size=vocab_size)
-
-
-def type_error(msg: str, names: Mapping[str, str] | None = None) -> RequestError:
-    """The `RequestError` (code ``invalid_type``) of a msgspec validation message such as
-    "Expected `float`, got `str` - at `$.temperature`": it names the top-level field (as the
-    caller spells it, ``names``)."""
-    names = names or {}
-    param = None
-    head, at, path = msg.partition(" - at `$.")
-    if at:
-        param = path.rstrip("`").split(".")[0].split("[")[0]
-        param = names.get(param, param)
-    text = head.replace("`", "")
-    return RequestError(f"{param}: {text}" if param else text, param=param, code="invalid_type")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srt.managers.detokenizer.detokenizer_manager import DetokenizerManager
+from srt.managers.detokenizer.detokenizer_manager import DetokenizerManager, _held_back
 from srt.managers.io_struct import BatchTokenIDOut, FinishReason
 
 
@@ -115,6 +115,31 @@ def test_held_back_prefix_is_released_when_it_does_not_match():
     deltas, reason, hits = run(DetokenizerManager(tok), "r", [0, 1, 2], stop=["abc"])
     assert deltas == ["x", "", "abz"]
     assert reason["type"] == "length" and hits == []
+
+
+def _held_back_reference(text: str, sent: int, stops: list[str]) -> int:
+    """Every proper prefix of every stop string, longest first, against the end of the text."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text) - sent), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_held_back_length_matches_the_reference(seed):
+    """Small alphabets, so that stop strings' prefixes recur and overlap in the text."""
+    rng = random.Random(seed)
+    for _ in range(3000):
+        alphabet = "ab" if rng.random() < 0.5 else "abcé"
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        stops = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9))) for _ in range(rng.randint(1, 4))
+        ]
+        sent = rng.randint(0, len(text))
+        assert _held_back(text, sent, stops) == _held_back_reference(text, sent, stops), (text, sent, stops)
 
 
 def test_stop_token_id_text_is_not_included():

@@ -18,7 +18,7 @@ from srt.entrypoints.openai.protocol import (
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.managers.tokenizer.generate_input import GenerateReqInput
-from srt.sampling.sampling_params import parse_sampling_params
+from srt.sampling.user_params import parse_sampling_params
 from srt.utils.errors import RequestError
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 import pytest
@@ -74,6 +75,28 @@ def test_each_bad_value_has_its_own_clear_message(field: str, value: object, ran
     assert repr(value) in msg
     assert range_text in msg
     assert [e.param for e in p.validation_errors()] == [field]
+
+
+def test_stop_strings_are_bounded_in_number_and_length() -> None:
+    SamplingParams(stop=["x" * 512] * 64).verify()
+    for stop, needle in [
+        (["x"] * 65, "(65 given, the longest of 1)"),
+        (["x" * 513], "(1 given, the longest of 513)"),
+    ]:
+        with pytest.raises(SamplingParamsError, match=re.escape(needle)) as exc:
+            SamplingParams(stop=stop).verify()
+        assert exc.value.param == "stop"
+
+
+def test_a_huge_bad_value_is_not_echoed_back_whole() -> None:
+    with pytest.raises(SamplingParamsError) as exc:
+        SamplingParams(stop=["stop"] * 20000).verify()
+    msg = str(exc.value)
+    assert (
+        "at most 64 strings of at most 512 characters (20000 given" in msg
+        and "(160000 characters)" in msg
+        and len(msg) < 400
+    )
 
 
 def test_min_new_tokens_must_not_exceed_max_new_tokens() -> None:

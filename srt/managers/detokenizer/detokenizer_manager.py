@@ -227,14 +227,20 @@ def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | N
 
 
 def _held_back(text: str, sent: int, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text[sent:]`` that is a proper prefix of a stop string."""
+    """Length of the longest suffix of ``text[sent:]`` that is a proper prefix of a stop string.
+    Per stop string only the positions of its first character in the tail are tried, earliest
+    (longest suffix) first, each with one comparison."""
     hold = 0
-    avail = len(text) - sent
+    n = len(text)
+    avail = n - sent
     for s in stops:
-        for k in range(min(len(s) - 1, avail), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
+        first, end = s[0], n - hold  # a longer hold starts before ``end``
+        p = text.find(first, n - min(len(s) - 1, avail), end)
+        while p != -1:
+            if s.startswith(text[p:]):
+                hold = n - p
                 break
+            p = text.find(first, p + 1, end)
     return hold
 
 

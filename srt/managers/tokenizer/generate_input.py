@@ -8,7 +8,7 @@ In-process only (it never crosses a socket; `srt.managers.tokenizer.input_proces
 ``input_ids: list[int]``) or a *batch* (``text: list[str]`` or ``input_ids: list[list[int]]``);
 per-prompt fields (``sampling_params``, ``rid``, ``return_logprob`` ...) are either one value for
 all prompts or a list with one value per prompt. `expand` normalizes this into `SingleInput`s.
-``sampling_params`` stays the user's dict here; `srt.sampling.sampling_params.parse_sampling_params`
+``sampling_params`` stays the user's dict here; `srt.sampling.user_params.parse_sampling_params`
 turns it into a verified `SamplingParams`.
 
 How a route serves the request (``incremental_stream``, ``add_special_tokens``, ``param_names``)
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from srt.managers.tokenizer.generate_fields import check_extra_fields
-from srt.sampling.sampling_params import type_error
+from srt.sampling.user_params import type_error
 from srt.utils.errors import RequestError
 
 

@@ -42,7 +42,8 @@ from srt.managers.tokenizer.image_prompts import ImagePrompts
 from srt.managers.tokenizer.lora_registry import LoRARegistry
 from srt.managers.tokenizer.tokenize_batcher import TokenizeBatcher
 from srt.multimodal.inputs import MultimodalInputs
-from srt.sampling.sampling_params import LengthBounds, SamplingParams, parse_sampling_params
+from srt.sampling.sampling_params import LengthBounds, SamplingParams
+from srt.sampling.user_params import parse_sampling_params
 from srt.utils.errors import ContextLengthError, RequestError
 
 # grammars already validated, remembered so that a repeated schema is not checked again
