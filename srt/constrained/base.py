@@ -65,6 +65,11 @@ class Grammar(ABC):
     def error(self) -> str | None:
         """Why the matcher failed, or None."""
 
+    def failed_on_limits(self) -> bool:
+        """Whether the matcher failed because the grammar outgrew the library's limits (it may
+        then reject a token its own mask allowed): the request's grammar is at fault, not srt."""
+        return False
+
     def can_close(self) -> bool:
         """Whether steering the output to its end makes sense now (False inside free text that
         only the model can end, e.g. a reasoning section)."""

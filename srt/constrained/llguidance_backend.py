@@ -153,6 +153,12 @@ class LLGuidanceGrammar(Grammar):
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
+    def failed_on_limits(self) -> bool:
+        # llguidance's word for a token outside the grammar; any other failure (a lexer or parser
+        # limit, e.g. "too many expressions constructed") comes from the grammar's size
+        err = self.error()
+        return err is not None and "doesn't satisfy the grammar" not in err
+
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"

@@ -268,6 +268,48 @@ def test_grammar_manager_reports_failures_and_discards(tokenizer):
     gm.shutdown()
 
 
+class _Decoding:
+    """What GrammarManager.accept reads and writes of a request."""
+
+    def __init__(self, grammar) -> None:
+        self.rid, self.grammar, self.output_ids, self.finished_reason = "r", grammar, [], None
+
+    def finish(self, reason) -> None:
+        self.finished_reason = reason
+
+
+def _allowed(backend, grammar, vocab: int) -> list[int]:
+    bitmask = allocate_bitmask(1, vocab)
+    backend.fill_bitmasks([grammar], bitmask)
+    return unpack_bitmask(bitmask, vocab)[0].nonzero().flatten().tolist()
+
+
+def test_a_grammar_past_the_backends_limits_is_the_requests_400_a_masking_bug_a_500(tokenizer):
+    """llguidance allows the token 'xxxx' for (x{1000}){1000}, then fails to consume it ("too many
+    expressions constructed"): the grammar's size, not srt, so the request gets a 400. A token the
+    grammar never allowed (as a wrong mask would let through) stays a 500. Either message is the
+    error's first line, without the parser state llguidance appends."""
+    from srt.managers.scheduler.grammar import GrammarManager
+
+    backend = create_grammar_backend("llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    huge = _Decoding(backend.matcher(backend.compile(GrammarSpec("regex", "(x{1000}){1000}"))))
+    token = _allowed(backend, huge.grammar, len(tokenizer))[0]
+    huge.output_ids.append(token)
+    GrammarManager.accept(huge, token)
+    reason = huge.finished_reason
+    assert reason.type == "abort" and reason.status_code == 400, reason
+    assert "too large for the grammar backend after 0 tokens" in reason.message and "\n" not in reason.message
+
+    letters = _Decoding(backend.matcher(backend.compile(GrammarSpec("regex", "[a-z]{3}"))))
+    bad = tokenizer.encode("1", add_special_tokens=False)[0]
+    assert bad not in _allowed(backend, letters.grammar, len(tokenizer))
+    GrammarManager.accept(letters, bad)
+    reason = letters.finished_reason
+    assert (
+        reason.status_code == 500 and f"rejected token {bad}" in reason.message and "\n" not in reason.message
+    )
+
+
 def test_batched_mask_fill_equals_row_by_row(backend, tokenizer):
     """The backend's batch fill (llguidance: in parallel) gives each row its own matcher's mask."""
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))

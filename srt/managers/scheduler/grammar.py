@@ -228,11 +228,20 @@ class GrammarManager:
     @staticmethod
     def accept(req: Req, token: int) -> None:
         """Advance ``req``'s matcher past ``token`` (after ``Req.append_token``): a complete
-        grammar finishes the request, a rejected token aborts it (a masking bug: logged)."""
+        grammar finishes the request. A rejected token aborts it: with 400 when the grammar outgrew
+        the backend's limits (the request's fault), else with 500 (a masking bug: logged)."""
         g = req.grammar
         if not g.accept_token(token):
-            logger.error("request %r: the grammar rejected token %d: %s", req.rid, token, g.error())
-            req.finish(FinishReason.of_abort(f"the grammar rejected token {token}: {g.error()}", 500))
+            error = g.error() or ""
+            summary = error.split("\n", 1)[0]  # llguidance appends its parser state
+            if g.failed_on_limits():
+                logger.warning("request %r: its grammar outgrew the backend's limits: %s", req.rid, summary)
+                done = len(req.output_ids) - 1
+                why = f"the grammar is too large for the grammar backend after {done} tokens: {summary}"
+                req.finish(FinishReason.of_abort(why, 400))
+            else:
+                logger.error("request %r: the grammar rejected token %d: %s", req.rid, token, error)
+                req.finish(FinishReason.of_abort(f"the grammar rejected token {token}: {summary}", 500))
         elif g.is_terminated():
             # "stop" with no matched token: the token is part of the answer (not trimmed)
             req.finish(FinishReason(type="stop"))
