@@ -102,6 +102,17 @@ def test_context_length_400_gives_the_numbers(server):
     assert r.status_code == 400 and str(ctx) in r.json()["error"]["message"]
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_400_before_tokenizing(server):
+    """A 200 MB prompt once took the tokenizer minutes and 12 GiB before the context check."""
+    ctx = requests.get(server.url("/get_model_info"), headers=AUTH, timeout=10).json()["context_len"]
+    text = "#" * (ctx * 100)  # the default tokenizer's tokens cover at most 81 characters
+    for path, body in [("/generate", {"text": text}), ("/tokenize", {"prompt": text})]:
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, r.text[:200])
+        assert_error_body(r.json(), 400, f"{len(text)} characters", str(ctx), param="prompt")
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_chat_400(server):
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400

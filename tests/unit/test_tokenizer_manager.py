@@ -156,6 +156,34 @@ def test_top_logprobs_beyond_the_server_bound_are_400(make_tm):
     assert tm.ipc.send_sock.sent == []
 
 
+def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(make_tm):
+    """The default tokenizer's tokens cover at most 81 characters, so with a 100-token context a
+    text of more than 8,100 characters (but those it may drop) cannot fit: a ContextLengthError
+    before the tokenizer runs, for /generate and /tokenize alike."""
+    from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+    from srt.utils.token_cover import token_cover
+
+    tokenizer = load_tokenizer(tokenizer_source(ServerArgs()))
+    most = 100 * token_cover(tokenizer).chars
+    tm = make_tm(tokenizer=lambda: tokenizer)
+
+    async def go():
+        await tm.start()
+        for call in (
+            lambda text: tm.prepare(GenerateReqInput(text=["ok", text])),
+            lambda text: tm.inputs.tokenize([text], add_special_tokens=False),
+        ):
+            with pytest.raises(ContextLengthError, match=f"{most + 1} characters, so at least 101 tokens"):
+                await call("#" * (most + 1))
+        assert tm.inputs._batcher.num_calls == 0
+        # characters the tokenizer drops do not count: this one is tokenized, and fits
+        prep = await tm.prepare(GenerateReqInput(text="\x06" * (most + 1) + "ok"))
+        assert tm.inputs._batcher.num_calls == 1
+        return prep.reqs[0][0].input_ids
+
+    assert run(go()) == tokenizer("\x06ok")["input_ids"]
+
+
 def test_n_copies_share_a_prefill_and_get_distinct_seeds(make_tm):
     tm = make_tm()
 

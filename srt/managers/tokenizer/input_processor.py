@@ -5,6 +5,8 @@
         --LoRARegistry.check-----> each prompt's lora_path a loaded adapter (or None: the base model)
         --parse_sampling_params--> verified SamplingParams (one message per bad value)
         --check_grammar----------> json_schema / regex / ebnf valid for the grammar backend
+        --_check_text_lengths----> a text that needs more tokens than the context holds at any
+                                   tokenization (`srt.utils.token_cover.TokenCover`): refused untokenized
         --TokenizeBatcher--------> token ids (prompts arriving together: one tokenizer call)
         --ImagePrompts.expand----> images loaded and preprocessed, their placeholders expanded
         --normalize(bounds)------> max_new_tokens resolved for the prompt (`SamplingParams.normalize`)
@@ -45,6 +47,7 @@ from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import LengthBounds, SamplingParams
 from srt.sampling.user_params import parse_sampling_params
 from srt.utils.errors import ContextLengthError, RequestError
+from srt.utils.token_cover import token_cover
 
 # grammars already validated, remembered so that a repeated schema is not checked again
 _VALID_GRAMMARS_KEPT = 1024
@@ -113,6 +116,9 @@ class InputProcessor:
         self.lora = lora if lora is not None else LoRARegistry()  # the adapters a request may name
         self.images = images  # None: image inputs are refused (no model behind this processor)
         self._batcher: TokenizeBatcher | None = None
+        # what one token covers at most: a text that needs more tokens than the context holds is
+        # refused untokenized (a 200 MB prompt took the tokenizer minutes and 12 GiB)
+        self._cover = token_cover(tokenizer) if tokenizer is not None else None
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -187,6 +193,7 @@ class InputProcessor:
         if texts:
             if self._batcher is None:
                 raise RequestError("the server runs with --skip-tokenizer-init: send input_ids, not text")
+            self._check_text_lengths(texts)
             encoded = await self._batcher.encode(texts, add_special_tokens)
         it = iter(encoded)
         return [list(s.input_ids) if s.input_ids is not None else next(it) for s in singles]
@@ -210,10 +217,26 @@ class InputProcessor:
         return list(await asyncio.gather(*jobs))
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """The token ids of each text (POST /tokenize); `RequestError` without a tokenizer."""
+        """The token ids of each text (POST /tokenize); `RequestError` without a tokenizer or for
+        a text too long for the context at any tokenization."""
         if self._batcher is None:
             raise RequestError("the server runs with --skip-tokenizer-init: it cannot tokenize")
+        self._check_text_lengths(texts)
         return await self._batcher.encode(texts, add_special_tokens)
+
+    def _check_text_lengths(self, texts: list[str]) -> None:
+        """`ContextLengthError` for a text that needs more tokens than the context holds at any
+        tokenization (`TokenCover`): it is never tokenized."""
+        cover, ctx = self._cover, self.limits.context_len
+        if cover is None:
+            return
+        for text in texts:
+            if len(text) > ctx * cover.chars and (least := cover.min_tokens(text)) > ctx:
+                raise ContextLengthError(
+                    f"The input ({len(text)} characters, so at least {least} tokens) is longer than "
+                    f"the model's context length ({ctx} tokens). Shorten the input.",
+                    param="prompt",
+                )
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
         """The text of ``ids`` (POST /detokenize); `RequestError` for ids outside the vocabulary
