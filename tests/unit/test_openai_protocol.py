@@ -245,6 +245,13 @@ def test_generate_req_input_expand_batch_and_rids():
         GenerateReqInput().expand()
     with pytest.raises(RequestError, match="integers"):
         GenerateReqInput(input_ids=[1, "x"]).expand()
+    with pytest.raises(RequestError, match=r"logprob_start_len must be >= 0 .* or -1 \(none\), got -5") as e:
+        GenerateReqInput(text="a", return_logprob=True, logprob_start_len=-5).expand()
+    assert e.value.param == "logprob_start_len"
+    assert (
+        GenerateReqInput(text="a", return_logprob=True, logprob_start_len=-1).expand()[0].logprob_start_len
+        == -1
+    )
     assert not GenerateReqInput(input_ids=[1, 2]).is_batch and GenerateReqInput(input_ids=[[1], [2]]).is_batch
 
 

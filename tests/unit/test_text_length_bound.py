@@ -54,15 +54,20 @@ def _full_byte_level() -> Tokenizer:
     return tok
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_no_text_has_fewer_tokens_than_the_bound_says(tmp_path, seed):
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tokenizers")
     built = {
         "full_byte_level": _full_byte_level,
         "partial_byte_level": _byte_level,
         "byte_fallback": _metaspace,
     }
-    tokenizers = {"default": load_tokenizer(tokenizer_source(ServerArgs()))}
-    tokenizers |= {name: load_tokenizer(_hf_dir(tmp_path, build(), name)) for name, build in built.items()}
+    out = {"default": load_tokenizer(tokenizer_source(ServerArgs()))}
+    return out | {name: load_tokenizer(_hf_dir(root, build(), name)) for name, build in built.items()}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_no_text_has_fewer_tokens_than_the_bound_says(tokenizers, seed):
     for name, tok in tokenizers.items():
         cover = token_cover(tok)
         assert cover is not None and cover.chars >= max(map(len, tok.get_vocab())), name

@@ -151,6 +151,11 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
         for i, p in enumerate(prompts):
             if tln[i] < 0:
                 raise RequestError(f"top_logprobs_num must be >= 0, got {tln[i]}", param="top_logprobs_num")
+            if lsl[i] < -1:
+                raise RequestError(
+                    f"logprob_start_len must be >= 0 (a prompt position) or -1 (none), got {lsl[i]}",
+                    param="logprob_start_len",
+                )
             out.append(
                 SingleInput(
                     text=p if isinstance(p, str) else None,
