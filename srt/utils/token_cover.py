@@ -20,10 +20,12 @@ from typing import Any
 # NFKC may merge into one); anything else (BERT's cleaning, Strip, Whitespace splits, a Split
 # that removes its matches, WordPiece's one [UNK] for a whole word) could, and defeats any bound
 _KEEPING_NORMALIZERS = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
+_KEEPING_PRE_TOKENIZERS = dict.fromkeys(
+    ("ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"), 1
+)
 
 
-def _keeping_factor(component: Any, allowed: dict[str, int] | set[str]) -> int | None:
+def _keeping_factor(component: Any, allowed: dict[str, int]) -> int | None:
     """How many characters of the text one character of ``component``'s output may stand for
     (1 for none, the identity), or None when it may drop characters."""
     if component is None:
@@ -33,19 +35,16 @@ def _keeping_factor(component: Any, allowed: dict[str, int] | set[str]) -> int |
     while stack:
         node = stack.pop()
         kind = node.get("type")
+        removes = str(node.get("behavior", "")).lower() == "removed"  # a Split dropping its matches
         if kind == "Sequence":
             stack.extend(node.get("normalizers") or node.get("pretokenizers") or [])
-        elif kind == "Replace" and isinstance(allowed, dict):
+        elif kind == "Replace":  # (a normalizer) keeps the text when it never shortens it
             pattern, content = node.get("pattern", {}).get("String"), node.get("content", "")
             if not pattern or len(content) < len(pattern):
                 return None
-        elif (
-            str(node.get("behavior", "")).lower() == "removed"
-        ):  # a Split or Punctuation dropping its matches
+        elif removes or kind not in allowed:
             return None
-        elif kind not in allowed:
-            return None
-        elif isinstance(allowed, dict):
+        else:
             factor = max(factor, allowed[kind])
     return factor
 
