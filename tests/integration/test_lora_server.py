@@ -18,13 +18,17 @@ import time
 import pytest
 import requests
 
+from tests.helpers import lora_adapters
 from tests.helpers.hf_reference import (
+    DEFAULT_MODEL_KEY,
     assert_tokens_match,
+    default_model_identity,
     hf_greedy_references,
     load_default_hf_model,
     make_prompts,
 )
 from tests.helpers.lora_adapters import ALL_TARGETS, peft_reference_model, rewrite_adapter, save_peft_adapter
+from tests.helpers.ref_cache import folder_key
 from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess
 
 # transformers' load of the default GGUF (seconds), once; each user gets a copy (peft edits it)
@@ -60,12 +64,15 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(adapter_dirs, prompts) -> dict[str | None, list]:
-    """Greedy tokens of transformers + peft, each prompt alone, per adapter (None: the base)."""
+    """Greedy tokens of transformers + peft, each prompt alone, per adapter (None: the base),
+    cached on disk by the adapter's bytes (tests/helpers/ref_cache.py)."""
+    base_key = [DEFAULT_MODEL_KEY, *map(str, default_model_identity())]
     out = {}
     for name in (None, "a", "b", "c"):
         path = adapter_dirs[name] if name else None
+        key = folder_key(path, *base_key, code=[lora_adapters]) if path else DEFAULT_MODEL_KEY
         out[name] = hf_greedy_references(
-            None, prompts, MAX_NEW, lambda p=path: peft_reference_model(load_base, p)
+            key, prompts, MAX_NEW, lambda p=path: peft_reference_model(load_base, p)
         )
     return out
 

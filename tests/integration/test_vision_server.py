@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import functools
+import hashlib
 import io
 import json
 import struct
@@ -41,6 +42,8 @@ import pytest
 import requests
 from PIL import Image
 
+from tests.helpers import tiny_vlm
+from tests.helpers.ref_cache import cached_json, folder_digest
 from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess, free_port
 from tests.helpers.tiny_vlm import (
     VLM_KINDS,
@@ -163,16 +166,36 @@ class Vlm:
         return _text_reference(self.path, text, images)
 
 
+# transformers' references, cached on disk by the folder's and the images' bytes
+# (tests/helpers/ref_cache.py): computing them is about a third of this module's time
 @functools.cache
 def _reference(path: str, ids: tuple[int, ...], images: tuple[int, ...]) -> list[int]:
-    return hf_vlm_greedy(path, list(ids), [IMAGES[i] for i in images], MAX_NEW)
+    pics = [IMAGES[i] for i in images]
+    key = [_folder_digest(path), list(ids), _images_digest(images), MAX_NEW]
+    return cached_json("vlm-greedy", key, lambda: hf_vlm_greedy(path, list(ids), pics, MAX_NEW), [tiny_vlm])
 
 
 @functools.cache
 def _text_reference(path: str, text: str, images: tuple[int, ...]) -> tuple[list[int], int]:
     pics = [IMAGES[i] for i in images]
-    n = hf_text_inputs(path, text, pics)["input_ids"].shape[1]
-    return hf_text_greedy(path, text, pics, MAX_NEW), n
+
+    def compute() -> list:
+        n = hf_text_inputs(path, text, pics)["input_ids"].shape[1]
+        return [hf_text_greedy(path, text, pics, MAX_NEW), n]
+
+    key = [_folder_digest(path), text, _images_digest(images), MAX_NEW]
+    tokens, n = cached_json("vlm-text-greedy", key, compute, [tiny_vlm])
+    return tokens, n
+
+
+_folder_digest = functools.cache(folder_digest)
+
+
+def _images_digest(images: tuple[int, ...]) -> str:
+    h = hashlib.sha256()
+    for i in images:
+        h.update(f"{IMAGES[i].mode}{IMAGES[i].size}".encode() + IMAGES[i].tobytes())
+    return h.hexdigest()[:32]
 
 
 @pytest.fixture(scope="module")
