@@ -92,3 +92,19 @@ def cached_json(kind: str, key: Sequence[Any], compute: Callable[[], Any], code:
     value = compute()
     hf_reference._atomic_write(path, json.dumps(value))
     return json.loads(json.dumps(value))  # what a later read gives (tuples become lists)
+
+
+def hf_folder_references(
+    path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, dtype=torch.float32, **load_kw
+) -> list[hf_reference.GreedyReference]:
+    """``hf_greedy_references`` of the transformers model in folder ``path``, loaded as
+    ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load_kw)`` in eval mode, cached
+    by the folder's bytes and the load's arguments."""
+
+    def load():
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **load_kw).eval()
+
+    key = folder_key(path, str(dtype), json.dumps(load_kw, sort_keys=True))
+    return hf_reference.hf_greedy_references(key, prompts, max_new_tokens, load)

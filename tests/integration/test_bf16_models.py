@@ -19,10 +19,10 @@ from srt import Engine
 from srt.configs.cpu_features import cpu_bf16_units
 from tests.helpers.hf_reference import (
     assert_tokens_match,
-    hf_greedy_references,
     make_prompts,
     make_shared_prefix_group,
 )
+from tests.helpers.ref_cache import hf_folder_references
 from tests.helpers.tiny_gemma import build_tiny_gemma
 from tests.helpers.tiny_models import build_tiny_hf_model, save_hf_dir
 from tests.helpers.tiny_moe import build_tiny_moe
@@ -68,14 +68,8 @@ def test_bf16_checkpoint_serves_in_the_dtype_auto_picks_and_matches_transformers
         outs += [llm.generate(input_ids=p, sampling_params=GREEDY) for p in shared]
     finally:
         llm.shutdown()
-
-    def load_hf():
-        from transformers import AutoModelForCausalLM
-
-        kw = {"attn_implementation": "eager"} if kind.startswith("gemma2") else {}
-        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).eval()
-
-    refs = hf_greedy_references(None, batch + shared, MAX_NEW_TOKENS, load_hf)
+    kw = {"attn_implementation": "eager"} if kind.startswith("gemma2") else {}
+    refs = hf_folder_references(path, batch + shared, MAX_NEW_TOKENS, getattr(torch, dtype), **kw)
     gaps = []
     for o, r in zip(outs, refs):
         if assert_tokens_match(o["output_ids"], r.token_ids, r.top_logprobs):

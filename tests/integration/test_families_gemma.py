@@ -12,7 +12,6 @@ cached prefix (``cached_tokens``, whole KV pages of it) and attend through the w
 from __future__ import annotations
 
 import pytest
-import torch
 
 from srt import Engine
 from tests.helpers.hf_reference import (
@@ -21,6 +20,7 @@ from tests.helpers.hf_reference import (
     make_prompts,
     make_shared_prefix_group,
 )
+from tests.helpers.ref_cache import hf_folder_references
 from tests.helpers.tiny_gemma import GEMMA_KINDS, hf_model_with, save_tiny_gemma, save_tiny_gemma_gguf
 
 MAX_NEW_TOKENS = 20
@@ -31,18 +31,12 @@ WINDOW = 8  # tiny_gemma's sliding_window
 
 
 def _model(kind: str, fmt: str, tmp_path):
-    """``(model path, loader of the transformers model with the same weights)``."""
+    """``(model path, loader of the transformers model with the same weights)``; no loader for a
+    safetensors folder, whose references ``hf_folder_references`` loads and caches."""
     if fmt == "gguf":  # Q8_0 blocks kept quantized; transformers runs their dequantized values
         path, cfg, state = save_tiny_gemma_gguf(kind, tmp_path / f"{kind}.gguf", "Q8_0", seed=7)
         return path, lambda: hf_model_with(cfg, state)
-    path = save_tiny_gemma(kind, tmp_path / kind, seed=7)
-
-    def load_hf():
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-
-    return path, lambda: load_hf().eval()
+    return save_tiny_gemma(kind, tmp_path / kind, seed=7), None  # references cached by its bytes
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
@@ -51,7 +45,10 @@ def test_greedy_outputs_match_transformers(tmp_path, kind, fmt):
     path, load_hf = _model(kind, fmt, tmp_path)
     batch = make_prompts([3, 9, 30, 70], seed=1, vocab_size=VOCAB)
     shared = make_shared_prefix_group(PREFIX, [5, 12, 30], seed=2, vocab_size=VOCAB)
-    refs = hf_greedy_references(None, batch + shared, MAX_NEW_TOKENS, load_hf)
+    if load_hf is None:
+        refs = hf_folder_references(path, batch + shared, MAX_NEW_TOKENS, attn_implementation="eager")
+    else:
+        refs = hf_greedy_references(None, batch + shared, MAX_NEW_TOKENS, load_hf)
     llm = Engine(
         model_path=path,
         skip_tokenizer_init=True,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from srt import Engine
 from tests.helpers.hf_reference import assert_tokens_match, hf_greedy_references, make_prompts
+from tests.helpers.ref_cache import hf_folder_references
 from tests.helpers.tiny_moe import save_tiny_moe, save_tiny_moe_gguf
 
 MAX_NEW_TOKENS = 16
@@ -47,13 +47,7 @@ def _run(model_path: str, refs, **engine_kw) -> None:
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_engine_greedy_matches_transformers(tmp_path, kind):
     path = save_tiny_moe(kind, tmp_path / kind, seed=21)
-
-    def load_hf():
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    _run(path, hf_greedy_references(None, PROMPTS, MAX_NEW_TOKENS, load_hf))
+    _run(path, hf_folder_references(path, PROMPTS, MAX_NEW_TOKENS))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])

@@ -33,10 +33,10 @@ from tests.helpers.hf_reference import (
     assert_tokens_match,
     default_model_references,
     default_prompt_set,
-    hf_greedy_references,
     make_prompts,
     warm_command,
 )
+from tests.helpers.ref_cache import hf_folder_references
 from tests.helpers.runner_driver import DriverSeq, RunnerDriver
 from tests.helpers.tiny_models import TINY_KINDS, save_tiny_model
 from tests.helpers.tolerance import REORDER_C, assert_reordered_close, reduction_len
@@ -218,15 +218,8 @@ def tiny_model(request, tmp_path_factory):
 
 def test_tiny_models_match_transformers(tiny_model):
     kind, path = tiny_model
-    from transformers import AutoModelForCausalLM
-
     prompts, groups = default_prompt_set(NUM_PROMPTS, seed=1, min_len=5, max_len=400, vocab_size=320)
-    refs = hf_greedy_references(
-        None,
-        prompts,
-        MAX_NEW_TOKENS,
-        lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-    )
+    refs = hf_folder_references(path, prompts, MAX_NEW_TOKENS)
     near_ties = 0
     for page_size in PAGE_SIZES:
         runner = make_runner(path, page_size, pool_tokens_for(prompts, page_size))

@@ -22,16 +22,15 @@ import time
 
 import pytest
 import requests
-import torch
 
 from srt import Engine
 from tests.helpers.hf_reference import (
     assert_tokens_match,
     default_model_references,
     default_prompt_set,
-    hf_greedy_references,
     make_prompts,
 )
+from tests.helpers.ref_cache import hf_folder_references
 from tests.helpers.server import DEFAULT_TEST_ARGS, ServerProcess, free_port, wait_gone
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -70,13 +69,7 @@ def test_engine_tp2_matches_transformers(workload):
 def test_engine_tp2_tiny_qwen2_with_replicated_kv_head(tmp_path):
     path = save_tiny_model("qwen2", tmp_path / "qwen2-kv1", seed=5, num_key_value_heads=1)
     prompts = make_prompts([3, 17, 60, 150], seed=7, vocab_size=320)
-
-    def load_hf():
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    refs = hf_greedy_references(None, prompts, 24, load_hf)
+    refs = hf_folder_references(path, prompts, 24)
     llm = Engine(
         model_path=path, tp_size=2, skip_tokenizer_init=True, max_total_tokens=4096, log_level="warning"
     )

@@ -8,8 +8,10 @@ import json
 import types
 
 import pytest
+import torch
 
 from tests.helpers import hf_reference, ref_cache
+from tests.helpers.tiny_models import save_tiny_model
 
 
 def _write(folder, files: dict[str, bytes]):
@@ -88,3 +90,30 @@ def test_folder_key_moves_with_the_bytes_the_load_and_the_versions(tmp_path, mon
     assert ref_cache.folder_key(folder, "bfloat16") != key
     monkeypatch.setattr(ref_cache, "_package_versions", lambda: "transformers=0;torch=0;peft=0")
     assert ref_cache.folder_key(folder, "float32") != key
+
+
+def test_a_saved_tiny_model_is_loaded_once_for_two_copies_of_its_folder(tmp_path, cache_dir, monkeypatch):
+    """The seeded builder writes the same bytes twice: the second folder's references come from the
+    cache (the model is not loaded), equal to transformers' own greedy run."""
+    import transformers
+
+    one = save_tiny_model("llama", tmp_path / "one", seed=0)
+    two = save_tiny_model("llama", tmp_path / "two", seed=0)
+    assert ref_cache.folder_digest(one) == ref_cache.folder_digest(two)
+    prompts = hf_reference.make_prompts([3, 17], seed=4, vocab_size=320)
+    loads = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counted(*args, **kw):
+        loads.append(args[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counted)
+    first = ref_cache.hf_folder_references(one, prompts, 5)
+    assert ref_cache.hf_folder_references(two, prompts, 5) == first
+    assert loads == [str(one)]
+    model = real(str(one), dtype=torch.float32).eval()
+    assert first == [hf_reference.hf_greedy_reference(model, p, 5) for p in prompts]
+    other = save_tiny_model("llama", tmp_path / "other", seed=1)
+    ref_cache.hf_folder_references(other, prompts, 5)
+    assert loads == [str(one), str(other)], "other bytes, another entry"
