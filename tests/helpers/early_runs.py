@@ -168,6 +168,22 @@ class EarlyRuns:
                 run.start(idle=False)
         return run.finish(command.timeout)
 
+    def promote(self, key: str) -> None:
+        """``key``'s run at normal priority from now on: started now if still queued."""
+        run = self._claim(key)
+        if run is not None and run.proc is not None and run.proc.poll() is None:
+            _normal_priority(run.proc.pid)
+
+    def returncode(self, key: str) -> int | None:
+        """``key``'s exit status; None while it is queued or going (or was never scheduled)."""
+        run = self._runs.get(key)
+        return None if run is None or run.proc is None else run.proc.poll()
+
+    def kill(self, key: str) -> None:
+        run = self._runs.get(key)
+        if run is not None:
+            run.kill()
+
     def wait(self, key: str, timeout: float = 1800.0) -> None:
         """Wait for ``key``'s run if it is queued or going (its outcome left to whoever asks)."""
         run = self._claim(key)

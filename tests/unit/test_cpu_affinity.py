@@ -30,6 +30,9 @@ from srt.utils.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 ALLOWED = allowed_cpus()
 needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs this process may use")
+pytestmark = pytest.mark.no_lane(
+    "reads the priority and CPU affinity of the processes it starts, which a low-priority lane would change"
+)
 
 
 # ---------------------------------------------------------------- parsing and resolution

@@ -15,6 +15,10 @@ import pytest
 from tests.helpers import early_runs
 from tests.helpers.early_runs import Command, EarlyRuns
 
+pytestmark = pytest.mark.no_lane(
+    "checks the scheduling policy of the children it starts, which a low-priority lane would change"
+)
+
 REPORT = "import os, sys; print(os.sched_getscheduler(0), os.environ.get('SRT_TEST_EARLY_RUN')); sys.exit(int(sys.argv[1]))"
 IDLE, OTHER = os.SCHED_IDLE, os.SCHED_OTHER
 
