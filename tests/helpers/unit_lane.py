@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -216,6 +217,11 @@ class Lane:
             self.rerun.append((nodeid, _failure_line(data)))
             data = self._alone(nodeid)
         return data
+
+    def close(self) -> None:
+        """The lane's files removed (its children are killed with the other early runs)."""
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def summary(self) -> list[str]:
         if not self.active:
