@@ -33,7 +33,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    """A lane test: its reports from the lane, logged as if it had run here."""
+    """A lane test: its reports from the lane, logged as if it had run here. In a lane worker, a
+    test of a module the other worker took: not run (nor reported) here."""
+    if unit_lane.in_child():
+        return None if unit_lane.claim(item) else True
     if not unit_lane.LANE.active or item.nodeid not in unit_lane.LANE.nodeids:
         return None
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)

@@ -24,6 +24,7 @@ child of a run, when only collecting, and with ``SRT_TEST_LANE=0``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +44,9 @@ ENV = "SRT_TEST_LANE"  # "0": off
 OUT_ENV = "SRT_TEST_LANE_OUT"  # in a lane child: where its reports go
 IDS_ENV = "SRT_TEST_LANE_IDS"  # in a lane child: the node ids it runs, one a line
 RUN_ENV = "SRT_TEST_LANE_RUN"  # in a lane child: "lane", "alone" (a failed test again) or "rest"
+CLAIMS_ENV = "SRT_TEST_LANE_CLAIMS"  # in a lane worker: where it claims the modules it runs
+ORDER_ENV = "SRT_TEST_LANE_ORDER"  # in a lane worker: "reverse" walks the modules last to first
+WORKERS = 2  # the lane's pytest workers: at the end of a run they have both cores to themselves
 UNIT_DIR = "tests/unit/"
 STALL_S = 900.0  # a child that reports nothing this long while the main run waits is killed
 
@@ -68,9 +72,39 @@ def enabled(config: pytest.Config, items: list[pytest.Item]) -> bool:
 
 
 def child_filter(items: list[pytest.Item]) -> list[pytest.Item]:
-    """In a lane child: the items it was given, in collection order."""
+    """In a lane child: the items it was given, in collection order, or module by module from the
+    last with ``SRT_TEST_LANE_ORDER=reverse`` (each module's items still in order)."""
     wanted = set(Path(os.environ[IDS_ENV]).read_text().splitlines())
-    return [i for i in items if i.nodeid in wanted]
+    items = [i for i in items if i.nodeid in wanted]
+    if os.environ.get(ORDER_ENV) != "reverse":
+        return items
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(_module(item.nodeid), []).append(item)
+    return [item for group in reversed(modules.values()) for item in group]
+
+
+_CLAIMED: set[str] = set()
+
+
+def claim(item: pytest.Item) -> bool:
+    """In a lane worker: whether to run ``item``: its module is this worker's, claimed now if no
+    worker had it yet (a file created exclusively in the lane's claims directory)."""
+    claims = os.environ.get(CLAIMS_ENV)
+    module = _module(item.nodeid)
+    if claims is None or module in _CLAIMED:
+        return True
+    name = hashlib.sha1(module.encode()).hexdigest()
+    try:
+        os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    _CLAIMED.add(module)
+    return True
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 _CONFIG: list[pytest.Config] = []
@@ -96,40 +130,64 @@ def in_child() -> bool:
 # ---------------------------------------------------------------- the main run's side
 
 
-def _command(nodeids: list[str], out: Path, rootdir: Path, kind: str) -> early_runs.Command:
-    ids = out.with_suffix(".ids")
+def _pytest(rootdir: Path, nodeids: list[str]) -> list[str]:
+    files = list(dict.fromkeys(_module(n) for n in nodeids))
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir), *files]
+
+
+# the lane's launcher: its workers (argv, environment), waited for; they share its process group
+_LAUNCH = (
+    "import json, os, subprocess, sys\n"
+    "workers = [subprocess.Popen(a, env={**os.environ, **e}) for a, e in json.loads(sys.argv[1])]\n"
+    "sys.exit(max(w.wait() for w in workers))"
+)
+
+
+def _command(nodeids: list[str], outs: list[Path], rootdir: Path, kind: str) -> early_runs.Command:
+    """One pytest child for ``nodeids`` (``outs`` one file), or the lane's workers (several: they
+    take the modules one at a time, the first walking them in order, the second from the last)."""
+    ids = outs[0].with_suffix(".ids")
     ids.write_text("\n".join(nodeids) + "\n")
-    files = list(dict.fromkeys(n.split("::", 1)[0] for n in nodeids))
-    env = {**os.environ, OUT_ENV: str(out), IDS_ENV: str(ids), RUN_ENV: kind}
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir), *files]
-    return early_runs.Command(argv, env=env, cwd=str(rootdir))
+    env = {**os.environ, IDS_ENV: str(ids), RUN_ENV: kind}
+    argv = _pytest(rootdir, nodeids)
+    if len(outs) == 1:
+        return early_runs.Command(argv, env={**env, OUT_ENV: str(outs[0])}, cwd=str(rootdir))
+    claims = outs[0].parent / "claims"
+    claims.mkdir()
+    workers = [
+        (argv, {OUT_ENV: str(out), CLAIMS_ENV: str(claims), ORDER_ENV: "reverse" if w % 2 else "forward"})
+        for w, out in enumerate(outs)
+    ]
+    launch = [sys.executable, "-c", _LAUNCH, json.dumps(workers)]
+    return early_runs.Command(launch, env=env, cwd=str(rootdir))
 
 
 @dataclass
 class _Child:
-    """One child pytest of the lane and what it has reported so far."""
+    """One child of the lane (a pytest, or the lane's workers) and what it has reported so far."""
 
     key: str
-    out: Path
+    outs: list[Path]
     nodeids: list[str]
     reports: dict[str, list[dict]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
-    _offset: int = 0
+    _offsets: dict[Path, int] = field(default_factory=dict)
 
     def read(self) -> None:
-        try:
-            with open(self.out, encoding="utf-8") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self._offset += len(complete.encode("utf-8"))
-        for line in complete.splitlines():
-            data = json.loads(line)
-            self.reports.setdefault(data["nodeid"], []).append(data)
-            if data.get("when") == "teardown":
-                self.done.add(data["nodeid"])
+        for out in self.outs:
+            try:
+                with open(out, "rb") as f:
+                    f.seek(self._offsets.get(out, 0))
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self._offsets[out] = self._offsets.get(out, 0) + len(complete)
+            for line in complete.decode("utf-8").splitlines():
+                data = json.loads(line)
+                self.reports.setdefault(data["nodeid"], []).append(data)
+                if data.get("when") == "teardown":
+                    self.done.add(data["nodeid"])
 
 
 class Lane:
@@ -157,9 +215,10 @@ class Lane:
         """A new child for ``nodeids``, queued behind the early runs (a wait starts it at once)."""
         assert self.dir is not None
         key = LANE_KEY if kind == "lane" else f"{LANE_KEY}-{kind}-{len(self.children)}"
-        child = _Child(key, self.dir / f"{key}.jsonl", nodeids)
+        n = WORKERS if kind == "lane" else 1
+        child = _Child(key, [self.dir / f"{key}.{w}.jsonl" for w in range(n)], nodeids)
         self.children.append(child)
-        early_runs.RUNS.schedule([(key, _command(nodeids, child.out, self.rootdir, kind))])
+        early_runs.RUNS.schedule([(key, _command(nodeids, child.outs, self.rootdir, kind))])
         return child
 
     # -- the main run reaching a lane test
@@ -227,7 +286,7 @@ class Lane:
         if not self.active:
             return []
         lines = [
-            f"{len(self.nodeids)} unit tests ran in the lane; the main run waited {self.waited_s:.0f} s for them"
+            f"{len(self.nodeids)} unit tests ran in the lane ({WORKERS} workers); the main run waited {self.waited_s:.0f} s for them"
         ]
         lines += [f"failed in the lane, then run again alone: {n} ({why})" for n, why in self.rerun]
         lines += [f"never reported by the lane: {n}" for n in self.lost]

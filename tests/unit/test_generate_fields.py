@@ -84,3 +84,19 @@ def test_engine_generate_raises_before_sending(extra):
     with pytest.raises(RequestError) as e:
         engine.generate("hi", **extra)
     assert e.value.param == next(iter(extra))
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b'{"text": "a\\ud800"}', "unpaired UTF-16 surrogate"),
+        (b'{"text": "\\ud800 b", "sampling_params": {}}', "surrogate"),
+        (b'{"text": "a', "truncated"),  # truly cut short
+        (b'{"text": "\\udc00"}', "surrogate"),
+    ],
+)
+def test_malformed_bodies_say_what_is_wrong(body, says):
+    with pytest.raises(RequestError, match="malformed JSON body") as e:
+        GenerateReqInput.from_json(body)
+    assert says in str(e.value)
+    assert GenerateReqInput.from_json(b'{"text": "a\\ud83d\\ude00"}').text == "a\U0001f600"  # a pair is text

@@ -127,10 +127,31 @@ def test_outcomes_come_from_the_lane(tmp_path):
         "failed in the lane, then run again alone: tests/unit/test_a.py::test_fails_only_in_the_lane" in out
     )
     assert "failed in the lane, then run again alone: tests/unit/test_a.py::test_fails " in out
-    assert "6 unit tests ran in the lane" in out
+    assert "6 unit tests ran in the lane (2 workers)" in out
     assert "1 failed, 6 passed, 1 skipped" in out
     junit = (root / "j.xml").read_text()
     assert junit.count("<testcase ") == 8
+
+
+MODULE = """
+    import os, pathlib
+
+    def test_records_its_worker():
+        log = pathlib.Path(__file__).parents[2] / "workers.log"
+        with open(log, "a") as f:
+            f.write(f"{pathlib.Path(__file__).name} {os.environ.get('SRT_TEST_LANE_ORDER')} {os.getpid()}\\n")
+"""
+
+
+def test_the_workers_share_the_modules_each_run_once(tmp_path):
+    names = [f"test_m{i}.py" for i in range(6)]
+    root = _project(tmp_path, dict.fromkeys(names, MODULE))
+    proc = _run(root)
+    assert proc.returncode == 0, proc.stdout
+    rows = [line.split() for line in (root / "workers.log").read_text().splitlines()]
+    assert sorted(r[0] for r in rows) == names  # each module ran once, in one worker
+    assert {r[1] for r in rows} <= {"forward", "reverse"}
+    assert len({r[2] for r in rows}) == len({r[1] for r in rows})  # one process per worker
 
 
 def test_a_lane_that_ends_early_is_finished_by_another_child(tmp_path):
@@ -159,7 +180,7 @@ def test_no_lane_without_integration_tests(tmp_path):
 
 def test_child_reads_partial_lines(tmp_path):
     out = tmp_path / "r.jsonl"
-    child = unit_lane._Child("k", out, ["a", "b"])
+    child = unit_lane._Child("k", [out], ["a", "b"])
     line = json.dumps({"nodeid": "a", "when": "teardown", "outcome": "passed"})
     out.write_text(json.dumps({"nodeid": "a", "when": "call", "outcome": "passed"}) + "\n" + line[:10])
     child.read()

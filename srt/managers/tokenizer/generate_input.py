@@ -18,6 +18,7 @@ no client can set them.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,19 @@ import msgspec
 from srt.managers.tokenizer.generate_fields import check_extra_fields
 from srt.sampling.user_params import type_error
 from srt.utils.errors import RequestError
+
+
+def _decode_error(body: bytes, e: msgspec.DecodeError) -> str:
+    """msgspec's message for a body it cannot decode, except that it calls a lone UTF-16 surrogate
+    escape (``"\\ud800"``) truncated input: where Python's own parser reads the whole body, that
+    is what the body holds."""
+    if "truncated" not in str(e):
+        return str(e)
+    try:
+        json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return str(e)
+    return "a string holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is no character"
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
@@ -77,7 +91,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
         except msgspec.ValidationError as e:
             raise type_error(str(e)) from None
         except msgspec.DecodeError as e:
-            raise RequestError(f"malformed JSON body: {e}", code="invalid_type") from None
+            raise RequestError(
+                f"malformed JSON body: {_decode_error(body, e)}", code="invalid_type"
+            ) from None
         extra = {k: msgspec.json.decode(v) for k, v in top.items() if k not in cls.__struct_fields__}
         if extra:
             check_extra_fields(extra, cls.__struct_fields__)
