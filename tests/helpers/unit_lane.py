@@ -1,25 +1,28 @@
-"""The unit lane: the selected unit tests run in a child pytest on the cores the integration tests
-leave idle, and the main run reports their outcomes when it reaches them.
+"""The unit lane: the selected unit tests run in child pytest workers on the cores the integration
+tests leave idle, and the main run reports their outcomes when it reaches them.
 
 An integration test spends much of its time waiting (a server starting, a round trip over a
 socket, one busy core of two), while the unit tests mostly keep one core busy at a time. In a run
-that selects both, the unit tests of ``tests/unit`` go to one child pytest, queued behind the
-other early runs (tests/helpers/early_runs.py) at low priority, so it takes only the cycles the
-main run leaves. Each of its test reports is written, serialized as pytest serializes them, to a
-file as it is made. When the main run reaches a lane test it waits for that test's reports (the
-child runs at normal priority from then on) and logs them as its own: the progress line, the
-failures and skips, ``--durations`` and ``--junitxml`` read them as if the test had run here.
+that selects both, the unit tests of ``tests/unit`` go to the lane: ``WORKERS`` pytest workers
+started together, queued behind the other early runs (tests/helpers/early_runs.py) at low
+priority, so they take only the cycles the main run leaves. The workers take the modules one at a
+time (a module is claimed by creating a file), the first from the first module on, the second
+from the last back. Each test report is written, serialized as pytest serializes them, to the
+worker's file as it is made. When the main run reaches a lane test it waits for that test's
+reports (the workers run at normal priority from then on, a core each) and logs them as its own:
+the progress line, the failures and skips, ``--durations`` and ``--junitxml`` read them as if the
+test had run here.
 
 A test that failed in the lane is run again alone in a child at normal priority, and that run's
 reports are the ones logged; the lane's failure is named in the run's summary, so starvation at
-low priority never fails a run silently and never passes one either. Where the lane child ends
-without reporting some tests (it crashed, or was killed), those tests go to a new child at normal
+low priority never fails a run silently and never passes one either. Where the lane ends without
+reporting some tests (a worker crashed, or was killed), those tests go to a new child at normal
 priority, once; one that is still unreported after it fails, saying so.
 
 Tests stay in the main run when they ask for an early run of their own, or carry the marker
-``no_lane(reason)`` (they read the process's priority or thread count, or time themselves). The
-lane is off in a run that selects no integration test (it would have no idle time to use), in a
-child of a run, when only collecting, and with ``SRT_TEST_LANE=0``.
+``no_lane(reason)`` (they read their own process's priority or CPU placement). The lane is off in
+a run that selects no integration test (it would have no idle time to use), in a child of a run,
+when only collecting, and with ``SRT_TEST_LANE=0``.
 """
 
 from __future__ import annotations

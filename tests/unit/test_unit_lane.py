@@ -108,8 +108,19 @@ def _outcomes(out: str) -> dict[str, list[str]]:
     return got
 
 
+MODULE = """
+    import os, pathlib
+
+    def test_records_its_worker():
+        log = pathlib.Path(__file__).parents[2] / "workers.log"
+        with open(log, "a") as f:
+            f.write(f"{pathlib.Path(__file__).name} {os.environ.get('SRT_TEST_LANE_ORDER')} {os.getpid()}\\n")
+"""
+
+
 def test_outcomes_come_from_the_lane(tmp_path):
-    root = _project(tmp_path, {"test_a.py": UNIT})
+    names = [f"test_m{i}.py" for i in range(4)]
+    root = _project(tmp_path, {"test_a.py": UNIT, **dict.fromkeys(names, MODULE)})
     proc = _run(root)
     out = proc.stdout
     assert proc.returncode == 1, out
@@ -127,29 +138,13 @@ def test_outcomes_come_from_the_lane(tmp_path):
         "failed in the lane, then run again alone: tests/unit/test_a.py::test_fails_only_in_the_lane" in out
     )
     assert "failed in the lane, then run again alone: tests/unit/test_a.py::test_fails " in out
-    assert "6 unit tests ran in the lane (2 workers)" in out
-    assert "1 failed, 6 passed, 1 skipped" in out
+    assert "10 unit tests ran in the lane (2 workers)" in out
+    assert "1 failed, 10 passed, 1 skipped" in out
     junit = (root / "j.xml").read_text()
-    assert junit.count("<testcase ") == 8
-
-
-MODULE = """
-    import os, pathlib
-
-    def test_records_its_worker():
-        log = pathlib.Path(__file__).parents[2] / "workers.log"
-        with open(log, "a") as f:
-            f.write(f"{pathlib.Path(__file__).name} {os.environ.get('SRT_TEST_LANE_ORDER')} {os.getpid()}\\n")
-"""
-
-
-def test_the_workers_share_the_modules_each_run_once(tmp_path):
-    names = [f"test_m{i}.py" for i in range(6)]
-    root = _project(tmp_path, dict.fromkeys(names, MODULE))
-    proc = _run(root)
-    assert proc.returncode == 0, proc.stdout
+    assert junit.count("<testcase ") == 12
+    # the workers took the modules between them, each module once
     rows = [line.split() for line in (root / "workers.log").read_text().splitlines()]
-    assert sorted(r[0] for r in rows) == names  # each module ran once, in one worker
+    assert sorted(r[0] for r in rows) == names
     assert {r[1] for r in rows} <= {"forward", "reverse"}
     assert len({r[2] for r in rows}) == len({r[1] for r in rows})  # one process per worker
 
