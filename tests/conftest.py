@@ -2,8 +2,8 @@
 ran in this run (the main run's, and each lowered run's from tests/unit/test_isa_lowering.py);
 under SRT_TEST_OVERLAP_SCHEDULE=1 overlap scheduling is on by default (tests/helpers/overlap.py);
 the early runs the selected tests ask for start when collection ends and stop with the session
-(tests/helpers/early_runs.py); the unit tests run in the unit lane's child and are reported here
-as the main run reaches them (tests/helpers/unit_lane.py)."""
+(tests/helpers/early_runs.py); the unit tests run in the unit lane's workers and are reported
+here as the main run reaches them (tests/helpers/unit_lane.py)."""
 
 from __future__ import annotations
 

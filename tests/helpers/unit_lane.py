@@ -199,7 +199,8 @@ class Lane:
         self.nodeids: set[str] = set()
         self.dir: Path | None = None
         self.rootdir = Path.cwd()
-        self.children: list[_Child] = []
+        self.children: list[_Child] = []  # the lane first, then the children started after it
+        self._rest: _Child | None = None  # the child given what the lane left unreported
         self.rerun: list[tuple[str, str]] = []  # (nodeid, how the lane's run failed)
         self.lost: list[str] = []
         self.waited_s = 0.0
@@ -229,11 +230,11 @@ class Lane:
         start = time.monotonic()
         try:
             data = self._wait(self.children[0], nodeid)
+            if data is None:
+                data = self._after_loss(nodeid)
             if data is not None and any(d["outcome"] == "failed" for d in data):
                 self.rerun.append((nodeid, _failure_line(data)))
                 data = self._alone(nodeid)
-            elif data is None:
-                data = self._after_loss(nodeid)
         finally:
             self.waited_s += time.monotonic() - start
         if data is None:
@@ -266,19 +267,14 @@ class Lane:
         return self._wait(self._start("alone", [nodeid]), nodeid)
 
     def _after_loss(self, nodeid: str) -> list[dict] | None:
-        """The first child ended without ``nodeid``: every test it did not report goes to one new
-        child (once)."""
-        recovery = next((c for c in self.children if "-rest-" in c.key), None)
-        if recovery is None:
-            first = self.children[0]
-            recovery = self._start("rest", [n for n in first.nodeids if n not in first.done])
-        if nodeid not in recovery.nodeids:
+        """The lane ended without ``nodeid``: every test it did not report goes to one new child
+        (once), whose reports for ``nodeid`` these are (None where it has none)."""
+        if self._rest is None:
+            lane = self.children[0]
+            self._rest = self._start("rest", [n for n in lane.nodeids if n not in lane.done])
+        if nodeid not in self._rest.nodeids:
             return None
-        data = self._wait(recovery, nodeid)
-        if data is not None and any(d["outcome"] == "failed" for d in data):
-            self.rerun.append((nodeid, _failure_line(data)))
-            data = self._alone(nodeid)
-        return data
+        return self._wait(self._rest, nodeid)
 
     def close(self) -> None:
         """The lane's files removed (its children are killed with the other early runs)."""
@@ -317,7 +313,7 @@ def _failure_line(data: list[dict]) -> str:
 def _lost_report(nodeid: str) -> pytest.TestReport:
     return pytest.TestReport(
         nodeid,
-        (nodeid.split("::", 1)[0], None, nodeid),
+        (_module(nodeid), None, nodeid),
         {},
         "failed",
         "the unit lane's children ended without running this test",
