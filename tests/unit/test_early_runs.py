@@ -59,23 +59,36 @@ def test_queued_runs_start_idle_in_order_and_give_their_status_and_output():
     assert b.returncode == 0 and b.stdout.split()[1] == "1"  # a child knows it is one
 
 
-def test_waiting_on_a_run_gives_every_thread_of_its_group_the_normal_policy_back():
+def test_waiting_on_a_run_gives_every_thread_of_its_group_the_normal_policy_back(tmp_path):
+    # at SCHED_IDLE the run may get no CPU for a long while (the lane's workers, promoted, hold
+    # both cores), so it lives until the test says so rather than for a fixed time
+    done = tmp_path / "done"
+    spawn = (
+        "import os, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "while not os.path.exists(sys.argv[1]):\n"
+        "    time.sleep(0.05)\n"
+        "g.kill()\n"
+        "g.wait()\n"
+    )
     runs = EarlyRuns()
-    spawn = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(5)']); time.sleep(3)"
     try:
-        runs.schedule([("a", _py(spawn))])
+        runs.schedule([("a", _py(spawn, str(done), timeout=600))])
         proc = _started(runs, "a")
         assert proc is not None and _policy_becomes(proc.pid, IDLE)
-        deadline, grandchildren = time.monotonic() + 10, []
+        deadline, grandchildren = time.monotonic() + 300, []
         while not grandchildren and time.monotonic() < deadline:
             grandchildren = [int(p.name) for p in Path("/proc").glob("[0-9]*") if _ppid(p) == proc.pid]
+            time.sleep(0.05)
         assert grandchildren and all(os.sched_getscheduler(g) == IDLE for g in grandchildren)
         waiter = threading.Thread(target=runs.wait, args=("a",))
         waiter.start()
         assert _policy_becomes(proc.pid, OTHER)
         assert all(_policy_becomes(g, OTHER) for g in grandchildren)
+        done.touch()
         waiter.join()
     finally:
+        done.touch()
         runs.close()
 
 
