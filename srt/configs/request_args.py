@@ -3,7 +3,8 @@ may wait for it, and how ``resolve()`` checks them.
 
 Each limit turns a request that would cost the server more than it can give (a queue past its
 length, a wait past its bound, a logprob payload the size of the vocabulary on every token) into a
-clean refusal: 429 or 503 with Retry-After for the queue, 400 for what the request asked.
+clean refusal: 429 or 503 with Retry-After for the queue, 413 for a body past its size, 400 for
+what the request asked.
 
 This module is configuration: it imports nothing of srt but srt.configs.lora_args' ``arg_field``
 and srt.utils. The tokenizer manager reads these fields by name.
@@ -28,6 +29,12 @@ class RequestLimitArgs:
         "Refuse a request that waited longer than this many seconds in the scheduler's queue without "
         "starting: HTTP 503 with Retry-After (a stream ends with an error event). None: no bound.",
     )
+    max_request_body_bytes: int = arg_field(
+        64 * 1024 * 1024,
+        "The largest HTTP request body accepted, in bytes (inline images and token-id lists count); "
+        "larger gets HTTP 413 without being read into memory. The default, 64 MiB, is above the "
+        "OpenAI API's own 50 MB bound on a request.",
+    )
     max_top_logprobs_num: int = arg_field(
         20,
         "The most top logprobs a request may ask for per token (/generate's top_logprobs_num; the "
@@ -46,5 +53,7 @@ def resolve_request_limit_args(a: Any) -> None:
         )
     if a.max_queue_time is not None and not a.max_queue_time > 0:
         raise ConfigError(f"--max-queue-time must be > 0 seconds, got {a.max_queue_time}.")
+    if a.max_request_body_bytes < 1:
+        raise ConfigError(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}.")
     if a.max_top_logprobs_num < 0:
         raise ConfigError(f"--max-top-logprobs-num must be >= 0, got {a.max_top_logprobs_num}.")

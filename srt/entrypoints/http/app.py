@@ -4,7 +4,8 @@ lifespan          starts the TokenizerManager's receive loop in the serving even
                   anyio's asyncio backend (a streamed response's task group would import it on
                   the first stream: 0.7 s on a busy 2-core host, during which that stream's chunks
                   pile up), closes the manager on shutdown
-middleware        the API keys (`auth.ApiKeyMiddleware`: --api-key, --admin-api-key); outermost the
+middleware        innermost the request body's bound (`body_limit.BodyLimitMiddleware`:
+                  --max-request-body-bytes, 413); the API keys (`auth.ApiKeyMiddleware`: --api-key, --admin-api-key); outermost the
                   graceful drain's (`drain.DrainMiddleware`: in-flight count, 503 while draining;
                   its `DrainState` is ``app.state.drain``)
 error handlers    `SrtError` -> OpenAI's error body with its status (429 with Retry-After);
@@ -24,6 +25,7 @@ from fastapi.responses import Response
 
 from srt.entrypoints.http import admin_routes, embedding_routes, native_routes, openai_routes, web_routes
 from srt.entrypoints.http.auth import ApiKeyMiddleware
+from srt.entrypoints.http.body_limit import BodyLimitMiddleware
 from srt.entrypoints.http.deps import ServerContext
 from srt.entrypoints.http.drain import DrainMiddleware, DrainState
 from srt.entrypoints.http.openapi import install_openapi
@@ -57,6 +59,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app = FastAPI(lifespan=_lifespan, title="srt", docs_url=None, redoc_url=None)
     app.state.ctx = ServerContext.create(tm)
     args = tm.server_args
+    app.add_middleware(BodyLimitMiddleware, limit=args.max_request_body_bytes)  # after the keys
     if args.api_key or args.admin_api_key:
         public = None if args.disable_web_ui else is_public_path
         app.add_middleware(

@@ -78,16 +78,36 @@ async def until_disconnect(request: Request, aw: Awaitable[_T]) -> _T:
     raise ClientDisconnected()
 
 
+# a validation message names at most this many errors, and shows at most this much of a value
+_MAX_ERRORS = 8
+_MAX_REPR = 60
+
+
+def _short(value: Any) -> str:
+    """``value``'s repr, cut to about `_MAX_REPR` characters (a long list or string is echoed by
+    its start and its size, never whole)."""
+    if isinstance(value, (list, str)) and len(value) > _MAX_REPR // 2:
+        head = repr(value[: _MAX_REPR // 6] if isinstance(value, list) else value[: _MAX_REPR // 2])
+        what = "items" if isinstance(value, list) else "characters"
+        return f"{head[:-1][:_MAX_REPR]}... ({len(value)} {what})"
+    text = repr(value)
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    errs = e.errors()
+    errs = e.errors(include_url=False)
     if errs and errs[0]["type"] == "json_invalid":
         return f"malformed JSON body: {errs[0]['msg']}", None
     parts, first = [], None
-    for err in errs:
+    for err in errs[:_MAX_ERRORS]:
         loc = ".".join(str(x) for x in err["loc"])
         first = first or loc.split(".")[0]
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        got = (
+            f" (got {_short(err['input'])})" if "input" in err and not isinstance(err["input"], dict) else ""
+        )
         parts.append(f"{loc}: {err['msg']}{got}")
+    if len(errs) > _MAX_ERRORS:
+        parts.append(f"and {len(errs) - _MAX_ERRORS} more")
     return "; ".join(parts), first
 
 

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from srt.entrypoints.openai.chat_fields import chat_route_errors
+from srt.entrypoints.openai.list_types import List, PromptInput, Strs, TokenIds, fail_fast
 from srt.utils.errors import RequestError
 
 logger = logging.getLogger("srt.openai")
@@ -80,11 +81,11 @@ class _SamplingFields(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = fail_fast(None)
     user: str | None = None
     # SGLang extras
     top_k: int | None = None
@@ -95,11 +96,11 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     rid: str | None = None
     priority: int | None = None  # SGLang extra: queue priority (--enable-priority-scheduling)
     # SGLang extra: a loaded LoRA adapter's name (one per prompt in a list; ``model`` may name it too)
-    lora_path: str | list[str | None] | None = None
+    lora_path: str | List[str | None] | None = None
     # srt extras: a deadline in seconds from receipt (finish_reason "timeout" past it; the
     # X-Request-Timeout header when absent) and the per-choice phase timings ("metrics")
     timeout: float | None = None
@@ -111,7 +112,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None  # number of top logprobs per token (0 = the sampled token only)
     echo: bool = False
@@ -147,9 +148,9 @@ class ToolCallItem(_Model):
 
 class ChatMessage(_Model):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | List[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_calls: List[ToolCallItem] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     # OpenAI fields srt cannot honour: refused unless null (chat_fields.chat_message_errors)
     refusal: str | None = None
@@ -179,12 +180,12 @@ class NamedToolChoice(_Model):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: List[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: List[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None  # a chat template variable (needs --reasoning-parser)
@@ -287,14 +288,14 @@ class AbortRequest(_Model):
 class TokenizeRequest(_Model):
     """Body of POST /tokenize (SGLang's shape)."""
 
-    prompt: str | list[str]
+    prompt: str | Strs
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Model):
     """Body of POST /detokenize (SGLang's shape)."""
 
-    tokens: list[int]
+    tokens: TokenIds
     skip_special_tokens: bool = True
 
 
@@ -303,7 +304,7 @@ class ProfileRequest(_Model):
 
     output_dir: str | None = None
     num_steps: int | None = None
-    activities: list[str] | None = None
+    activities: Strs | None = None
 
 
 class UpdateWeightsFromDiskRequest(_Model):

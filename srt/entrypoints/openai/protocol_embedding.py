@@ -16,10 +16,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from srt.entrypoints.openai.list_types import PromptInput, Strs, TokenIdLists, TokenIds
 from srt.utils.errors import RequestError
 
 # what an input of /v1/embeddings may be: one text, texts, one token id list, token id lists
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+EmbeddingInput = PromptInput
 
 
 class _Request(BaseModel):
@@ -37,9 +38,9 @@ class EmbeddingRequest(_Request):
 
 
 class EncodeRequest(_Request):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    rid: str | list[str] | None = None
+    text: str | Strs | None = None
+    input_ids: TokenIds | TokenIdLists | None = None
+    rid: str | Strs | None = None
     normalize: bool = True
     dimensions: int | None = None
 
@@ -47,22 +48,22 @@ class EncodeRequest(_Request):
 class RerankRequest(_Request):
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: Strs
     top_n: int | None = None
     return_documents: bool = True
     # decoder rerankers (srt extension): score = P(label_token_ids[0]) among the label tokens at
     # the next position of the prompt ``prompt_template`` ("{query}" / "{document}" filled in)
-    label_token_ids: list[int] | None = None
+    label_token_ids: TokenIds | None = None
     prompt_template: str | None = None
 
 
 class ScoreRequest(_Request):
     model: str | None = None
-    query: str | list[int] | None = None
-    items: str | list[str] | list[list[int]] | None = None
-    text_1: str | list[int] | None = None  # vLLM's name of ``query``
-    text_2: str | list[str] | list[list[int]] | None = None  # vLLM's name of ``items``
-    label_token_ids: list[int] | None = None
+    query: str | TokenIds | None = None
+    items: str | Strs | TokenIdLists | None = None
+    text_1: str | TokenIds | None = None  # vLLM's name of ``query``
+    text_2: str | Strs | TokenIdLists | None = None  # vLLM's name of ``items``
+    label_token_ids: TokenIds | None = None
     apply_softmax: bool = False
     item_first: bool = False
 

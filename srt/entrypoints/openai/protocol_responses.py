@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from srt.entrypoints.openai.list_types import List, Strs, fail_fast
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.utils.errors import RequestError
 
@@ -61,22 +62,22 @@ class ResponsesRequest(BaseModel):
     """The fields srt honours; the others land in ``model_extra`` and are checked by `check_fields`."""
 
     model_config = ConfigDict(extra="allow")
-    input: str | list[dict[str, Any]]
+    input: str | List[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: List[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
-    include: list[str] | None = None
+    include: Strs | None = None
     top_logprobs: int | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = fail_fast(None)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -87,7 +88,7 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     priority: int | None = None
