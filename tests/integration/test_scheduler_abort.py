@@ -6,6 +6,7 @@ row is free again."""
 
 from __future__ import annotations
 
+import random
 import tempfile
 import threading
 import time
@@ -110,6 +111,35 @@ def test_abort_waiting(radix):
     assert c.tokens["wait"] == []
     finish_and_check_free(s, c)
     assert c.tokens["run"] == reference_generate(prompt(1, 20), 8)
+
+
+def test_aborts_of_queued_requests_in_any_order_between_admissions_and_retractions():
+    """Aborted waiting requests leave the queue lazily (in one pass when it is next read): the
+    queue stays the arrival order of exactly those not aborted, through admissions, more arrivals
+    and retractions, and every one not aborted is served exactly."""
+    rng = random.Random(7)
+    s = make_scheduler(total=512, chunk=64, schedule_conservativeness=0.3, max_running_requests=8)
+    c = Collector()
+    live: dict[str, tuple[list[int], int]] = {}
+    for wave in range(4):
+        for i in range(40):
+            rid, ids, max_new = f"w{wave}-{i}", prompt(wave * 100 + i, 20 + i % 30), 30 + (7 * i) % 90
+            s.handle_message(gen(rid, ids, max_new=max_new))
+            live[rid] = (ids, max_new)
+        waiting = [r.rid for r in s.waiting_queue]
+        for rid in rng.sample(waiting, len(waiting) // 2)[::-1]:
+            s.handle_message(AbortReq(rid=rid))
+            del live[rid]
+        assert [r.rid for r in s.waiting_queue] == [rid for rid in waiting if rid in live]
+        step(s, c, 40)
+        seqs = [r.queue_seq for r in s.waiting_queue]
+        assert seqs == sorted(seqs) and len({r.rid for r in s.waiting_queue}) == len(seqs)
+    finish_and_check_free(s, c)
+    assert s.metrics.num_retractions > 0, "the pool is small enough that requests are retracted"
+    aborted = {rid for rid, fr in c.finish.items() if fr["type"] == "abort"}
+    assert aborted.isdisjoint(live) and len(aborted) + len(live) == 160
+    for rid, (ids, max_new) in live.items():
+        assert c.tokens[rid] == reference_generate(ids, max_new), rid
 
 
 @pytest.mark.parametrize("radix", [True, False])

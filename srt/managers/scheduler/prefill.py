@@ -93,31 +93,51 @@ class PrefillManager:
         self.policy = policy
         self.metrics = metrics
         self.config = config
-        self.waiting_queue: list[Req] = []
+        self._queue: list[Req] = []
+        self._queued: set[Req] = set()  # the requests of _queue not discarded
+        self._discarded: set[Req] = set()  # in _queue still, until the queue is next read
         self.chunked_req: Req | None = None
         self.lora_slots: LoRASlots | None = None  # the adapter slots (None without --enable-lora)
 
     # ------------------------------------------------------------------ the queue
+    @property
+    def waiting_queue(self) -> list[Req]:
+        """The waiting requests in arrival order. A discarded request leaves the list when it is
+        next read, in one pass for all those discarded since: aborting a batch of n queued
+        requests one by one costs O(n), not O(n^2) (200,000 once held the scheduler for minutes)."""
+        if self._discarded:
+            self._queue = [r for r in self._queue if r not in self._discarded]
+            self._discarded.clear()
+        return self._queue
+
+    @waiting_queue.setter
+    def waiting_queue(self, queue: list[Req]) -> None:
+        self._queue = queue
+        self._queued = set(queue)
+        self._discarded.clear()
+
     def has_work(self) -> bool:
-        return bool(self.waiting_queue) or self.chunked_req is not None
+        return bool(self._queued) or self.chunked_req is not None
 
     def enqueue(self, req: Req, now_step: int) -> None:
         """A new request joins the queue (its wait for lpm aging counts from ``now_step``)."""
         req.enqueue_step = now_step
         self.waiting_queue.append(req)
+        self._queued.add(req)
 
     def requeue(self, req: Req) -> None:
         """A retracted request goes back to the queue, in arrival order."""
         bisect.insort(self.waiting_queue, req, key=lambda r: r.queue_seq)
+        self._queued.add(req)
 
     def discard(self, req: Req) -> bool:
         """Remove a request finished between steps; False if it is neither queued nor mid-prompt
         (a WAITING request may not be queued yet: it waits for its grammar)."""
         if req.state == ReqStatus.WAITING:
-            try:
-                self.waiting_queue.remove(req)
-            except ValueError:
+            if req not in self._queued:
                 return False
+            self._queued.remove(req)
+            self._discarded.add(req)
         elif req is self.chunked_req:
             self.chunked_req = None
         else:
