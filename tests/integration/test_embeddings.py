@@ -127,6 +127,8 @@ def test_rerank_and_score(server, client, hf):
         ("/v1/embeddings", {"input": 5}, 400),
         ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, 400),
         ("/v1/embeddings", {"input": "hi", "model": "nope"}, 404),
+        ("/v1/embeddings", {"input": ["hi"] * 2049}, 400),
+        ("/encode", {"input_ids": [[5, 6]] * 2049}, 400),
         ("/v1/rerank", {"query": "q", "documents": []}, 400),
         ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [10**9]}, 400),
         ("/generate", {"text": "hi"}, 400),
@@ -137,6 +139,16 @@ def test_bad_requests_are_4xx(server, path, body, status):
     r = _post(server, path, body)
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_more_inputs_than_the_openai_bound_are_refused_before_any_is_embedded(server):
+    for path, body, param in [
+        ("/v1/embeddings", {"input": ["hi"] * 2049}, "input"),
+        ("/encode", {"text": ["hi"] * 5000}, "text"),
+    ]:
+        err = _post(server, path, body).json()["error"]
+        assert err["param"] == param and "at most 2048" in err["message"], err
+        assert str(len(body[param])) in err["message"]
 
 
 def test_no_kv_leak(server, client):

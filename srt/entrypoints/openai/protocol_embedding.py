@@ -89,8 +89,12 @@ def check_dimensions(dimensions: int | None) -> None:
         raise RequestError(f"dimensions must be >= 1, got {dimensions}", param="dimensions")
 
 
+MAX_EMBEDDING_INPUTS = 2048
+
+
 def check_embedding_input(value: EmbeddingInput, name: str = "input") -> None:
-    """An input holds at least one non-empty prompt (`RequestError` naming ``name`` otherwise)."""
+    """An input holds 1 to `MAX_EMBEDDING_INPUTS` prompts, none empty (`RequestError` naming
+    ``name`` otherwise)."""
     if isinstance(value, str):
         prompts: list = [value]
     elif value and isinstance(value[0], int):
@@ -99,5 +103,12 @@ def check_embedding_input(value: EmbeddingInput, name: str = "input") -> None:
         prompts = list(value)
     if not prompts:
         raise RequestError(f"{name} must not be empty", param=name)
+    if len(prompts) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(
+            f"{name} holds {len(prompts)} inputs; at most {MAX_EMBEDDING_INPUTS} per request (the OpenAI "
+            "API's bound: each returns a vector, and the whole response is built in memory); send "
+            "several requests",
+            param=name,
+        )
     if any(len(p) == 0 for p in prompts):
         raise RequestError(f"{name} must not contain an empty string or an empty token list", param=name)
