@@ -7,14 +7,14 @@ cost the HTTP process 1.3 GiB and 5 s of CPU (the event loop's), and answered wi
 every route taking a list or a dict did the same at 300-1,400 times its body's size.
 
 Here a list or dict stops at its first bad item, so a bad body costs about what parsing it does
-and its error names one item. Use these aliases (or ``Field(fail_fast=True)`` on a field that is a
+and its error names one item. Use these aliases (or `fail_fast`, ``Field(fail_fast=True)``, on a field that is a
 list or dict, optional or not) for every collection a request body holds; a union member needs the
-alias (``Field`` cannot be given to a union as a whole).
+alias (``ListOf[X]``, ``Strs`` ...; ``Field`` cannot be given to a union as a whole).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field
 
@@ -23,7 +23,7 @@ T = TypeVar("T")
 # one Field object: pydantic reads its metadata, so sharing it among the aliases is safe
 _FAIL_FAST = Field(fail_fast=True)
 
-List = Annotated[list[T], _FAIL_FAST]  # List[X]: a list of X
+ListOf = Annotated[list[T], _FAIL_FAST]  # ListOf[X]: a list of X
 Strs = Annotated[list[str], _FAIL_FAST]
 TokenIds = Annotated[list[int], _FAIL_FAST]
 TokenIdLists = Annotated[list[TokenIds], _FAIL_FAST]
@@ -31,6 +31,6 @@ TokenIdLists = Annotated[list[TokenIds], _FAIL_FAST]
 PromptInput = str | Strs | TokenIds | TokenIdLists
 
 
-def fail_fast(default: object = ...) -> object:
+def fail_fast(default: Any = ...) -> Any:
     """The ``Field`` of a list- or dict-typed field (``default``: its default, if any)."""
     return Field(default, fail_fast=True)

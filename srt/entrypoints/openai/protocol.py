@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from srt.entrypoints.openai.chat_fields import chat_route_errors
-from srt.entrypoints.openai.list_types import List, PromptInput, Strs, TokenIds, fail_fast
+from srt.entrypoints.openai.list_types import ListOf, PromptInput, Strs, TokenIds, fail_fast
 from srt.utils.errors import RequestError
 
 logger = logging.getLogger("srt.openai")
@@ -100,7 +100,7 @@ class _SamplingFields(_Request):
     rid: str | None = None
     priority: int | None = None  # SGLang extra: queue priority (--enable-priority-scheduling)
     # SGLang extra: a loaded LoRA adapter's name (one per prompt in a list; ``model`` may name it too)
-    lora_path: str | List[str | None] | None = None
+    lora_path: str | ListOf[str | None] | None = None
     # srt extras: a deadline in seconds from receipt (finish_reason "timeout" past it; the
     # X-Request-Timeout header when absent) and the per-choice phase timings ("metrics")
     timeout: float | None = None
@@ -148,9 +148,9 @@ class ToolCallItem(_Model):
 
 class ChatMessage(_Model):
     role: str
-    content: str | List[ContentPart] | None = None
+    content: str | ListOf[ContentPart] | None = None
     name: str | None = None
-    tool_calls: List[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_calls: ListOf[ToolCallItem] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     # OpenAI fields srt cannot honour: refused unless null (chat_fields.chat_message_errors)
     refusal: str | None = None
@@ -180,12 +180,12 @@ class NamedToolChoice(_Model):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: List[ChatMessage]
+    messages: ListOf[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: List[Tool] | None = None
+    tools: ListOf[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None  # a chat template variable (needs --reasoning-parser)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from srt.entrypoints.openai.list_types import List, Strs, fail_fast
+from srt.entrypoints.openai.list_types import ListOf, Strs, fail_fast
 from srt.entrypoints.openai.protocol import ChatCompletionRequest
 from srt.utils.errors import RequestError
 
@@ -62,13 +62,13 @@ class ResponsesRequest(BaseModel):
     """The fields srt honours; the others land in ``model_extra`` and are checked by `check_fields`."""
 
     model_config = ConfigDict(extra="allow")
-    input: str | List[dict[str, Any]]
+    input: str | ListOf[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: List[dict[str, Any]] | None = None
+    tools: ListOf[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
