@@ -94,6 +94,14 @@ def test_malformed_json_400(server):
     r = post(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
     assert r.status_code == 400
     assert_error_body(r.json(), 400, "JSON")
+    for path, body in [  # a lone surrogate escape: Python's json.dumps writes one for such a str
+        ("/v1/completions", b'{"model": "x", "prompt": "a\\ud800"}'),
+        ("/v1/chat/completions", b'{"model": "x", "messages": [{"role": "user", "content": "\\udc00 b"}]}'),
+        ("/generate", b'{"text": "a\\ud800"}'),
+    ]:
+        r = post(server, path, body)
+        assert r.status_code == 400
+        assert_error_body(r.json(), 400, "malformed JSON body", "unpaired UTF-16 surrogate escape")
 
 
 def test_context_length_400_gives_the_numbers(server):

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from srt.entrypoints.openai.common import json_response
-from srt.managers.tokenizer.generate_input import GenerateReqInput
+from srt.managers.tokenizer.generate_input import GenerateReqInput, surrogate_message
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.utils.errors import RequestError
 
@@ -118,6 +118,9 @@ async def parse_body(request: Request, model: type[_M]) -> _M:
         return model.model_validate_json(body or b"{}", strict=True)
     except ValidationError as e:
         message, param = _validation_message(e)
+        # pydantic's words for a lone surrogate too: "unexpected end of hex escape"
+        if param is None and "hex escape" in message and (surrogate := surrogate_message(body)):
+            message = f"malformed JSON body: {surrogate}"
         raise RequestError(message, param=param, code="invalid_type") from None
 
 

@@ -32,17 +32,21 @@ from srt.sampling.user_params import type_error
 from srt.utils.errors import RequestError
 
 
-def _decode_error(body: bytes, e: msgspec.DecodeError) -> str:
-    """msgspec's message for a body it cannot decode, except that it calls a lone UTF-16 surrogate
-    escape (``"\\ud800"``) truncated input: where Python's own parser reads the whole body, that
-    is what the body holds."""
-    if "truncated" not in str(e):
-        return str(e)
+def surrogate_message(body: bytes) -> str | None:
+    """The message for a body that a strict JSON parser refused but Python's reads whole: what it
+    holds is then an unpaired UTF-16 surrogate escape (``"\\ud800"``), which strict parsers report
+    as truncated input or a bad hex escape. None when Python's parser refuses it too."""
     try:
         json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return str(e)
+        return None
     return "a string holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is no character"
+
+
+def _decode_error(body: bytes, e: msgspec.DecodeError) -> str:
+    """msgspec's message for a body it cannot decode, except for a lone surrogate escape, which it
+    calls truncated input."""
+    return (surrogate_message(body) if "truncated" in str(e) else None) or str(e)
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
