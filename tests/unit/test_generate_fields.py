@@ -100,3 +100,23 @@ def test_malformed_bodies_say_what_is_wrong(body, says):
         GenerateReqInput.from_json(body)
     assert says in str(e.value)
     assert GenerateReqInput.from_json(b'{"text": "a\\ud83d\\ude00"}').text == "a\U0001f600"  # a pair is text
+
+
+@pytest.mark.parametrize(
+    "fields, count",
+    [
+        ({"text": "a"}, 1),
+        ({"text": ["a"] * 5}, 5),
+        ({"text": ["a"] * 5, "sampling_params": {"n": 3}}, 15),
+        ({"input_ids": [1, 2, 3], "sampling_params": {"n": 4}}, 4),
+        ({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {"n": 300}]}, 2 + 128),  # n past MAX_N
+        (
+            {"text": ["a", "b", "c"], "sampling_params": [{"n": 4}]},
+            6,
+        ),  # a short list: the shape is refused later
+        ({"text": "a", "sampling_params": {"n": True}}, 1),
+        ({"text": [], "sampling_params": {"n": 9}}, 9),  # an empty batch: refused by expand
+    ],
+)
+def test_the_sequences_a_request_asks_for_are_counted_without_expanding_it(fields, count):
+    assert GenerateReqInput(**fields).sequence_count() == count

@@ -82,6 +82,7 @@ def test_resolve_gguf_load_format():
         ({"max_queued_requests": 0}, "--max-queued-requests"),
         ({"max_queue_time": 0}, "--max-queue-time"),
         ({"max_request_body_bytes": 0}, "--max-request-body-bytes"),
+        ({"max_sequences_per_request": 0}, "--max-sequences-per-request"),
         ({"chat_template": "no-such-template"}, "--chat-template"),
         ({"enable_priority_scheduling": True, "schedule_policy": "lpm"}, "--enable-priority-scheduling"),
         ({"model_path": "no-such-org/no-such-model"}, "--model-path"),

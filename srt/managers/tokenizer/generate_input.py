@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from srt.managers.tokenizer.generate_fields import check_extra_fields
+from srt.sampling.sampling_params import MAX_N
 from srt.sampling.user_params import type_error
 from srt.utils.errors import RequestError
 
@@ -47,6 +48,11 @@ def _decode_error(body: bytes, e: msgspec.DecodeError) -> str:
     """msgspec's message for a body it cannot decode, except for a lone surrogate escape, which it
     calls truncated input."""
     return (surrogate_message(body) if "truncated" in str(e) else None) or str(e)
+
+
+def _n_of(sampling_params: Any) -> int:
+    n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
+    return min(n, MAX_N) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
@@ -123,6 +129,18 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def sequence_count(self) -> int:
+        """How many sequences the request asks for (prompts x n), counted without expanding it:
+        a shape `expand` refuses counts its prompts, an n out of range counts as at most `MAX_N`
+        (the sampling checks refuse it)."""
+        src = self.text if self.text is not None else self.input_ids
+        batch = isinstance(src, list) and bool(src) and (self.text is not None or isinstance(src[0], list))
+        prompts = len(src) if batch else 1  # type: ignore[arg-type]
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            return sum(_n_of(d) for d in sp[:prompts]) + max(0, prompts - len(sp))
+        return prompts * _n_of(sp)
 
     def checked_timeout(self) -> float | None:
         """``timeout`` validated: a finite number of seconds > 0 (`RequestError` otherwise)."""

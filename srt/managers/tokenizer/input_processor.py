@@ -102,6 +102,7 @@ class InputProcessor:
         grammar_backend: str = "none",
         enable_priority: bool = False,
         max_top_logprobs: int | None = None,
+        max_sequences: int | None = None,
         incremental_stream: bool = True,
         lora: LoRARegistry | None = None,
         images: ImagePrompts | None = None,
@@ -112,6 +113,7 @@ class InputProcessor:
         self.grammar_backend = grammar_backend  # resolved --grammar-backend
         self.enable_priority = enable_priority  # --enable-priority-scheduling
         self.max_top_logprobs = max_top_logprobs  # --max-top-logprobs-num (None: no bound)
+        self.max_sequences = max_sequences  # --max-sequences-per-request (None: no bound)
         self.incremental_stream = incremental_stream  # --incremental-streaming-output
         self.lora = lora if lora is not None else LoRARegistry()  # the adapters a request may name
         self.images = images  # None: image inputs are refused (no model behind this processor)
@@ -131,6 +133,7 @@ class InputProcessor:
         Raises `RequestError` / `ContextLengthError`."""
         now = time.time()  # the server's receipt: the clock of ``timeout`` and ttft starts here
         timeout = obj.checked_timeout()
+        self._check_sequence_count(obj)
         singles = obj.expand()
         if not self.enable_priority and any(s.priority is not None for s in singles):
             raise RequestError(
@@ -159,6 +162,16 @@ class InputProcessor:
             self._fan_out(s, sp, (ids, mm), obj.stream, (now, deadline), reqs, warmups)
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
+
+    def _check_sequence_count(self, obj: GenerateReqInput) -> None:
+        """At most --max-sequences-per-request sequences, counted before the batch is expanded."""
+        count = obj.sequence_count()
+        if self.max_sequences is not None and count > self.max_sequences:
+            raise RequestError(
+                f"the request asks for {count} sequences (prompts x n); this server takes at most "
+                f"--max-sequences-per-request={self.max_sequences} in one request: send several",
+                param="prompt" if obj.is_batch else "n",
+            )
 
     def check_top_logprobs(self, singles: list[SingleInput], names: Mapping[str, str]) -> None:
         """Each prompt's top_logprobs_num within --max-top-logprobs-num."""
@@ -221,6 +234,12 @@ class InputProcessor:
         a text too long for the context at any tokenization."""
         if self._batcher is None:
             raise RequestError("the server runs with --skip-tokenizer-init: it cannot tokenize")
+        if self.max_sequences is not None and len(texts) > self.max_sequences:
+            raise RequestError(
+                f"{len(texts)} prompts to tokenize; this server takes at most "
+                f"--max-sequences-per-request={self.max_sequences} in one request: send several",
+                param="prompt",
+            )
         self._check_text_lengths(texts)
         return await self._batcher.encode(texts, add_special_tokens)
 

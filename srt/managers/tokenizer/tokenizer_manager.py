@@ -9,9 +9,8 @@ The parts, each in its own module:
     input_processor.InputProcessor   normalization and validation: expand, sampling parameters,
                                      batched tokenization, the prompt checks (one fit rule, shared
                                      with the scheduler), the n > 1 fan-out and warm-up
-    req_state.ReqRegistry            rid -> ReqState, waiting accounting and admission control
-                                     (``--max-queued-requests``: `QueueFullError` with a
-                                     Retry-After), per-request metrics, fail-all
+    req_state.ReqRegistry            rid -> ReqState, waiting count, admission (`QueueFullError`
+                                     past ``--max-queued-requests``), per-request metrics, fail-all
     req_output                       the SGLang-shaped output dicts (final output, stream chunks)
     tokenizer_ipc.TokenizerIPC       the sockets, the receive loop, replies to control requests
                                      (flush, internal state, profiler, weight updates, LoRA)
@@ -122,6 +121,7 @@ class TokenizerManager:
             grammar_backend=server_args.grammar_backend,
             enable_priority=server_args.enable_priority_scheduling,
             max_top_logprobs=server_args.max_top_logprobs_num,
+            max_sequences=server_args.max_sequences_per_request,
             incremental_stream=server_args.incremental_streaming_output,
             lora=self.lora_registry,
             images=images,
