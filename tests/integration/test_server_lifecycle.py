@@ -36,20 +36,20 @@ def wait_until_running(server, n: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def assert_freed_within_one_step(server, timeout_s: float = 5.0) -> None:
-    """After a disconnect: running drops to 0 within a few scheduler steps, about a quarter of a
-    second (the abort reaches the scheduler before its next step or two; the polls that observe it
-    go through the HTTP process, which shares the 2 cores with the compute threads, so a fast
-    decode step, about 12 ms for the default model, may complete a few times while they run)."""
-    first = state(server)
-    t0 = time.monotonic()
-    last = first
+def assert_freed_promptly(server, before: dict, closed_at: float, timeout_s: float = 5.0) -> None:
+    """After a disconnect at ``closed_at`` (monotonic; ``before``: the state just before it):
+    running drops to 0 within 2 s, a tenth at most of the 4,000 tokens asked for. The bound is
+    loose and in wall-clock time: the HTTP process notices the disconnect, and answers the polls
+    that observe the freeing, while the compute threads hold both cores (under the test suite's
+    load, 10 decode steps once passed between two polls 10 ms apart). That an abort arriving
+    between two steps lands before the next one is test_scheduler_abort's."""
+    last = state(server)
     while last["num_running_reqs"] > 0:
-        assert time.monotonic() - t0 < timeout_s, f"request still running: {last}"
+        assert time.monotonic() - closed_at < timeout_s, f"request still running: {last}"
         last = state(server)
-    elapsed = time.monotonic() - t0
-    steps = last["num_steps"] - first["num_steps"]
-    assert steps <= 2 or (steps <= 6 and elapsed < 0.25), (first["num_steps"], last["num_steps"], elapsed)
+    elapsed = time.monotonic() - closed_at
+    steps = last["num_steps"] - before["num_steps"]
+    assert elapsed < 2.0 and steps < 400, (before["num_steps"], last["num_steps"], elapsed)
 
 
 def test_streaming_client_disconnect_frees_the_request(server):
@@ -70,9 +70,11 @@ def test_streaming_client_disconnect_frees_the_request(server):
     while got < 3:
         if next(lines).startswith(b"data: "):
             got += 1
-    assert state(server)["num_running_reqs"] == 1
+    before = state(server)
+    assert before["num_running_reqs"] == 1
+    closed_at = time.monotonic()
     r.close()  # the client goes away mid-stream
-    assert_freed_within_one_step(server)
+    assert_freed_promptly(server, before, closed_at)
     metrics = requests.get(server.url("/metrics"), timeout=30).text
     assert 'reason="client"' in metrics
     # once idle, flushing the cache frees every KV slot
@@ -89,8 +91,9 @@ def test_non_streaming_client_disconnect_frees_the_request(server):
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     wait_until_running(server, 1)
+    before, closed_at = state(server), time.monotonic()
     sock.close()
-    assert_freed_within_one_step(server)
+    assert_freed_promptly(server, before, closed_at)
 
 
 def test_explicit_abort_request(server):
