@@ -5,8 +5,8 @@ lifespan          starts the TokenizerManager's receive loop in the serving even
                   the first stream: 0.7 s on a busy 2-core host, during which that stream's chunks
                   pile up), closes the manager on shutdown
 middleware        innermost the request body's bound (`body_limit.BodyLimitMiddleware`:
-                  --max-request-body-bytes, 413); the API keys (`auth.ApiKeyMiddleware`: --api-key, --admin-api-key); outermost the
-                  graceful drain's (`drain.DrainMiddleware`: in-flight count, 503 while draining;
+                  --max-request-body-bytes, 413); the API keys (`auth.ApiKeyMiddleware`:
+                  --api-key, --admin-api-key); outermost the graceful drain's (`drain.DrainMiddleware`: in-flight count, 503 while draining;
                   its `DrainState` is ``app.state.drain``)
 error handlers    `SrtError` -> OpenAI's error body with its status (429 with Retry-After);
                   `ClientDisconnected` -> 499

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from srt.entrypoints.openai.common import error_response
+from srt.entrypoints.openai.common import srt_error_response
 from srt.utils.errors import SrtError
 
 
@@ -56,9 +56,7 @@ class BodyLimitMiddleware:
             return
         length = _content_length(scope)
         if length is not None and length > self.limit:
-            await error_response(_message(self.limit), 413, code=PayloadTooLargeError.code)(
-                scope, receive, send
-            )
+            await srt_error_response(PayloadTooLargeError(_message(self.limit)))(scope, receive, send)
             return
         if length is not None and length >= 0:  # the server reads no more than the header says
             await self.app(scope, receive, send)

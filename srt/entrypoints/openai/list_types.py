@@ -7,9 +7,9 @@ cost the HTTP process 1.3 GiB and 5 s of CPU (the event loop's), and answered wi
 every route taking a list or a dict did the same at 300-1,400 times its body's size.
 
 Here a list or dict stops at its first bad item, so a bad body costs about what parsing it does
-and its error names one item. Use these aliases (or `fail_fast`, ``Field(fail_fast=True)``, on a field that is a
-list or dict, optional or not) for every collection a request body holds; a union member needs the
-alias (``ListOf[X]``, ``Strs`` ...; ``Field`` cannot be given to a union as a whole).
+and its error names one item. Use these aliases for every collection a request body holds, or
+`fail_fast` (``Field(fail_fast=True)``) on a field that is a list or dict, optional or not; a
+union member needs an alias (``ListOf[X]``, ``Strs`` ...): a ``Field`` applies to no union.
 """
 
 from __future__ import annotations

@@ -133,7 +133,10 @@ class InputProcessor:
         Raises `RequestError` / `ContextLengthError`."""
         now = time.time()  # the server's receipt: the clock of ``timeout`` and ttft starts here
         timeout = obj.checked_timeout()
-        self._check_sequence_count(obj)
+        count = obj.sequence_count()  # before the batch is expanded
+        self._check_sequence_count(
+            count, f"the request asks for {count} sequences (prompts x n)", "prompt" if obj.is_batch else "n"
+        )
         singles = obj.expand()
         if not self.enable_priority and any(s.priority is not None for s in singles):
             raise RequestError(
@@ -163,14 +166,13 @@ class InputProcessor:
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
         return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
 
-    def _check_sequence_count(self, obj: GenerateReqInput) -> None:
-        """At most --max-sequences-per-request sequences, counted before the batch is expanded."""
-        count = obj.sequence_count()
+    def _check_sequence_count(self, count: int, what: str, param: str) -> None:
+        """At most --max-sequences-per-request sequences (``what``: how the message names them)."""
         if self.max_sequences is not None and count > self.max_sequences:
             raise RequestError(
-                f"the request asks for {count} sequences (prompts x n); this server takes at most "
-                f"--max-sequences-per-request={self.max_sequences} in one request: send several",
-                param="prompt" if obj.is_batch else "n",
+                f"{what}; this server takes at most --max-sequences-per-request={self.max_sequences} "
+                "in one request: send several",
+                param=param,
             )
 
     def check_top_logprobs(self, singles: list[SingleInput], names: Mapping[str, str]) -> None:
@@ -234,12 +236,7 @@ class InputProcessor:
         a text too long for the context at any tokenization."""
         if self._batcher is None:
             raise RequestError("the server runs with --skip-tokenizer-init: it cannot tokenize")
-        if self.max_sequences is not None and len(texts) > self.max_sequences:
-            raise RequestError(
-                f"{len(texts)} prompts to tokenize; this server takes at most "
-                f"--max-sequences-per-request={self.max_sequences} in one request: send several",
-                param="prompt",
-            )
+        self._check_sequence_count(len(texts), f"{len(texts)} prompts to tokenize", "prompt")
         self._check_text_lengths(texts)
         return await self._batcher.encode(texts, add_special_tokens)
 
