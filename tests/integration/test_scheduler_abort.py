@@ -221,7 +221,7 @@ def test_abort_unknown_finished_and_all():
         s.handle_message(gen(f"x{i}", prompt(20 + i, 40 + 30 * i), max_new=30))
     step(s, c, 3)
     s.handle_message(AbortReq(rid="", message="shutdown", status_code=503))
-    assert s.waiting_queue == [] and s.running == [] and s.chunked_req is None
+    assert not s.waiting_queue and s.running == [] and s.chunked_req is None
     step(s, c)
     assert all(
         c.finish[f"x{i}"] == {"type": "abort", "message": "shutdown", "status_code": 503} for i in range(5)

@@ -9,6 +9,7 @@ import pytest
 from srt.managers.detokenizer.detokenizer_manager import DetokenizerManager
 from srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler.schedule_policy import MAX_MATCHED_QUEUE
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from tests.helpers.scheduler_fakes import KVEchoRunner, reference_generate
@@ -115,3 +116,30 @@ def test_grammar_backend_none_serves_without_a_grammar_part():
     assert s.grammars is None
     s.handle_message(gen("r", prompt(3), 8))
     assert [t for g in per_rid(s.run_until_idle())["r"] for t in g] == reference_generate(prompt(3), 8)
+
+
+@pytest.mark.parametrize("policy", ["spf", "priority"])
+def test_a_queue_too_long_to_sort_is_read_in_policy_order(policy):
+    """Past MAX_MATCHED_QUEUE waiting, admission reads the head of the indexed queue
+    (waiting_queue.py) instead of sorting it: the shortest prompts (spf) or the highest priorities
+    (ties by arrival) still run first, and every request is served exactly."""
+    n = MAX_MATCHED_QUEUE + 72
+    s = make_scheduler(max_running=4, enable_priority_scheduling=policy == "priority")
+    lens = [4 + (i * 37) % 61 for i in range(n)]
+    prios = [(i * 13) % 7 for i in range(n)]
+    for i in range(n):
+        s.handle_message(gen(f"r{i}", prompt(i, lens[i]), 2, priority=prios[i]))
+    assert len(s.waiting_queue) == n
+    order, tokens = [], per_rid([])
+    for out in s.run_until_idle():
+        for rid, ids, reason in zip(out.rids, out.output_ids, out.finished_reasons):
+            tokens.setdefault(rid, []).append(list(ids))
+            if reason is not None:
+                order.append(int(rid[1:]))
+    assert sorted(order) == list(range(n))
+    for i in range(n):
+        assert [t for g in tokens[f"r{i}"] for t in g] == reference_generate(prompt(i, lens[i]), 2)
+    if policy == "priority":  # no aging: the whole order is fixed at arrival
+        assert order == sorted(range(n), key=lambda i: (-prios[i], i))
+    else:  # the first admission step takes the 4 fewest tokens (ties by arrival)
+        assert sorted(order[:4]) == sorted(range(n), key=lambda i: (lens[i], i))[:4]

@@ -99,10 +99,18 @@ class _Req(SimpleNamespace):
     pass
 
 
+class _Queue(list):
+    """A waiting queue: its requests and their token count."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.origin_input_ids) + len(r.output_ids) for r in self)
+
+
 def fake_scheduler(waiting=(), running=(), chunked=None, held=()):
     req = lambda n_in, n_out: _Req(origin_input_ids=[0] * n_in, output_ids=[0] * n_out)  # noqa: E731
     return SimpleNamespace(
-        waiting_queue=[req(*w) for w in waiting],
+        waiting_queue=_Queue(req(*w) for w in waiting),
         running=[req(*r) for r in running],
         chunked_req=req(*chunked) if chunked else None,
         grammars=None,

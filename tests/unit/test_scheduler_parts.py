@@ -83,7 +83,7 @@ def test_prefill_part_admits_in_order_and_chunks_one_request():
     batch = prefill.schedule(decode.running, decode.new_token_ratio.value, now_step=1)
     # 30 tokens of r0, then a page-aligned 34-token chunk of r1 fills the 64-token chunk budget
     assert batch is not None and batch.reqs == reqs[:2] and batch.extend_lens == [30, 34]
-    assert prefill.chunked_req is reqs[1] and prefill.waiting_queue == [reqs[2]]
+    assert prefill.chunked_req is reqs[1] and list(prefill.waiting_queue) == [reqs[2]]
     run(batch, cache, decode)
     assert decode.running == [reqs[0]] and reqs[1].state == ReqStatus.PREFILLING
     assert prefill.take_chunked() is reqs[1] and prefill.chunked_req is None

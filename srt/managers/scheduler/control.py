@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.requests import RequestTable
     from srt.managers.scheduler.schedule_policy import SchedulePolicy
     from srt.managers.scheduler.step_timing import StepTimings
+    from srt.managers.scheduler.waiting_queue import WaitingQueue
     from srt.managers.scheduler.weight_update import WeightUpdateGate
     from srt.server_args import ServerArgs
 
@@ -75,7 +76,7 @@ class Scheduler(Protocol):
     @property
     def chunked_req(self) -> Req | None: ...
     @property
-    def waiting_queue(self) -> list[Req]: ...
+    def waiting_queue(self) -> WaitingQueue: ...
     @property
     def allocator(self) -> Any: ...
     @property

@@ -12,9 +12,9 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.decode import DecodeManager
     from srt.managers.scheduler.metrics import SchedulerMetrics
     from srt.managers.scheduler.prefill import PrefillManager
-    from srt.managers.scheduler.req import Req
     from srt.managers.scheduler.requests import RequestTable
     from srt.managers.scheduler.schedule_batch import ScheduleBatch
+    from srt.managers.scheduler.waiting_queue import WaitingQueue
 
 
 class Scheduler(Protocol):
@@ -30,7 +30,7 @@ class Scheduler(Protocol):
     @property
     def in_flight(self) -> Any: ...
     @property
-    def waiting_queue(self) -> list[Req]: ...
+    def waiting_queue(self) -> WaitingQueue: ...
     def complete_in_flight(self) -> None: ...
 
 

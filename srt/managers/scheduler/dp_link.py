@@ -37,16 +37,17 @@ def measure_load(scheduler: Scheduler) -> tuple[int, int, int, int]:
     queued = the waiting queue, requests waiting for their grammar and those held behind a
     weight update; running = the running batch and the request mid-prompt. Tokens are prompt +
     output tokens so far."""
-    queued = list(scheduler.waiting_queue)
-    if scheduler.grammars is not None:
-        queued += [r for r, _ in scheduler.grammars.pending]
+    queue = scheduler.waiting_queue  # its token count is kept as requests come and go
+    pending = [r for r, _ in scheduler.grammars.pending] if scheduler.grammars is not None else []
     held = scheduler.weight_gate.held
     running = list(scheduler.running)
     if scheduler.chunked_req is not None:
         running.append(scheduler.chunked_req)
-    queued_tokens = sum(_req_tokens(r) for r in queued) + sum(len(m.input_ids) for m in held)
+    queued_tokens = (
+        queue.num_tokens + sum(_req_tokens(r) for r in pending) + sum(len(m.input_ids) for m in held)
+    )
     running_tokens = sum(_req_tokens(r) for r in running)
-    return len(queued) + len(held), len(running), queued_tokens, running_tokens
+    return len(queue) + len(pending) + len(held), len(running), queued_tokens, running_tokens
 
 
 class DpGroupLink:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from srt.managers.scheduler.metrics import SchedulerMetrics
     from srt.managers.scheduler.req import Req
     from srt.managers.scheduler.schedule_batch import ScheduleBatch
+    from srt.managers.scheduler.waiting_queue import WaitingQueue
 
 
 class SchedulerView(Protocol):
@@ -28,7 +29,7 @@ class SchedulerView(Protocol):
     max_total_num_tokens: int
 
     @property
-    def waiting_queue(self) -> list[Req]: ...
+    def waiting_queue(self) -> WaitingQueue: ...
 
     @property
     def running(self) -> list[Req]: ...

@@ -1,14 +1,15 @@
 """The prefill part: the waiting queue, admission under the token budgets, chunking, and the
 EXTEND batch of a step.
 
-``PrefillManager`` owns ``waiting_queue`` (in arrival order, ``queue_seq``) and ``chunked_req``
+``PrefillManager`` owns ``waiting_queue`` (``waiting_queue.py``) and ``chunked_req``
 (the one request in the middle of its prompt). ``schedule`` forms one step's prefill work:
 
     1. a ``PrefillAdder`` (schedule_policy.py) over the budgets of this step: KV slots obtainable
        minus the decode reserve of the running batch, ``--max-prefill-tokens``,
        ``--chunked-prefill-size`` (both less the decode tokens of a MIXED step), free request rows;
     2. the request mid-prompt first (its next chunk; it is never overtaken);
-    3. the waiting queue in policy order: each request is matched against the prefix cache,
+    3. the waiting queue in policy order (the head of it: admission stops after the free request
+       rows plus ``MAX_SKIPS_PER_STEP`` passed over): each request is matched against the prefix cache,
        deferred a step when it shares an uncached prefix with one admitted this step
        (``InBatchPrefixFilter``), locked and offered to the adder; admitted ones leave the queue
        (at most one of them chunked), the others keep no match and no lock;
@@ -19,9 +20,8 @@ The scheduler mixes the running decodes in (MIXED) with ``--enable-mixed-chunk``
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -36,6 +36,7 @@ from srt.managers.scheduler.schedule_policy import (
     SchedulePolicy,
     decode_reserve,
 )
+from srt.managers.scheduler.waiting_queue import WaitingQueue
 from srt.utils.pages import page_floor
 
 if TYPE_CHECKING:
@@ -93,51 +94,29 @@ class PrefillManager:
         self.policy = policy
         self.metrics = metrics
         self.config = config
-        self._queue: list[Req] = []
-        self._queued: set[Req] = set()  # the requests of _queue not discarded
-        self._discarded: set[Req] = set()  # in _queue still, until the queue is next read
+        self.waiting_queue = WaitingQueue(policy)
         self.chunked_req: Req | None = None
         self.lora_slots: LoRASlots | None = None  # the adapter slots (None without --enable-lora)
 
     # ------------------------------------------------------------------ the queue
-    @property
-    def waiting_queue(self) -> list[Req]:
-        """The waiting requests in arrival order. A discarded request leaves the list when it is
-        next read, in one pass for all those discarded since: aborting a batch of n queued
-        requests one by one costs O(n), not O(n^2) (200,000 once held the scheduler for minutes)."""
-        if self._discarded:
-            self._queue = [r for r in self._queue if r not in self._discarded]
-            self._discarded.clear()
-        return self._queue
-
-    @waiting_queue.setter
-    def waiting_queue(self, queue: list[Req]) -> None:
-        self._queue = queue
-        self._queued = set(queue)
-        self._discarded.clear()
-
     def has_work(self) -> bool:
-        return bool(self._queued) or self.chunked_req is not None
+        return bool(self.waiting_queue) or self.chunked_req is not None
 
     def enqueue(self, req: Req, now_step: int) -> None:
-        """A new request joins the queue (its wait for lpm aging counts from ``now_step``)."""
+        """A new request joins the queue (its wait for spf / lpm aging counts from ``now_step``)."""
         req.enqueue_step = now_step
-        self.waiting_queue.append(req)
-        self._queued.add(req)
+        self.waiting_queue.add(req)
 
     def requeue(self, req: Req) -> None:
-        """A retracted request goes back to the queue, in arrival order."""
-        bisect.insort(self.waiting_queue, req, key=lambda r: r.queue_seq)
-        self._queued.add(req)
+        """A retracted request waits again (its wait still counts from its first arrival)."""
+        self.waiting_queue.add(req)
 
     def discard(self, req: Req) -> bool:
         """Remove a request finished between steps; False if it is neither queued nor mid-prompt
         (a WAITING request may not be queued yet: it waits for its grammar)."""
         if req.state == ReqStatus.WAITING:
-            if req not in self._queued:
+            if not self.waiting_queue.remove(req):
                 return False
-            self._queued.remove(req)
-            self._discarded.add(req)
         elif req is self.chunked_req:
             self.chunked_req = None
         else:
@@ -225,20 +204,26 @@ class PrefillManager:
         cached prefix and join ``can_run``); returns the cached tokens they reuse."""
         queue = self.waiting_queue
         rnd = _Round(adder, can_run, self._in_batch_filter(can_run))
-        prefix_lens = None
-        if self.policy.uses_prefix_lens(len(queue)):
-            prefix_lens = [self.cache.match(r, r.prefix_match_key()) for r in queue]
+        matched = self.policy.uses_prefix_lens(len(queue))
+        if matched:  # a short queue: sorted whole, with the cached prefix of each request
             rnd.matched = list(queue)
-        for req in self.policy.order(queue, now_step, prefix_lens):
-            if not self._offer(req, rnd, matched=prefix_lens is not None):
+            prefix_lens = [self.cache.match(r, r.prefix_match_key()) for r in rnd.matched]
+            order: Iterable[Req] = self.policy.order(rnd.matched, now_step, prefix_lens)
+        else:
+            order = queue.in_order(now_step)
+        offered = []
+        for req in order:
+            offered.append(req)
+            if not self._offer(req, rnd, matched=matched):
                 break
+        for req in offered:  # after the pass: the queue must not change while it is read
+            if id(req) in rnd.admitted:
+                queue.remove(req)
         for handle in adder.overtaken_handles():  # the handles are the offered requests
             cast(Req, handle).overtaken += 1
         for req in rnd.matched:  # a waiting request holds no match (and no lock)
             if id(req) not in rnd.admitted:
                 self.cache.drop_match(req)
-        if rnd.admitted:
-            self.waiting_queue = [r for r in queue if id(r) not in rnd.admitted]
         return rnd.cached
 
     def _in_batch_filter(self, can_run: list[Req]) -> InBatchPrefixFilter | None:

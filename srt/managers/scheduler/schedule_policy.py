@@ -95,6 +95,21 @@ class SchedulePolicy:
         """Whether ``order`` wants the cached-prefix length of every waiting request."""
         return self.policy in ("spf", "lpm") and queue_len <= self.max_matched_queue
 
+    @property
+    def starves_unmatched(self) -> bool:
+        """Whether the order without prefix lengths puts starved requests first (spf)."""
+        return self.policy == "spf"
+
+    def queue_key(self, req: WaitingReq) -> tuple[int, ...]:
+        """``order`` without prefix lengths, among requests not starved, as a key fixed while a
+        request waits (ascending; spf's ``tokens - aging x (now - enqueue_step)`` ranks as
+        ``tokens + aging x enqueue_step``). ``waiting_queue.py`` keeps the queue in this order."""
+        if self.policy == "priority":
+            return (-req.priority, req.queue_seq)
+        if self.policy == "spf":
+            return (req.all_ids_len + self.aging_tokens_per_step * req.enqueue_step, req.queue_seq)
+        return (req.queue_seq,)
+
     def order(self, queue: Sequence[W], now_step: int, prefix_lens: Sequence[int] | None = None) -> list[W]:
         """The queue in admission order (a new list; ``queue`` is not modified).
 

@@ -72,6 +72,7 @@ from srt.utils.fault import FaultHook
 if TYPE_CHECKING:
     from srt.managers.scheduler.heartbeat import SchedulerHeartbeat
     from srt.managers.scheduler.runner_protocol import SchedulerModelRunner
+    from srt.managers.scheduler.waiting_queue import WaitingQueue
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
     from srt.mem_cache.memory_pool import ReqToTokenPool
@@ -157,7 +158,7 @@ class Scheduler:
 
     # the parts' state, read by tests and benchmarks
     @property
-    def waiting_queue(self) -> list[Req]:
+    def waiting_queue(self) -> WaitingQueue:
         return self.prefill.waiting_queue
 
     @property
