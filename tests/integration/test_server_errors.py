@@ -231,6 +231,24 @@ def test_openai_client_sees_typed_errors(client):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_models_retrieve_and_unknown_routes(server, client):
+    """OpenAI's "retrieve model" answers the served model's card (under any name the ``model``
+    field takes); an unknown model, an unknown path and a wrong method answer in OpenAI's error
+    shape, not FastAPI's ``{"detail": ...}``."""
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.owned_by == "srt"
+    assert client.models.retrieve("default").id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+    r = requests.get(server.url("/v1/nope"), headers=AUTH, timeout=10)
+    assert r.status_code == 404
+    assert_error_body(r.json(), 404, "Invalid URL (GET /v1/nope)")
+    r = requests.get(server.url("/v1/chat/completions"), headers=AUTH, timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert_error_body(r.json(), 405, "GET /v1/chat/completions", "takes POST")
+
+
 def test_api_key_401(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
     r = post(server, "/v1/completions", body, headers={})

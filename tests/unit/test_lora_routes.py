@@ -154,6 +154,27 @@ def test_models_lists_each_adapter_after_the_base_model():
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "b"]
 
 
+def test_retrieve_model_gives_the_card_of_what_a_name_runs():
+    """GET /v1/models/{model}: each name the ``model`` field takes gives the card that /v1/models
+    lists for what it runs (the base model, or the adapter); an unknown name or adapter is a 404."""
+    c, _ = client()
+    listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+    for name, card in [
+        ("tiny", "tiny"),
+        ("default", "tiny"),
+        ("/models/tiny", "tiny"),
+        ("a", "a"),
+        ("tiny:a", "a"),
+    ]:
+        r = c.get(f"/v1/models/{name}")
+        assert r.status_code == 200 and r.json() == listed[card], name
+    for name in ("nope", "tiny:zz", "b"):
+        r = c.get(f"/v1/models/{name}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", name
+    c.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "/p/b"})
+    assert c.get("/v1/models/b").json()["root"] == "/p/b"
+
+
 # ---------------------------------------------------------------- /generate
 def test_generate_takes_lora_path():
     c, tm = client()

@@ -9,7 +9,7 @@ middleware        innermost the request body's bound (`body_limit.BodyLimitMiddl
                   --api-key, --admin-api-key); outermost the graceful drain's (`drain.DrainMiddleware`: in-flight count, 503 while draining;
                   its `DrainState` is ``app.state.drain``)
 error handlers    `SrtError` -> OpenAI's error body with its status (429 with Retry-After);
-                  `ClientDisconnected` -> 499
+                  `ClientDisconnected` -> 499; routing's 404 / 405 -> OpenAI's error body too
 routers           openai_routes, native_routes, admin_routes, embedding_routes (through ``Ctx``);
                   web_routes (the built-in page, unless --disable-web-ui)
 """
@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from srt.entrypoints.http import admin_routes, embedding_routes, native_routes, openai_routes, web_routes
 from srt.entrypoints.http.auth import ApiKeyMiddleware
@@ -31,7 +32,7 @@ from srt.entrypoints.http.drain import DrainMiddleware, DrainState
 from srt.entrypoints.http.openapi import install_openapi
 from srt.entrypoints.http.serving import ClientDisconnected
 from srt.entrypoints.http.web_routes import is_public_path
-from srt.entrypoints.openai.common import srt_error_response
+from srt.entrypoints.openai.common import error_response, srt_error_response
 from srt.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt.utils.errors import SrtError
 
@@ -42,6 +43,20 @@ async def _srt_error(request: Request, e: SrtError) -> Response:
 
 async def _client_disconnected(request: Request, e: ClientDisconnected) -> Response:
     return Response(status_code=499)
+
+
+async def _routing_error(request: Request, e: StarletteHTTPException) -> Response:
+    """A path no route serves (404) or a method its route does not take (405, with ``Allow``), in
+    OpenAI's error shape like every other error (FastAPI's default body is ``{"detail": ...}``)."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        message = f"Invalid URL ({where}): no route serves this path"
+    elif e.status_code == 405:
+        allowed = next((v for k, v in (e.headers or {}).items() if k.lower() == "allow"), "")
+        message = f"Method not allowed ({where}); this route takes {allowed or 'another method'}"
+    else:
+        message = f"{e.detail} ({where})"
+    return error_response(message, e.status_code, dict(e.headers or {}) or None)
 
 
 @contextlib.asynccontextmanager
@@ -69,6 +84,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.add_middleware(DrainMiddleware, state=app.state.drain)  # added last: outermost
     app.add_exception_handler(SrtError, _srt_error)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
+    app.add_exception_handler(StarletteHTTPException, _routing_error)
     for module in (openai_routes, native_routes, admin_routes, embedding_routes):
         app.include_router(module.router)
     if not tm.server_args.disable_web_ui:

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from srt.entrypoints.http.deps import Ctx, ServerContext
 from srt.entrypoints.http.serving import parse_body, serve
-from srt.entrypoints.openai.common import json_response
+from srt.entrypoints.openai.common import error_response, json_response
 from srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,8 +75,8 @@ async def v1_responses(request: Request, ctx: Ctx) -> Response:
     return await serve(request, ctx.tm, obj, build, stream)
 
 
-@router.get("/v1/models")
-async def v1_models(ctx: Ctx) -> Response:
+def _model_cards(ctx: ServerContext) -> dict[str, dict[str, object]]:
+    """The model cards of /v1/models by id: the served model, then each loaded LoRA adapter."""
     tm = ctx.tm
 
     def card(name: str, root: str, parent: str | None) -> dict[str, object]:
@@ -90,6 +90,31 @@ async def v1_models(ctx: Ctx) -> Response:
             "max_model_len": tm.context_len,
         }
 
-    base = card(tm.model_name, tm.server_args.model_path or tm.model_name, None)
-    adapters = [card(name, path, tm.model_name) for name, path in ctx.lora.adapters.items()]
-    return json_response({"object": "list", "data": [base, *adapters]})
+    cards = {tm.model_name: card(tm.model_name, tm.server_args.model_path or tm.model_name, None)}
+    for name, path in ctx.lora.adapters.items():
+        cards[name] = card(name, path, tm.model_name)
+    return cards
+
+
+@router.get("/v1/models")
+async def v1_models(ctx: Ctx) -> Response:
+    return json_response({"object": "list", "data": list(_model_cards(ctx).values())})
+
+
+@router.get("/v1/models/{model:path}")
+async def v1_model(model: str, ctx: Ctx) -> Response:
+    """One model's card (OpenAI's "retrieve model"): any name the ``model`` field of a request
+    takes (the served name, "default", the model path, an adapter, "<served>:<adapter>") gives the
+    card of what it runs; anything else is a 404 ``model_not_found``."""
+    cards = _model_cards(ctx)
+    served, adapter = ctx.lora.select(model, ctx.model_names)
+    name = ctx.tm.model_name if adapter is None else adapter
+    if not served or name not in cards:
+        known = ", ".join(map(repr, cards))
+        return error_response(
+            f"the model {model!r} does not exist; this server serves {known}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+    return json_response(cards[name])
