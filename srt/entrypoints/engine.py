@@ -86,12 +86,14 @@ def generate_request(
     timeout: float | None = None,
     lora_path: str | list[str | None] | None = None,
     image_data: Any = None,
+    return_text_in_logprobs: bool = False,
     **unsupported: Any,
 ) -> GenerateReqInput:
     """The `GenerateReqInput` of an ``Engine.generate`` / ``async_generate`` call: SGLang's
     ``Engine.generate`` parameters, written here once (the two methods take exactly these).
     ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list with one entry per
-    prompt (None: the base model). ``image_data``: a prompt's image or images (a URL, data URI,
+    prompt (None: the base model). ``return_text_in_logprobs``: each logprob entry's third slot
+    holds its token's text instead of None. ``image_data``: a prompt's image or images (a URL, data URI,
     base64 string, bytes or a PIL image), or for a batch one entry per prompt (docs/vision.md).
     SGLang's other parameters (``lora_id`` ...) raise `RequestError` naming them unless off
     (`srt.managers.tokenizer.generate_fields`), as do unknown ones."""
@@ -111,6 +113,7 @@ def generate_request(
         timeout=timeout,
         lora_path=lora_path,
         image_data=image_data,
+        return_text_in_logprobs=return_text_in_logprobs,
     )
 
 

@@ -93,6 +93,28 @@ def test_logprobs(engine):
         assert lp <= 0 and len(top) == 2 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)
 
 
+def test_text_in_logprobs(engine):
+    """return_text_in_logprobs (SGLang's): each entry's third slot is its token decoded alone,
+    for the output, its top lists and the prompt, streamed or not; without it the slot is None."""
+    from srt.server_args import ServerArgs
+    from srt.utils.hf_tokenizer import load_tokenizer, tokenizer_source
+
+    tok = load_tokenizer(tokenizer_source(ServerArgs()))
+    kw = {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
+    out = engine.generate("Hello there", GREEDY, return_text_in_logprobs=True, **kw)
+    meta = out["meta_info"]
+    entries = [*meta["output_token_logprobs"], *meta["input_token_logprobs"]]
+    entries += [e for top in meta["output_top_logprobs"] + meta["input_top_logprobs"] if top for e in top]
+    assert len(entries) > 3 * 8
+    assert all(text == tok.decode([tid]) for _, tid, text in entries)
+    *_, last = engine.generate("Hello there", GREEDY, return_text_in_logprobs=True, stream=True, **kw)
+    assert last["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+    plain = engine.generate("Hello there", GREEDY, **kw)["meta_info"]
+    assert all(
+        text is None for _, _, text in plain["output_token_logprobs"] + plain["input_token_logprobs"][1:]
+    )
+
+
 def test_n_and_seed(engine):
     params = {"max_new_tokens": 8, "temperature": 1.0, "n": 2, "seed": 11, "ignore_eos": True}
     a = engine.generate("Tell me a joke.", params)

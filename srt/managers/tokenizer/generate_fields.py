@@ -25,7 +25,6 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_audio_in_video": (None, False),
     "modalities": (None, []),
     "token_ids_logprob": (None, []),
-    "return_text_in_logprobs": (None, False),
     "return_hidden_states": (None, False),
     "return_routed_experts": (None, False),
     "return_indexer_topk": (None, False),

@@ -67,6 +67,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, dict=True):
     # first prompt position whose logprob is returned (-1: no prompt logprobs)
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # each logprob entry's third slot holds its token's text (decoded alone), else None
+    return_text_in_logprobs: bool = False
     stream: bool = False
     # queue priority (higher first; needs --enable-priority-scheduling); None: not given (0)
     priority: int | list[int] | None = None

@@ -62,6 +62,8 @@ class PreparedRequest:
     stream: bool
     is_batch: bool
     incremental: bool = True  # streamed chunks hold the new output only (else all of it so far)
+    # return_text_in_logprobs: the text of each token id, decoded alone (None: the slots stay None)
+    token_texts: Callable[[list[int]], list[str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,7 @@ class InputProcessor:
         # what one token covers at most: a text that needs more tokens than the context holds is
         # refused untokenized (a 200 MB prompt took the tokenizer minutes and 12 GiB)
         self._cover = token_cover(tokenizer) if tokenizer is not None else None
+        self._texts: dict[int, str] = {}  # token id -> its text alone (return_text_in_logprobs)
         self._valid_grammars: OrderedDict[GrammarSpec, None] = OrderedDict()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -143,6 +146,11 @@ class InputProcessor:
                 "priority needs a server started with --enable-priority-scheduling", param="priority"
             )
         self.lora.check_all(s.lora_path for s in singles)
+        if obj.return_text_in_logprobs and self.tokenizer is None:
+            raise RequestError(
+                "return_text_in_logprobs needs the tokenizer (the server runs with --skip-tokenizer-init)",
+                param="return_text_in_logprobs",
+            )
         names = obj.param_names
         self.check_top_logprobs(singles, names)
         params = [parse_sampling_params(s.sampling_params, self.limits.vocab_size, names) for s in singles]
@@ -164,7 +172,17 @@ class InputProcessor:
             seen.add(s.rid)
             self._fan_out(s, sp, (ids, mm), obj.stream, (now, deadline), reqs, warmups)
         incremental = self.incremental_stream if obj.incremental_stream is None else obj.incremental_stream
-        return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental)
+        texts = self._token_texts if obj.return_text_in_logprobs else None
+        return PreparedRequest(reqs, warmups, obj.stream, obj.is_batch, incremental, texts)
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        """Each id's text decoded alone, special tokens kept (SGLang's return_text_in_logprobs);
+        remembered, so at most one decode per id of the vocabulary."""
+        texts, decode = self._texts, self.tokenizer.decode
+        for i in ids:
+            if i not in texts:
+                texts[i] = decode([i])
+        return [texts[i] for i in ids]
 
     def _check_sequence_count(self, count: int, what: str, param: str) -> None:
         """At most --max-sequences-per-request sequences (``what``: how the message names them)."""

@@ -27,7 +27,8 @@ less the time spent outside the scheduler (tokenization, sockets, detokenization
 ``finish_reason`` is None while the request runs, else SGLang's dict
 (``FinishReason.to_dict()``: ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": ...}``,
 ``{"type": "abort", "message": ..., ["status_code": ...]}``). Logprob entries are
-``(logprob, token_id, None)`` tuples (the None is the token text slot). Streaming chunks hold
+``(logprob, token_id, None)`` tuples; the None is the token text slot, which
+``return_text_in_logprobs`` fills with the token decoded alone (``token_texts``). Streaming chunks hold
 either the *new* text / ids / logprobs since the previous chunk (incremental: the OpenAI routes,
 and /generate and the Engine with ``--incremental-streaming-output``) or everything so far
 (SGLang's default for /generate and the Engine); meta_info counts are cumulative either way.
@@ -36,17 +37,23 @@ and /generate and the Engine with ``--incremental-streaming-output``) or everyth
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from srt.managers.tokenizer.req_state import ReqState
 
+# the text of each token id (``return_text_in_logprobs``); None: the text slots stay None
+TokenTexts = Callable[[list[int]], list[str]] | None
 
-def final_output(st: ReqState) -> dict[str, Any]:
+
+def final_output(st: ReqState, token_texts: TokenTexts = None) -> dict[str, Any]:
     """The whole result of ``st`` (non-streaming)."""
-    return _output(st, st.text(), st.output_ids, 0, include_input=True)
+    return _output(st, st.text(), st.output_ids, 0, True, token_texts)
 
 
-def stream_chunk(st: ReqState, incremental: bool = True) -> dict[str, Any] | None:
+def stream_chunk(
+    st: ReqState, incremental: bool = True, token_texts: TokenTexts = None
+) -> dict[str, Any] | None:
     """The next streamed chunk of ``st`` (advances the streaming cursors); None when nothing
     arrived since the previous one and it is not finished. ``incremental``: what arrived since
     the previous chunk; else everything so far (as `final_output` would give it now)."""
@@ -58,14 +65,16 @@ def stream_chunk(st: ReqState, incremental: bool = True) -> dict[str, Any] | Non
         include_input = not st.sent_input_logprobs and bool(st.in_logprobs)
     else:
         text, start, include_input = st.text(), 0, bool(st.in_logprobs)
-    out = _output(st, text, st.output_ids[start:], start, include_input=include_input)
+    out = _output(st, text, st.output_ids[start:], start, include_input, token_texts)
     st.sent_parts = len(st.text_parts)
     st.sent_ids = len(st.output_ids)
     st.sent_input_logprobs = st.sent_input_logprobs or include_input
     return out
 
 
-def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: bool) -> dict[str, Any]:
+def _output(
+    st: ReqState, text: str, ids: list[int], start: int, include_input: bool, token_texts: TokenTexts
+) -> dict[str, Any]:
     """The output dict of ``ids`` (output positions ``start ...``) and ``text``."""
     meta: dict[str, Any] = {
         "id": st.rid,
@@ -83,7 +92,7 @@ def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: 
         meta["spec_verify_ct"] = st.spec_verify_ct
         meta["spec_accept_length"] = st.spec_tokens / st.spec_verify_ct
     if st.req.return_logprob:
-        _add_logprobs(st, meta, ids, start, include_input)
+        _add_logprobs(st, meta, ids, start, include_input, token_texts)
     out = {"index": st.index, "text": text, "output_ids": list(ids), "meta_info": meta}
     if st.pooled is not None:  # a prefill-only request's raw pooled output (pooled_run.py)
         out["pooled"] = st.pooled
@@ -91,17 +100,39 @@ def _output(st: ReqState, text: str, ids: list[int], start: int, include_input: 
 
 
 def _add_logprobs(
-    st: ReqState, meta: dict[str, Any], ids: list[int], start: int, include_input: bool
+    st: ReqState,
+    meta: dict[str, Any],
+    ids: list[int],
+    start: int,
+    include_input: bool,
+    token_texts: TokenTexts,
 ) -> None:
     req = st.req
     end = start + len(ids)
-    meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(st.out_logprobs[start:end], ids)]
-    if req.top_logprobs_num > 0:
-        meta["output_top_logprobs"] = [[(lp, tid, None) for tid, lp in top] for top in st.out_top[start:end]]
-    if req.logprob_start_len >= 0 and include_input:
-        prompt = req.input_ids[req.logprob_start_len :]
-        meta["input_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(st.in_logprobs, prompt)]
-        if req.top_logprobs_num > 0:
+    top = req.top_logprobs_num > 0
+    out_top = st.out_top[start:end] if top else []
+    prompt = req.input_ids[req.logprob_start_len :] if req.logprob_start_len >= 0 and include_input else None
+    in_top = st.in_top if top and prompt is not None else []
+    text = _text_lookup(token_texts, ids, prompt or [], *out_top, *(t for t in in_top if t is not None))
+    meta["output_token_logprobs"] = [(lp, tid, text(tid)) for lp, tid in zip(st.out_logprobs[start:end], ids)]
+    if top:
+        meta["output_top_logprobs"] = [[(lp, tid, text(tid)) for tid, lp in t] for t in out_top]
+    if prompt is not None:
+        meta["input_token_logprobs"] = [(lp, tid, text(tid)) for lp, tid in zip(st.in_logprobs, prompt)]
+        if top:
             meta["input_top_logprobs"] = [
-                None if top is None else [(lp, tid, None) for tid, lp in top] for top in st.in_top
+                None if t is None else [(lp, tid, text(tid)) for tid, lp in t] for t in in_top
             ]
+
+
+def _text_lookup(token_texts: TokenTexts, ids: list[int], prompt: list[int], *tops: list) -> Callable:
+    """id -> the text of the entries' slot: each distinct id of ``ids``, ``prompt`` and the top
+    lists decoded once (``token_texts``), or None for every id without it."""
+    if token_texts is None:
+        return _no_text
+    distinct = list({*ids, *prompt, *(tid for t in tops for tid, _ in t)})
+    return dict(zip(distinct, token_texts(distinct), strict=True)).get
+
+
+def _no_text(tid: int) -> None:
+    return None

@@ -234,11 +234,11 @@ class TokenizerManager:
                 for st in pending:
                     done = st.finished  # snapshot: the state may finish while we are suspended in yield
                     if prep.stream:
-                        chunk = stream_chunk(st, prep.incremental)
+                        chunk = stream_chunk(st, prep.incremental, prep.token_texts)
                         if chunk is not None:
                             yield chunk
                     elif done:
-                        yield final_output(st)
+                        yield final_output(st, prep.token_texts)
                     if not done:
                         still.append(st)
                 pending = still
