@@ -259,6 +259,58 @@ def test_stream_merges_pending_outputs_and_non_stream_returns_the_whole(make_tm,
     assert tm.rid_to_state == {}
 
 
+def lp_out(rid: str, ids: list[int], completion: int, reason=None, prompt: bool = False) -> BatchStrOut:
+    """``out`` with each token's logprob -id/10 and top 2 [(id, -id/10), (1, -9.0)] (and the
+    prompt's with ``prompt``)."""
+    o = out(rid, "x" * len(ids), ids, reason, completion)
+    o.output_token_logprobs = [[-i / 10 for i in ids]]
+    o.output_top_logprobs = [[[(i, -i / 10), (1, -9.0)] for i in ids]]
+    if prompt:
+        o.input_token_logprobs = [[None, -0.5, -0.6]]
+        o.input_top_logprobs = [[None, [(2, -0.5)], [(3, -0.6)]]]
+    return o
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_streamed_logprobs_and_what_the_state_keeps_of_them(make_tm, incremental):
+    """An incremental stream's chunks carry the logprobs of their new tokens (the prompt's in the
+    first chunk), and the request's state forgets them once sent; a stream of the whole output
+    so far carries and keeps them all."""
+    tm = make_tm(incremental_streaming_output=incremental)
+
+    async def go():
+        await tm.start()
+        obj = GenerateReqInput(text="abc", rid="s", stream=True, top_logprobs_num=2, logprob_start_len=0)
+        agen = tm.run(await tm.prepare(obj))
+        chunks, kept = [], []
+        steps = [
+            ([5, 6], 2, None, True),
+            ([7], 3, None, False),
+            ([8, 9], 5, FinishReason.of_length(5), False),
+        ]
+        for ids, n, reason, prompt in steps:
+            fut = asyncio.ensure_future(agen.__anext__())
+            await asyncio.sleep(0)
+            tm._handle_batch_str_out(lp_out("s", ids, n, reason, prompt))
+            chunks.append(await fut)
+            st = tm.rid_to_state.get("s")
+            kept.append(None if st is None else (len(st.out_logprobs), len(st.out_top), len(st.in_logprobs)))
+        return chunks, kept
+
+    chunks, kept = run(go())
+    metas = [c["meta_info"] for c in chunks]
+    if incremental:
+        assert [[t for _, t, _ in m["output_token_logprobs"]] for m in metas] == [[5, 6], [7], [8, 9]]
+        assert metas[1]["output_top_logprobs"] == [[(-0.7, 7, None), (-9.0, 1, None)]]
+        assert "input_token_logprobs" in metas[0] and all("input_token_logprobs" not in m for m in metas[1:])
+        assert kept[:2] == [(0, 0, 0), (0, 0, 0)]
+    else:
+        assert [t for _, t, _ in metas[2]["output_token_logprobs"]] == [5, 6, 7, 8, 9]
+        assert all(len(m["input_token_logprobs"]) == 3 for m in metas)
+        assert kept[:2] == [(2, 2, 3), (3, 3, 3)]
+    assert metas[2]["output_token_logprobs"][-1] == (-0.9, 9, None)
+
+
 def test_priority_needs_the_flag_and_reaches_the_scheduler_message(make_tm):
     async def go(tm, **kw):
         await tm.start()

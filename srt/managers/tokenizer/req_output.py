@@ -69,6 +69,8 @@ def stream_chunk(
     st.sent_parts = len(st.text_parts)
     st.sent_ids = len(st.output_ids)
     st.sent_input_logprobs = st.sent_input_logprobs or include_input
+    if incremental:
+        st.drop_sent_logprobs()
     return out
 
 
@@ -108,6 +110,7 @@ def _add_logprobs(
     token_texts: TokenTexts,
 ) -> None:
     req = st.req
+    start -= st.logprobs_from  # positions in out_logprobs / out_top
     end = start + len(ids)
     top = req.top_logprobs_num > 0
     out_top = st.out_top[start:end] if top else []

@@ -60,8 +60,10 @@ class ReqState:
     cached_tokens: int = 0
     spec_verify_ct: int = 0  # speculative decoding: decode steps, and the tokens they produced
     spec_tokens: int = 0
+    # logprobs of output positions logprobs_from ... (an incremental stream drops those it sent)
     out_logprobs: list[float] = field(default_factory=list)
     out_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs_from: int = 0
     in_logprobs: list[float | None] = field(default_factory=list)
     in_top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     first_token_time: float = 0.0
@@ -88,6 +90,16 @@ class ReqState:
 
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    def drop_sent_logprobs(self) -> None:
+        """Forget the logprobs an incremental stream has sent (nothing reads them again): a long
+        stream with top logprobs keeps only those not sent yet, not ~300 B per entry so far."""
+        sent = self.sent_ids - self.logprobs_from
+        del self.out_logprobs[:sent]
+        del self.out_top[:sent]
+        self.logprobs_from = self.sent_ids
+        if self.sent_input_logprobs:
+            self.in_logprobs, self.in_top = [], []
 
     def absorb(self, out: BatchStrOut, i: int) -> list[int]:
         """Add entry ``i`` of ``out`` (this rid's increment); returns its new token ids."""
