@@ -44,6 +44,7 @@ from srt.layers.moe import MoEExperts
 from srt.layers.parameter import released_param
 from srt.layers.quantized_weight import INT8_MAX_ROWS, QuantizedWeight
 from srt.layers.vocab_embedding import VocabEmbedding
+from srt.model_loader.memory_guard import LoadMemoryGuard
 from srt.model_loader.quantized_checkpoint import convert_weights, quantize_inputs_of, use_int8_kernels
 from srt.model_loader.quantized_shard import sharded_quantized_iterator
 from srt.model_loader.shard_reader import sharded_gguf_iterator, sharded_safetensors_iterator
@@ -118,7 +119,7 @@ def get_model(
         model = model_cls(model_config.hf_config, model_config.dtype, linear_backend)
         plan: ShardPlan | None = shard_model(model, tp) if tp is not None and tp.enabled else None
     bf16_storage = getattr(linear_backend, "weight_dtype", None) == torch.bfloat16
-    _load_weights(model, model_config, fmt, quantization, seed, plan, bf16_storage)
+    _load_weights(model, model_config, fmt, quantization, seed, plan, bf16_storage, torch.device(device))
     model.shard_plan = plan  # what LoRA adapters are cut by (srt/lora/adapter.py)
     model.eval().requires_grad_(False)
     prepare_weights(model)
@@ -252,11 +253,17 @@ def _load_weights(
     seed: int,
     plan: ShardPlan | None,
     bf16_storage: bool = False,
+    device: torch.device | None = None,
 ) -> None:
     """Fill ``model``'s weights from the source ``fmt`` names (only this rank's shard with a ``plan``).
-    ``bf16_storage``: float32 activations on bf16 weights, whose dummy values are bf16 ones."""
+    ``bf16_storage``: float32 activations on bf16 weights, whose dummy values are bf16 ones.
+    On the CPU (``device`` None or a CPU) the free memory is checked before each tensor is
+    written (memory_guard.py)."""
+    guard = LoadMemoryGuard() if device is None or device.type == "cpu" else None
+    checked = guard.iterate if guard is not None else iter
     if fmt == "dummy":
-        init_dummy_weights(model, seed, views=None if plan is None else plan.views)
+        views = None if plan is None else plan.views
+        init_dummy_weights(model, seed, views=views, before_write=guard.check if guard else None)
         if bf16_storage:
             _round_to_bf16_values(model)
     elif fmt == "gguf":
@@ -268,11 +275,10 @@ def _load_weights(
             if not keep:
                 _check_float32_fits(model_config.gguf_file)
         if plan is not None:
-            model.load_weights(
-                sharded_gguf_iterator(model_config.gguf_file, model_config.hf_config, keep, plan)
-            )
+            weights = sharded_gguf_iterator(model_config.gguf_file, model_config.hf_config, keep, plan)
         else:
-            model.load_weights(gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep))
+            weights = gguf_weights_iterator(model_config.gguf_file, model_config.hf_config, keep)
+        model.load_weights(checked(weights))
     else:
         qc = read_quantization_config(model_config.model_path)
         scheme = None if qc is None else parse_quantization(qc)
@@ -286,7 +292,7 @@ def _load_weights(
             weights = safetensors_weights_iterator(model_config.model_path)
             if scheme is not None:
                 weights = convert_weights(weights, scheme, keep_blocks=keep, done=quantized)
-        model.load_weights(weights)
+        model.load_weights(checked(weights))
         if scheme is not None and scheme.token_quant is not None:
             n = quantize_inputs_of(model, quantized, scheme.token_quant)
             logger.info(

@@ -21,7 +21,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -100,7 +100,13 @@ def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02, views: dict | None = None) -> None:
+def init_dummy_weights(
+    model: nn.Module,
+    seed: int = 0,
+    std: float = 0.02,
+    views: dict | None = None,
+    before_write: Callable[[str, int], None] | None = None,
+) -> None:
     """Seeded random weights in place: norm weights 1, every other tensor ``N(0, std)``.
 
     Each parameter draws from its own generator seeded by ``(seed, parameter name)``, so the
@@ -110,9 +116,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02, views
     reproducible, but not the CPU's values (drawing 8 billion values on the CPU takes a minute).
     ``views`` (tensor parallelism: parameter name -> ``sharding.ParamView``): such a
     parameter draws its whole-model shape and keeps its ranges, so a rank's weights are exactly
-    its part of the single-rank model's."""
+    its part of the single-rank model's. ``before_write(name, nbytes)`` is called before each
+    parameter is written (``LoadMemoryGuard.check``)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if before_write is not None and param.device.type == "cpu":
+                before_write(name, param.nbytes)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue

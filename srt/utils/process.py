@@ -186,6 +186,18 @@ class _Child:
     info: dict[str, Any] | None = None
 
 
+def exit_message(exitcode: int | None) -> str:
+    """Why a child that exited before it was ready stopped, as far as its exit code says."""
+    message = f"the process exited with code {exitcode} before it was ready (see its log above)"
+    if exitcode == -signal.SIGKILL:
+        message += (
+            "; it was killed by SIGKILL, which on Linux is most often the kernel's out-of-memory "
+            "killer (`dmesg` says): the model, its KV pool or its load may need more memory than "
+            "this machine has"
+        )
+    return message
+
+
 @dataclass
 class ProcessSupervisor:
     """Starts, waits for, watches and stops the child processes of one launch."""
@@ -232,11 +244,7 @@ class ProcessSupervisor:
                 if msg is None:
                     if not c.process.is_alive() or c.process.sentinel in ready:
                         c.process.join(timeout=1.0)
-                        raise LaunchError(
-                            c.name,
-                            f"the process exited with code {c.process.exitcode} before it was ready "
-                            "(see its log above)",
-                        )
+                        raise LaunchError(c.name, exit_message(c.process.exitcode))
                     continue
                 if not isinstance(msg, dict) or msg.get("status") != "ready":
                     message = msg.get("message", repr(msg)) if isinstance(msg, dict) else repr(msg)

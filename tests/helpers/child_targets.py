@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -38,3 +39,8 @@ def report_transformers_import_hook(pipe_writer: Any) -> None:
 
     hook = any(isinstance(f, _ImportUtilsFinder) for f in sys.meta_path)
     pipe_writer.send({"status": "ready", "hook": hook, "transformers": "transformers" in sys.modules})
+
+
+def kill_self(pipe_writer: Any) -> None:
+    """Die by SIGKILL before reporting ready (as the out-of-memory killer stops a process)."""
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -296,3 +296,43 @@ def test_native_backend_holds_float32_weights_once(tmp_path, kind):
             for m, fb in ((plain, extend_batch(ids)), (packed, extend_batch(ids)))
         )
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- memory guard
+@pytest.mark.parametrize("fmt", ["safetensors", "dummy"])
+def test_a_load_past_the_free_memory_stops_with_the_figures(tmp_path, monkeypatch, fmt):
+    """The guard reads the free memory as the weights are written: once less is free than the
+    next tensor may take, the load stops with a ConfigError naming the tensor and the figures
+    (before, the OOM killer stopped the scheduler with SIGKILL and an empty log)."""
+    import srt.model_loader.loader as loader
+    from srt.model_loader.memory_guard import MARGIN, LoadMemoryGuard
+    from srt.utils.errors import ConfigError
+
+    mc = ModelConfig(save_tiny_model("llama", tmp_path / "m"), load_format=fmt)
+    sizes = [p.nbytes for _, p in get_model(mc).named_parameters()]  # room enough
+    room = sum(sizes) // 2  # this machine has room for about half of the weights
+    guards: list[LoadMemoryGuard] = []
+    readings: list[int] = []
+
+    def free() -> int:  # what the writes so far left free
+        readings.append(MARGIN + 2 * (room - guards[-1].written))
+        return readings[-1]
+
+    monkeypatch.setattr(loader, "LoadMemoryGuard", lambda: guards.append(LoadMemoryGuard(free)) or guards[-1])
+    with pytest.raises(ConfigError, match=r"do not fit in this machine's memory: .* MiB left before \S+ "):
+        get_model(mc)
+    assert 1 <= guards[-1].tensors < len(sizes) and guards[-1].written <= room and len(readings) >= 2
+
+
+def test_the_guard_wants_twice_a_tensor_and_the_margin():
+    from srt.model_loader.memory_guard import MARGIN, LoadMemoryGuard
+    from srt.utils.errors import ConfigError
+
+    free = [2 * 1000 + MARGIN]
+    guard = LoadMemoryGuard(lambda: free[0])
+    t = torch.zeros(250)  # 1,000 bytes
+    assert list(guard.iterate([("a", t)])) == [("a", t)]
+    free[0] -= 1
+    with pytest.raises(ConfigError, match="before b .* after 1 tensors"):
+        list(guard.iterate([("b", t)]))
+    assert (guard.tensors, guard.written) == (1, 1000)

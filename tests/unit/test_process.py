@@ -48,6 +48,12 @@ def test_silent_death_fails_the_launch_instead_of_hanging(sup):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_child_killed_by_sigkill_names_the_out_of_memory_killer(sup):
+    sup.start("scheduler", t.kill_self, ())
+    with pytest.raises(LaunchError, match=r"exited with code -9 .*out-of-memory killer"):
+        sup.wait_ready(timeout_s=60)
+
+
 def test_start_up_timeout(sup):
     sup.start("slow", t.hang, (60.0,))
     with pytest.raises(LaunchError, match="not ready after"):
