@@ -65,7 +65,9 @@ class WaitingQueue:
         self._next_token += 1
         self._live[req] = (token, False)
         self.num_tokens += req.all_ids_len
-        self._push(req, token, False)
+        heapq.heappush(self._heap, (*self.policy.queue_key(req), token, req))
+        if self.policy.starves_unmatched:
+            heapq.heappush(self._by_enqueue, (req.enqueue_step, token, req))
 
     def remove(self, req: Req) -> bool:
         """``req`` no longer waits; False if it was not waiting."""
@@ -76,14 +78,6 @@ class WaitingQueue:
             self._rebuild()
         return True
 
-    def _push(self, req: Req, token: int, starved: bool) -> None:
-        if starved:
-            heapq.heappush(self._starved, (req.queue_seq, token, req))
-            return
-        heapq.heappush(self._heap, (*self.policy.queue_key(req), token, req))
-        if self.policy.starves_unmatched:
-            heapq.heappush(self._by_enqueue, (req.enqueue_step, token, req))
-
     def _rebuild(self) -> None:
         """The heaps without the entries of removed requests."""
         self._heap = self._kept(self._heap, False)
@@ -91,8 +85,7 @@ class WaitingQueue:
         self._by_enqueue = self._kept(self._by_enqueue, False)
 
     def _kept(self, heap: list[_Entry], starved: bool) -> list[_Entry]:
-        live = self._live
-        kept = [e for e in heap if live.get(e[-1]) == (e[-2], starved)]
+        kept = [e for e in heap if self._is_live(e, starved)]
         heapq.heapify(kept)
         return kept
 
