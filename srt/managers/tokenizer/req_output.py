@@ -116,7 +116,11 @@ def _add_logprobs(
     out_top = st.out_top[start:end] if top else []
     prompt = req.input_ids[req.logprob_start_len :] if req.logprob_start_len >= 0 and include_input else None
     in_top = st.in_top if top and prompt is not None else []
-    text = _text_lookup(token_texts, ids, prompt or [], *out_top, *(t for t in in_top if t is not None))
+    text = {}.get  # no texts: every slot None
+    if token_texts is not None:
+        tops = [*out_top, *(t for t in in_top if t is not None)]
+        distinct = list({*ids, *(prompt or ()), *(tid for t in tops for tid, _ in t)})
+        text = dict(zip(distinct, token_texts(distinct), strict=True)).get  # each id decoded once
     meta["output_token_logprobs"] = [(lp, tid, text(tid)) for lp, tid in zip(st.out_logprobs[start:end], ids)]
     if top:
         meta["output_top_logprobs"] = [[(lp, tid, text(tid)) for tid, lp in t] for t in out_top]
@@ -126,16 +130,3 @@ def _add_logprobs(
             meta["input_top_logprobs"] = [
                 None if t is None else [(lp, tid, text(tid)) for tid, lp in t] for t in in_top
             ]
-
-
-def _text_lookup(token_texts: TokenTexts, ids: list[int], prompt: list[int], *tops: list) -> Callable:
-    """id -> the text of the entries' slot: each distinct id of ``ids``, ``prompt`` and the top
-    lists decoded once (``token_texts``), or None for every id without it."""
-    if token_texts is None:
-        return _no_text
-    distinct = list({*ids, *prompt, *(tid for t in tops for tid, _ in t)})
-    return dict(zip(distinct, token_texts(distinct), strict=True)).get
-
-
-def _no_text(tid: int) -> None:
-    return None
