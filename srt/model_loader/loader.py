@@ -252,14 +252,13 @@ def _load_weights(
     quantization: str,
     seed: int,
     plan: ShardPlan | None,
-    bf16_storage: bool = False,
-    device: torch.device | None = None,
+    bf16_storage: bool,
+    device: torch.device,
 ) -> None:
     """Fill ``model``'s weights from the source ``fmt`` names (only this rank's shard with a ``plan``).
     ``bf16_storage``: float32 activations on bf16 weights, whose dummy values are bf16 ones.
-    On the CPU (``device`` None or a CPU) the free memory is checked before each tensor is
-    written (memory_guard.py)."""
-    guard = LoadMemoryGuard() if device is None or device.type == "cpu" else None
+    On the CPU the free memory is checked as the tensors are written (memory_guard.py)."""
+    guard = LoadMemoryGuard() if device.type == "cpu" else None
     checked = guard.iterate if guard is not None else iter
     if fmt == "dummy":
         views = None if plan is None else plan.views

@@ -3,11 +3,11 @@ kernel's out-of-memory killer does it without a word.
 
 The parameters are allocated untouched and their pages are committed as the weights are written,
 so a model larger than the memory used to load for minutes until the OOM killer stopped the
-scheduler with SIGKILL: "exited with code -9" and nothing in its log. ``LoadMemoryGuard`` reads
-the free memory (``free_cpu_memory``: the system's available memory, within the cgroup's limit)
-before each checkpoint tensor or dummy parameter is written, and raises `ConfigError` while less
-is free than that write may take: twice the tensor's bytes (a bf16 tensor widened to float32
-parameters, or a dummy value drawn in float32 and copied) plus ``MARGIN``."""
+scheduler with SIGKILL: "exited with code -9" and nothing in its log. ``LoadMemoryGuard`` is
+told of each checkpoint tensor or dummy parameter before it is written, and raises `ConfigError`
+when less memory is free (``free_cpu_memory``: the system's available memory, within the
+cgroup's limit) than that write may take: twice the tensor's bytes (a bf16 tensor widened to
+float32 parameters, or a dummy value drawn in float32 and copied) plus ``MARGIN``."""
 
 from __future__ import annotations
 

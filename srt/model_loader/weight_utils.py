@@ -120,7 +120,7 @@ def init_dummy_weights(
     parameter is written (``LoadMemoryGuard.check``)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if before_write is not None and param.device.type == "cpu":
+            if before_write is not None:
                 before_write(name, param.nbytes)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)

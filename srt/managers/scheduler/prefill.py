@@ -211,14 +211,12 @@ class PrefillManager:
             order: Iterable[Req] = self.policy.order(rnd.matched, now_step, prefix_lens)
         else:
             order = queue.in_order(now_step)
-        offered = []
+        first = len(can_run)  # the admitted requests join can_run after this
         for req in order:
-            offered.append(req)
             if not self._offer(req, rnd, matched=matched):
                 break
-        for req in offered:  # after the pass: the queue must not change while it is read
-            if id(req) in rnd.admitted:
-                queue.remove(req)
+        for req in can_run[first:]:  # after the pass: the queue must not change while it is read
+            queue.remove(req)
         for handle in adder.overtaken_handles():  # the handles are the offered requests
             cast(Req, handle).overtaken += 1
         for req in rnd.matched:  # a waiting request holds no match (and no lock)
